@@ -1,0 +1,159 @@
+"""Typed configuration in TOML. Unknown keys are an error, so a typo never passes
+silently as a default."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ClientConfig:
+    meta: str = "127.0.0.1:9400"  # metaserver HOST:PORT
+    timeout: float = 60.0  # seconds per RPC before ETIMEDOUT
+    connections_per_server: int = 2  # data connections per data server
+    uid: int = -1  # credentials sent with requests; -1: this process's
+    gid: int = -1
+
+    @property
+    def meta_addr(self) -> tuple[str, int]:
+        return parse_addr(self.meta)
+
+
+@dataclass
+class LayoutDefaults:
+    unit: int = 1 << 20
+    count: int = 4
+    replicas: int = 1
+
+
+@dataclass
+class MetaConfig:
+    db: str = "meta.lmdb"  # LMDB directory
+    host: str = "127.0.0.1"
+    port: int = 9400
+    map_size: int = 8 << 30  # LMDB map size in bytes
+    heartbeat_timeout: float = 15.0  # a data server silent this long is down
+    layout: LayoutDefaults = field(default_factory=LayoutDefaults)
+
+
+@dataclass
+class DataConfig:
+    dirs: list[str] = field(default_factory=lambda: ["data"])
+    host: str = "127.0.0.1"
+    port: int = 0
+    meta: str = "127.0.0.1:9400"
+    engine: str = "posix"
+    heartbeat: float = 2.0  # seconds between heartbeats
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"address {text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in {where or cls.__name__}"
+                          f"; known: {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        hint = hints[key]
+        label = f"{where}.{key}" if where else key
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{label} must be a table")
+            kwargs[key] = from_dict(hint, value, label)  # type: ignore[arg-type]
+            continue
+        kwargs[key] = _coerce(hint, value, label)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, label: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{label} must be a list")
+        return [_coerce(item, v, label) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{label} must be {hint.__name__}, not {type(value).__name__}")
+    return value
+
+
+def load(cls: type[T], path: str | os.PathLike[str]) -> T:
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    return from_dict(cls, data, p.name)
+
+
+def dump(obj: Any) -> str:
+    """TOML text for a config dataclass (flat values and one level of tables)."""
+    lines: list[str] = []
+    tables: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.append((f.name, value))
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    for name, table in tables:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{f.name} = {_toml_value(getattr(table, f.name))}"
+                     for f in dataclasses.fields(table))
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} as TOML")
+
+
+def client_config(config: Any = None, meta: str | None = None) -> ClientConfig:
+    """Resolve a client configuration: explicit object or path, ``--meta``, or $PFS_CONFIG."""
+    if isinstance(config, ClientConfig):
+        cfg = config
+    elif config is not None:
+        cfg = load(ClientConfig, config)
+    elif os.environ.get("PFS_CONFIG"):
+        cfg = load(ClientConfig, os.environ["PFS_CONFIG"])
+    elif meta is None:
+        raise ConfigError("no cluster given: pass --config FILE or --meta HOST:PORT, "
+                          "or set PFS_CONFIG")
+    else:
+        cfg = ClientConfig()
+    if meta is not None:
+        parse_addr(meta)
+        cfg = dataclasses.replace(cfg, meta=meta)
+    return cfg

@@ -1,0 +1,193 @@
+"""The pfs frame format, sans-IO: bytes in, frames out; frames in, bytes out.
+
+A frame is a fixed 26-byte header, a msgpack map, then an optional raw payload::
+
+    magic  "PF"   2 bytes
+    version       u8   (1)
+    kind          u8   (1 request, 2 reply, 3 error)
+    flags         u16  (reserved, 0)
+    map_len       u32  length of the msgpack map
+    request id    u64  chosen by the requester; a reply carries the request's id
+    payload_len   u64  raw bytes after the map (never packed into msgpack)
+
+Every length is checked against :class:`Limits` before anything is allocated. The
+decoder hands out the header and map first (:class:`FrameHead`) and leaves the payload
+to the caller, so a socket layer can receive it straight into its final buffer.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from pfs.errors import LocalProtocolError, RemoteProtocolError
+
+MAGIC = b"PF"
+VERSION = 1
+HEADER = struct.Struct("!2sBBHIQQ")
+HEADER_SIZE = HEADER.size
+
+
+class Kind(enum.IntEnum):
+    REQUEST = 1
+    REPLY = 2
+    ERROR = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds a peer may not exceed; checked before allocation."""
+
+    max_map: int = 1 << 20  # bytes of msgpack per frame
+    max_payload: int = 64 << 20  # raw bytes per frame
+    max_map_fields: int = 64  # top-level keys
+    max_container: int = 1 << 16  # entries in any nested list/map
+    max_str: int = 1 << 16  # bytes in any string
+    max_bin: int = 1 << 20  # bytes in any binary field
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHead:
+    kind: Kind
+    rid: int
+    fields: dict[str, Any]
+    payload_len: int
+
+
+def pack_map(fields: dict[str, Any]) -> bytes:
+    try:
+        return msgpack.packb(fields, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"cannot encode frame fields: {exc}") from exc
+
+
+def encode_head(kind: Kind, rid: int, fields: dict[str, Any], payload_len: int = 0,
+                limits: Limits | None = None) -> bytes:
+    """Header + map bytes; the payload (if any) is sent separately after them."""
+    lim = limits or Limits()
+    body = pack_map(fields)
+    if len(body) > lim.max_map:
+        raise LocalProtocolError(f"frame map of {len(body)} bytes exceeds limit {lim.max_map}")
+    if payload_len < 0 or payload_len > lim.max_payload:
+        raise LocalProtocolError(f"payload of {payload_len} bytes exceeds limit {lim.max_payload}")
+    if not 0 <= rid < 1 << 64:
+        raise LocalProtocolError(f"request id {rid} out of range")
+    return HEADER.pack(MAGIC, VERSION, int(kind), 0, len(body), rid, payload_len) + body
+
+
+def encode_frame(kind: Kind, rid: int, fields: dict[str, Any], payload: bytes = b"",
+                 limits: Limits | None = None) -> bytes:
+    """A whole frame in one buffer (small frames, tests)."""
+    return encode_head(kind, rid, fields, len(payload), limits) + bytes(payload)
+
+
+class FrameDecoder:
+    """Incremental decoder: ``feed`` bytes, then call ``next_head`` until it returns None.
+
+    After a head with ``payload_len > 0`` the caller must consume exactly that many
+    payload bytes: first what is already buffered (``take_payload_into``), then the rest
+    from its own source. ``pending_payload`` says how many are still owed.
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._buf = bytearray()
+        self.pending_payload = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def next_head(self) -> FrameHead | None:
+        if self.pending_payload:
+            raise LocalProtocolError("previous frame's payload not consumed")
+        buf = self._buf
+        if len(buf) < HEADER_SIZE:
+            return None
+        magic, version, kind, _flags, map_len, rid, payload_len = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a pfs peer")
+        if version != VERSION:
+            raise RemoteProtocolError(f"unsupported protocol version {version}")
+        try:
+            kind_v = Kind(kind)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown frame kind {kind}") from None
+        lim = self.limits
+        if map_len > lim.max_map:
+            raise RemoteProtocolError(f"frame map of {map_len} bytes exceeds limit {lim.max_map}")
+        if payload_len > lim.max_payload:
+            raise RemoteProtocolError(
+                f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}")
+        end = HEADER_SIZE + map_len
+        if len(buf) < end:
+            return None
+        fields = self._unpack(bytes(buf[HEADER_SIZE:end]))
+        del buf[:end]
+        self.pending_payload = payload_len
+        return FrameHead(kind_v, rid, fields, payload_len)
+
+    def _unpack(self, body: bytes) -> dict[str, Any]:
+        lim = self.limits
+        try:
+            fields = msgpack.unpackb(
+                body, raw=False, strict_map_key=True, use_list=True,
+                max_str_len=lim.max_str, max_bin_len=lim.max_bin,
+                max_array_len=lim.max_container, max_map_len=lim.max_container,
+                max_ext_len=0)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+                TypeError, UnicodeDecodeError) as exc:
+            raise RemoteProtocolError(f"invalid msgpack in frame: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise RemoteProtocolError("frame body is not a map")
+        if len(fields) > lim.max_map_fields:
+            raise RemoteProtocolError(f"frame map has {len(fields)} fields, limit {lim.max_map_fields}")
+        if not all(isinstance(k, str) for k in fields):
+            raise RemoteProtocolError("frame map keys must be strings")
+        return fields
+
+    def take_payload_into(self, dest: memoryview) -> int:
+        """Copy already-buffered payload bytes into ``dest``; returns how many."""
+        n = min(len(dest), len(self._buf), self.pending_payload)
+        if n:
+            dest[:n] = self._buf[:n]
+            del self._buf[:n]
+            self.pending_payload -= n
+        return n
+
+    def payload_received(self, n: int) -> None:
+        """The caller received ``n`` payload bytes itself, bypassing the buffer."""
+        if n > self.pending_payload:
+            raise LocalProtocolError("more payload consumed than the frame declared")
+        self.pending_payload -= n
+
+
+class Peer:
+    """An in-memory protocol endpoint: whole frames in and out (tests, fuzzing)."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.decoder = FrameDecoder(limits)
+        self._head: FrameHead | None = None
+
+    def receive(self, data: bytes) -> list[tuple[FrameHead, bytes]]:
+        dec = self.decoder
+        dec.feed(data)
+        out: list[tuple[FrameHead, bytes]] = []
+        while True:
+            if self._head is None:
+                self._head = dec.next_head()
+                if self._head is None:
+                    return out
+            head = self._head
+            if dec.buffered < head.payload_len:
+                return out
+            payload = bytearray(head.payload_len)
+            dec.take_payload_into(memoryview(payload))
+            out.append((head, bytes(payload)))
+            self._head = None

@@ -1,0 +1,339 @@
+"""Request/reply on top of :mod:`pfs.wire.transport`.
+
+``RpcClient`` multiplexes many calls on one connection by request id; a reply's payload
+is received straight into the buffer the caller passed (``into=``). ``RpcService`` is the
+server side: methods named ``rpc_<name>`` receive a :class:`Request` and return a dict or
+a :class:`Reply`; an ``OSError`` they raise travels back as errno + message.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import math
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from pfs.errors import ProtocolError, from_wire, to_wire
+from pfs.wire.protocol import FrameHead, Kind, Limits
+from pfs.wire.transport import Connection, ConnectionClosed, open_connection, tune_socket
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CALL_TIMEOUT = 60.0
+
+
+# ---------------------------------------------------------------------------
+# client side
+# ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Call:
+    into: memoryview | None
+    done: trio.Event = field(default_factory=trio.Event)
+    fields: dict[str, Any] | None = None
+    payload: bytearray | None = None
+    nbytes: int = 0
+    error: OSError | None = None
+
+
+@dataclass(slots=True)
+class Result:
+    fields: dict[str, Any]
+    payload: bytearray | None  # when no ``into`` buffer was given
+    nbytes: int  # payload bytes received (into ``into`` or ``payload``)
+
+
+class RpcClient:
+    """Calls over one connection; run :meth:`run` in a nursery before calling."""
+
+    def __init__(self, conn: Connection, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
+        self.conn = conn
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Call] = {}
+        self._dead: OSError | None = None
+        self._cancel = trio.CancelScope()
+
+    @classmethod
+    async def open(cls, nursery: trio.Nursery, host: str, port: int,
+                   limits: Limits | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
+                   hello: Callable[[Connection], Awaitable[None]] | None = None) -> RpcClient:
+        conn = await open_connection(host, port, limits)
+        if hello is not None:
+            await hello(conn)
+        client = cls(conn, timeout)
+        nursery.start_soon(client.run, name=f"rpc-reader {host}:{port}")
+        return client
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and not self.conn.closed
+
+    async def run(self) -> None:
+        with self._cancel:
+            try:
+                await self._read_loop()
+            except (OSError, ProtocolError) as exc:
+                self._fail(OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
+                                   f"connection to {self.conn.name} failed: {exc}"))
+                return
+        self._fail(OSError(errno.ECONNRESET, f"connection to {self.conn.name} closed"))
+
+    async def _read_loop(self) -> None:
+        conn = self.conn
+        while True:
+            head = await conn.recv_head()
+            if head is None:
+                self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
+                return
+            call = self._pending.pop(head.rid, None)
+            if call is None:  # cancelled or unknown: drop its payload
+                await conn.skip_payload(head.payload_len)
+                continue
+            await self._complete(call, head)
+
+    async def _complete(self, call: _Call, head: FrameHead) -> None:
+        conn = self.conn
+        n = head.payload_len
+        if head.kind == Kind.ERROR:
+            await conn.skip_payload(n)
+            call.error = from_wire(head.fields.get("errno"), head.fields.get("msg"))
+        elif head.kind != Kind.REPLY:
+            raise ProtocolError(f"{conn.name} sent a frame of kind {head.kind} as a reply")
+        else:
+            if n and call.into is not None:
+                if n > len(call.into):
+                    raise ProtocolError(
+                        f"{conn.name} replied with {n} bytes into a {len(call.into)}-byte buffer")
+                await conn.recv_payload_into(call.into[:n])
+            elif n:
+                call.payload = await conn.recv_payload(n)
+            call.nbytes = n
+            call.fields = head.fields
+        call.done.set()
+
+    def _fail(self, exc: OSError) -> None:
+        if self._dead is None:
+            self._dead = exc
+        pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.error = OSError(exc.errno, str(exc.strerror or exc))
+            call.done.set()
+        self.conn.closed = True
+
+    async def call(self, method: str, fields: dict[str, Any] | None = None, *,
+                   payload: bytes | bytearray | memoryview | None = None,
+                   into: memoryview | None = None, timeout: float | None = None) -> Result:
+        if self._dead is not None:
+            raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
+        rid = next(self._ids)
+        call = _Call(into)
+        self._pending[rid] = call
+        msg = {"m": method}
+        if fields:
+            msg.update(fields)
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
+                await self.conn.send_frame(Kind.REQUEST, rid, msg, payload)
+                await call.done.wait()
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        if scope.cancelled_caught:
+            self._pending.pop(rid, None)
+            raise OSError(errno.ETIMEDOUT,
+                          f"{method} to {self.conn.name} got no reply in {limit:g} s")
+        if call.error is not None:
+            raise call.error
+        assert call.fields is not None
+        return Result(call.fields, call.payload, call.nbytes)
+
+    def close(self) -> None:
+        self._cancel.cancel()
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------
+# server side
+# ---------------------------------------------------------------------------
+_REQUIRED: Any = object()
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    fields: dict[str, Any]
+    payload: bytearray | None
+
+    def _get(self, key: str, types: type | tuple[type, ...], what: str, default: Any) -> Any:
+        if key not in self.fields:
+            if default is _REQUIRED:
+                raise OSError(errno.EINVAL, f"{self.method}: missing field '{key}'")
+            return default
+        value = self.fields[key]
+        if value is None and default is not _REQUIRED:
+            return default
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            raise OSError(errno.EINVAL, f"{self.method}: field '{key}' must be {what}")
+        return value
+
+    def int(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, int, "an integer", default)
+
+    def opt_int(self, key: str) -> int | None:
+        return self._get(key, int, "an integer", None)
+
+    def str(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, str, "a string", default)
+
+    def bytes(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, (bytes, str), "bytes", default)
+        return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        return self._get(key, bool, "a boolean", default)
+
+    def list(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, list, "a list", default)
+
+    def any(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+
+
+def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+@dataclass(slots=True)
+class Reply:
+    fields: dict[str, Any]
+    payload: bytes | bytearray | memoryview | None = None
+    # (fd, offset, count): payload sent from a file with sendfile; closed by ``release``
+    file: tuple[int, int, int] | None = None
+    release: Callable[[], None] | None = None
+
+
+@dataclass
+class ConnContext:
+    """Per-connection state a service can keep (session, verified capabilities...)."""
+
+    conn: Connection
+    peer: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class RpcService:
+    """Base for servers: dispatches ``rpc_<method>`` handlers."""
+
+    name = "rpc"
+    max_in_flight = 256
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._methods: dict[str, Callable[[ConnContext, Request], Awaitable[Any]]] = {
+            attr[4:]: getattr(self, attr) for attr in dir(self) if attr.startswith("rpc_")}
+
+    async def connection_made(self, ctx: ConnContext) -> None:
+        """Hook: authenticate or set up per-connection state."""
+
+    def connection_lost(self, ctx: ConnContext) -> None:
+        """Hook: release what the connection held (open files...)."""
+
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply:
+        handler = self._methods.get(req.method)
+        if handler is None:
+            raise OSError(errno.ENOSYS, f"{self.name}: unknown method {req.method!r}")
+        result = await handler(ctx, req)
+        if isinstance(result, Reply):
+            return result
+        return Reply(result or {})
+
+    # -- serving --------------------------------------------------------------
+    async def serve(self, host: str = "127.0.0.1", port: int = 0, *,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve forever; ``nursery.start`` returns the bound port."""
+        sock = trio.socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                  socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await sock.bind((host, port))
+        sock.listen(512)
+        bound = sock.getsockname()[1]
+        log.info("%s listening on %s:%d", self.name, host, bound)
+        async with trio.open_nursery() as nursery:
+            task_status.started(bound)
+            with sock:
+                while True:
+                    client, _addr = await sock.accept()
+                    tune_socket(client)
+                    nursery.start_soon(self.serve_connection, Connection(client, self.limits),
+                                       name=f"{self.name}-conn")
+
+    async def serve_connection(self, conn: Connection) -> None:
+        ctx = ConnContext(conn, conn.name)
+        try:
+            await self.connection_made(ctx)
+            async with trio.open_nursery() as handlers:
+                slots = trio.Semaphore(self.max_in_flight)
+                while True:
+                    head = await conn.recv_head()
+                    if head is None:
+                        break
+                    if head.kind != Kind.REQUEST:
+                        raise ProtocolError(f"expected a request, got frame kind {head.kind}")
+                    payload = await conn.recv_payload(head.payload_len) if head.payload_len else None
+                    method = head.fields.get("m")
+                    if not isinstance(method, str):
+                        await self._send_error(conn, head.rid, OSError(
+                            errno.EINVAL, "request has no method name ('m')"))
+                        continue
+                    await slots.acquire()
+                    handlers.start_soon(self._handle, ctx, head.rid,
+                                        Request(method, head.fields, payload), slots)
+                handlers.cancel_scope.deadline = trio.current_time() + 30
+        except ProtocolError as exc:
+            log.warning("%s: dropping %s: %s", self.name, conn.name, exc)
+        except OSError as exc:
+            log.debug("%s: connection %s ended: %s", self.name, conn.name, exc)
+        finally:
+            conn.close()
+            self.connection_lost(ctx)
+
+    async def _handle(self, ctx: ConnContext, rid: int, req: Request,
+                      slots: trio.Semaphore) -> None:
+        try:
+            try:
+                reply = await self.dispatch(ctx, req)
+            except OSError as exc:
+                await self._send_error(ctx.conn, rid, exc)
+                return
+            except Exception:  # a handler bug must not kill the connection or hang the peer
+                log.exception("%s: %s failed", self.name, req.method)
+                await self._send_error(ctx.conn, rid, OSError(
+                    errno.EIO, f"internal error in {req.method}; see the server log"))
+                return
+            try:
+                if reply.file is not None:
+                    fd, off, count = reply.file
+                    await ctx.conn.send_frame_from_file(Kind.REPLY, rid, reply.fields, fd, off, count)
+                else:
+                    await ctx.conn.send_frame(Kind.REPLY, rid, reply.fields, reply.payload)
+            finally:
+                if reply.release is not None:
+                    reply.release()
+        except ConnectionClosed:
+            pass
+        finally:
+            slots.release()
+
+    @staticmethod
+    async def _send_error(conn: Connection, rid: int, exc: OSError) -> None:
+        try:
+            await conn.send_frame(Kind.ERROR, rid, to_wire(exc))
+        except ConnectionClosed:
+            pass

@@ -1,0 +1,184 @@
+"""A thin trio socket layer around the sans-IO decoder.
+
+Sends are serialised by a lock so frames never interleave; payloads are sent from the
+caller's buffer (or an open file, with ``sendfile``) and received straight into the
+destination buffer with ``recv_into``.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from typing import Any
+
+import trio
+
+from pfs.errors import RemoteProtocolError
+from pfs.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
+
+log = logging.getLogger(__name__)
+
+RECV_CHUNK = 256 * 1024
+# Below this a payload is glued to its header and sent in one syscall.
+SMALL_PAYLOAD = 64 * 1024
+SOCK_BUF = 4 << 20
+
+
+class ConnectionClosed(OSError):
+    def __init__(self, what: str = "connection closed by peer") -> None:
+        super().__init__(errno.ECONNRESET, what)
+
+
+def tune_socket(sock: trio.socket.SocketType) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:  # capped by the kernel; the default still works
+            pass
+
+
+class Connection:
+    """One framed, bidirectional connection."""
+
+    def __init__(self, sock: trio.socket.SocketType, limits: Limits | None = None,
+                 name: str = "") -> None:
+        self.sock = sock
+        self.limits = limits or Limits()
+        self.decoder = FrameDecoder(self.limits)
+        self.name = name or _peer_name(sock)
+        self._send_lock = trio.Lock()
+        self.closed = False
+
+    # -- sending -------------------------------------------------------------
+    async def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
+                         payload: bytes | bytearray | memoryview | None = None) -> None:
+        n = len(payload) if payload is not None else 0
+        head = encode_head(kind, rid, fields, n, self.limits)
+        async with self._send_lock:
+            if n and n <= SMALL_PAYLOAD:
+                await self._sendall(head + bytes(payload))  # type: ignore[arg-type]
+            else:
+                await self._sendall(head)
+                if n:
+                    await self._sendall(payload)  # type: ignore[arg-type]
+
+    async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
+                                   fd: int, offset: int, count: int) -> None:
+        """Send ``count`` bytes of ``fd`` at ``offset`` as the payload, with sendfile.
+
+        If the file turns out shorter than ``count`` (truncated meanwhile) the rest is
+        sent as zeros so the framing stays intact.
+        """
+        head = encode_head(kind, rid, fields, count, self.limits)
+        async with self._send_lock:
+            await self._sendall(head)
+            sent = 0
+            out = self.sock.fileno()
+            while sent < count:
+                try:
+                    n = os.sendfile(out, fd, offset + sent, count - sent)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.sock)
+                    continue
+                if n == 0:
+                    await self._sendall(bytes(count - sent))
+                    break
+                sent += n
+                await trio.lowlevel.checkpoint_if_cancelled()
+
+    async def _sendall(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = await self.sock.send(view)
+                view = view[n:]
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.closed = True
+            raise ConnectionClosed(f"connection to {self.name} lost: {exc.strerror}") from exc
+
+    # -- receiving -----------------------------------------------------------
+    async def recv_head(self) -> FrameHead | None:
+        """The next frame's header and map; None on a clean end of stream."""
+        dec = self.decoder
+        while True:
+            head = dec.next_head()
+            if head is not None:
+                return head
+            try:
+                data = await self.sock.recv(RECV_CHUNK)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                self.closed = True
+                if dec.buffered:
+                    raise RemoteProtocolError(f"{self.name} closed the connection mid-frame")
+                return None
+            dec.feed(data)
+
+    async def recv_payload_into(self, dest: memoryview) -> None:
+        """Receive exactly ``len(dest)`` payload bytes into ``dest``."""
+        dec = self.decoder
+        got = dec.take_payload_into(dest)
+        total = len(dest)
+        while got < total:
+            try:
+                n = await self.sock.recv_into(dest[got:])
+            except ConnectionResetError:
+                n = 0
+            if n == 0:
+                self.closed = True
+                raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
+            dec.payload_received(n)
+            got += n
+
+    async def recv_payload(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        if n:
+            await self.recv_payload_into(memoryview(buf))
+        return buf
+
+    async def skip_payload(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, RECV_CHUNK)))
+        while n:
+            k = min(n, len(scratch))
+            await self.recv_payload_into(scratch[:k])
+            n -= k
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+def _peer_name(sock: trio.socket.SocketType) -> str:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return "<unconnected>"
+    if isinstance(peer, tuple):
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) or "<unix>"
+
+
+async def open_connection(host: str, port: int, limits: Limits | None = None,
+                          timeout: float = 10.0) -> Connection:
+    """Connect over TCP; a refused or unreachable server is an OSError naming it."""
+    try:
+        with trio.fail_after(timeout):
+            stream_infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, type_, proto, _, addr = stream_infos[0]
+            sock = trio.socket.socket(family, type_, proto)
+            try:
+                await sock.connect(addr)
+            except BaseException:
+                sock.close()
+                raise
+    except trio.TooSlowError:
+        raise OSError(errno.ETIMEDOUT, f"connecting to {host}:{port} timed out") from None
+    except OSError as exc:
+        raise OSError(exc.errno or errno.EIO,
+                      f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+    tune_socket(sock)
+    return Connection(sock, limits, name=f"{host}:{port}")
