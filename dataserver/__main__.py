@@ -1,0 +1,90 @@
+"""``python -m dataserver``: run a data server.
+
+    python -m dataserver --config data.toml
+    python -m dataserver --dir /nvme0/pfs --dir /nvme1/pfs --port 9500 --meta meta:9400
+
+Options given on the command line override the config file. ``--ready-fd N`` writes the
+bound port and a newline to file descriptor N once the server is listening (and
+registered, when the metaserver is up), then closes it: a supervisor reads one line
+instead of sleeping. SIGTERM and SIGINT stop the server cleanly (exit status 0).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+import trio
+
+from dataserver.server import serve_data
+from pfs.config import ConfigError, DataConfig, load, parse_addr
+
+log = logging.getLogger("dataserver")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, str]:
+    p = argparse.ArgumentParser(prog="python -m dataserver", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="TOML file with DataConfig keys")
+    p.add_argument("--dir", action="append", dest="dirs", metavar="DIR",
+                   help="data directory, one per drive (repeatable; replaces the config's)")
+    p.add_argument("--host", help="address to listen on")
+    p.add_argument("--port", type=int, help="port to listen on (0: any free port)")
+    p.add_argument("--meta", help="metaserver HOST:PORT ('' runs without one)")
+    p.add_argument("--engine", help="I/O engine (posix)")
+    p.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
+    p.add_argument("--ready-fd", type=int, metavar="N",
+                   help="write the bound port to fd N when ready, then close it")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
+    args = p.parse_args(argv)
+    cfg = load(DataConfig, args.config) if args.config else DataConfig()
+    overrides = {k: v for k, v in (("dirs", args.dirs), ("host", args.host),
+                                   ("port", args.port), ("meta", args.meta),
+                                   ("engine", args.engine), ("heartbeat", args.heartbeat))
+                 if v is not None}
+    cfg = dataclasses.replace(cfg, **overrides)
+    if cfg.meta:
+        parse_addr(cfg.meta)
+    if not 0 <= cfg.port < 65536:
+        raise ConfigError(f"port {cfg.port} out of range")
+    return cfg, args.ready_fd, args.log_level
+
+
+async def run(cfg: DataConfig, ready_fd: int | None) -> None:
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            port = await nursery.start(serve_data, cfg)
+            log.info("data server ready on %s:%d (dirs %s)", cfg.host, port, ", ".join(cfg.dirs))
+            if ready_fd is not None:
+                try:
+                    os.write(ready_fd, f"{port}\n".encode())
+                finally:
+                    os.close(ready_fd)
+            async for signum in signals:
+                log.info("%s: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, ready_fd, level = parse_args(argv)
+    except ConfigError as exc:
+        print(f"dataserver: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failed: list[BaseException] = []
+    try:
+        trio.run(run, cfg, ready_fd)
+    except* (OSError, ConfigError) as group:  # a port in use, an unusable directory...
+        failed.extend(group.exceptions)
+    for exc in failed:
+        log.error("data server failed: %s", exc)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

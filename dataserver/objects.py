@@ -1,0 +1,255 @@
+"""Stripe objects as plain files under the data server's directories.
+
+An object id is ``(ino, stripe)``; its file is ``DIR/objects/<fanout>/<ino>.<stripe>``
+where ``DIR`` is one of the data directories (one per drive), chosen by a stable hash of
+the id, and ``<fanout>`` is two hex digits of the same hash, so no directory grows huge.
+The choice depends only on the id and on the *list* of directories: keep the list (and
+its order) the same across restarts.
+
+Open descriptors are kept in a bounded LRU cache so a read is not an open()+close().
+A descriptor handed out with :meth:`ObjectStore.acquire` is pinned until its ``release``
+is called (a reply may still be sending from it with ``sendfile``); one evicted or deleted
+meanwhile is closed on release.
+
+An absent object reads as empty (size 0): no error. Each data directory also holds
+``server.id``, the id the metaserver gave this server, so a restart keeps its identity.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ObjId = tuple[int, int]
+
+MAX_ID = 1 << 63
+DEFAULT_MAX_OPEN = 1024
+SID_FILE = "server.id"
+MAX_SID_LEN = 256
+_OBJ_DIR = "objects"
+_MASK64 = (1 << 64) - 1
+
+
+def check_obj(value: Any) -> ObjId:
+    """An object id off the wire: ``[ino, stripe]``, two ints in ``[0, 2**63)``."""
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(type(v) is int and 0 <= v < MAX_ID for v in value)):
+        return (value[0], value[1])
+    raise OSError(errno.EINVAL, f"bad object id {value!r}: want [ino, stripe], "
+                                f"two integers in [0, 2**63)")
+
+
+def _mix(ino: int, stripe: int) -> int:
+    """A stable 64-bit hash of an object id (splitmix64 finaliser; not Python's hash,
+    which is salted per process)."""
+    z = (ino * 0x9E3779B97F4A7C15 + stripe * 0xC2B2AE3D27D4EB4F + 0x165667B19E3779F9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(slots=True)
+class _Open:
+    fd: int
+    pins: int = 0
+    dropped: bool = False  # evicted or deleted: close when the last pin goes
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    total: int  # bytes, summed over distinct filesystems
+    free: int  # bytes available to us
+    objects: int
+
+
+class ObjectStore:
+    """Objects under ``dirs`` (one per drive); synchronous, owned by one event loop."""
+
+    def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN) -> None:
+        if not dirs:
+            raise OSError(errno.EINVAL, "a data server needs at least one data directory")
+        if max_open < 1:
+            raise ValueError("max_open must be at least 1")
+        self.dirs = [os.path.abspath(d) for d in dirs]
+        if len(set(self.dirs)) != len(self.dirs):
+            raise OSError(errno.EINVAL, f"data directories listed twice: {dirs}")
+        self.max_open = max_open
+        self._open: OrderedDict[ObjId, _Open] = OrderedDict()
+        self._made: set[str] = set()  # fanout directories known to exist
+        self._unsynced: set[str] = set()  # directories with entries added since their fsync
+        for d in self.dirs:
+            os.makedirs(os.path.join(d, _OBJ_DIR), exist_ok=True)
+        self.objects = self._count()
+        log.info("object store on %s: %d objects", ", ".join(self.dirs), self.objects)
+
+    # -- placement -----------------------------------------------------------
+    def path(self, obj: ObjId) -> str:
+        h = _mix(*obj)
+        d = self.dirs[h % len(self.dirs)]
+        return os.path.join(d, _OBJ_DIR, f"{(h >> 32) & 0xFF:02x}", f"{obj[0]}.{obj[1]}")
+
+    def dir_of(self, obj: ObjId) -> str:
+        return self.dirs[_mix(*obj) % len(self.dirs)]
+
+    def _count(self) -> int:
+        n = 0
+        for d in self.dirs:
+            with os.scandir(os.path.join(d, _OBJ_DIR)) as fanouts:
+                for fan in fanouts:
+                    if fan.is_dir(follow_symlinks=False):
+                        self._made.add(fan.path)
+                        with os.scandir(fan.path) as entries:
+                            n += sum(1 for e in entries if e.is_file(follow_symlinks=False))
+        return n
+
+    # -- descriptors ---------------------------------------------------------
+    def _fd(self, obj: ObjId, create: bool) -> _Open | None:
+        entry = self._open.get(obj)
+        if entry is not None:
+            self._open.move_to_end(obj)
+            return entry
+        path = self.path(obj)
+        flags = os.O_RDWR | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            if not create:
+                return None
+            parent = os.path.dirname(path)
+            if parent not in self._made:
+                os.makedirs(parent, exist_ok=True)
+                self._made.add(parent)
+                self._unsynced.add(os.path.dirname(parent))
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            self.objects += 1
+            self._unsynced.add(parent)
+        entry = _Open(fd)
+        self._open[obj] = entry
+        self._evict()
+        return entry
+
+    def _evict(self) -> None:
+        while len(self._open) > self.max_open:
+            _obj, entry = self._open.popitem(last=False)
+            self._drop(entry)
+
+    @staticmethod
+    def _drop(entry: _Open) -> None:
+        if entry.pins:
+            entry.dropped = True
+        else:
+            os.close(entry.fd)
+
+    def acquire(self, obj: ObjId, create: bool = False) -> tuple[int, Callable[[], None]] | None:
+        """A pinned descriptor of ``obj`` (read-write) and the callable that unpins it;
+        None when the object is absent and ``create`` is false."""
+        entry = self._fd(obj, create)
+        if entry is None:
+            return None
+        entry.pins += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            entry.pins -= 1
+            if entry.dropped and not entry.pins:
+                os.close(entry.fd)
+
+        return entry.fd, release
+
+    # -- operations ----------------------------------------------------------
+    def size(self, obj: ObjId) -> int:
+        entry = self._fd(obj, False)
+        return 0 if entry is None else os.fstat(entry.fd).st_size
+
+    def truncate(self, obj: ObjId, size: int) -> None:
+        if size < 0:
+            raise OSError(errno.EINVAL, f"negative size {size}")
+        entry = self._fd(obj, size > 0)
+        if entry is not None:
+            os.ftruncate(entry.fd, size)
+
+    def take_unsynced_dirs(self, obj: ObjId) -> list[str]:
+        """Directories on ``obj``'s path that gained entries since they were last synced
+        (outermost first); the caller fsyncs them so a new object survives a crash."""
+        fanout = os.path.dirname(self.path(obj))
+        out = [d for d in (os.path.dirname(fanout), fanout) if d in self._unsynced]
+        self._unsynced.difference_update(out)
+        return out
+
+    def delete(self, obj: ObjId) -> bool:
+        """Remove ``obj``; False when it was absent."""
+        entry = self._open.pop(obj, None)
+        if entry is not None:
+            self._drop(entry)
+        try:
+            os.unlink(self.path(obj))
+        except FileNotFoundError:
+            return False
+        self.objects -= 1
+        return True
+
+    def capacity(self) -> Capacity:
+        total = free = 0
+        seen: set[int] = set()
+        for d in self.dirs:
+            dev = os.stat(d).st_dev
+            if dev in seen:
+                continue
+            seen.add(dev)
+            st = os.statvfs(d)
+            total += st.f_blocks * st.f_frsize
+            free += st.f_bavail * st.f_frsize
+        return Capacity(total, free, self.objects)
+
+    # -- identity ------------------------------------------------------------
+    def load_sid(self) -> str | None:
+        """The server id saved by :meth:`save_sid`, or None for a new server."""
+        found: dict[str, str] = {}
+        for d in self.dirs:
+            path = os.path.join(d, SID_FILE)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read(MAX_SID_LEN + 1).strip()
+            except FileNotFoundError:
+                continue
+            if text:
+                found[d] = text
+        sids = set(found.values())
+        if len(sids) > 1:
+            raise OSError(errno.EINVAL, f"data directories disagree on the server id: {found}; "
+                                        f"they belong to different data servers")
+        return sids.pop() if sids else None
+
+    def save_sid(self, sid: str) -> None:
+        """Write ``sid`` to every data directory (atomically: temporary file + rename)."""
+        if not sid or len(sid) > MAX_SID_LEN or "\n" in sid:
+            raise OSError(errno.EINVAL, f"unusable server id {sid!r}")
+        for d in self.dirs:
+            path = os.path.join(d, SID_FILE)
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(sid + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def close(self) -> None:
+        """Close every cached descriptor (pinned ones close on release)."""
+        while self._open:
+            _obj, entry = self._open.popitem(last=False)
+            self._drop(entry)
