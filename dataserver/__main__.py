@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(run, cfg, ready_fd)
     except* (OSError, ConfigError) as group:  # a port in use, an unusable directory...
         failed.extend(group.exceptions)
-    for exc in failed:
-        log.error("data server failed: %s", exc)
+    for err in failed:
+        log.error("data server failed: %s", err)
     return 1 if failed else 0
 
 

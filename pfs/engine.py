@@ -24,7 +24,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import trio
 
@@ -34,7 +34,7 @@ INLINE_MAX = 64 * 1024  # ops (and batches of small ops) below this run in the e
 DEFAULT_QUEUE_DEPTH = 32
 
 # what an op reads into or writes from (collections.abc.Buffer from Python 3.12)
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 class Op(NamedTuple):
