@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install everything, then run the whole test suite (real servers on loopback, real
+# LMDB, real FUSE mounts: needs root and /dev/fuse for the mount tests).
+#   ./deploy/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./deploy/setup.sh
+exec .venv/bin/python -m pytest "$@"

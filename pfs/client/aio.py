@@ -1,0 +1,447 @@
+"""The async pfs client: an os-like path API and open files, on one trio nursery.
+
+The FUSE mount uses the same object: ``client.meta`` for inode-level namespace calls and
+``open_ino`` / ``create_in`` for file handles, so no filesystem logic lives in ``fuse/``.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import stat as statmod
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import trio
+
+from pfs.client.data import DataClient
+from pfs.client.meta import MetaClient, fsname
+from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.config import ClientConfig, client_config
+from pfs.layout import Layout
+
+log = logging.getLogger(__name__)
+
+ROOT = 1
+READDIR_PAGE = 1024
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@dataclass
+class _InodeState:
+    """What this client knows about an open inode beyond the metaserver's record:
+    bytes it wrote that the metaserver has not been told about yet."""
+
+    size: int
+    written_end: int = 0
+    handles: int = 0
+
+    @property
+    def known_size(self) -> int:
+        return max(self.size, self.written_end)
+
+
+@dataclass(frozen=True, slots=True)
+class StatVFS:
+    f_bsize: int
+    f_frsize: int
+    f_blocks: int
+    f_bfree: int
+    f_bavail: int
+    f_files: int
+    f_ffree: int
+    f_favail: int
+    f_namemax: int
+
+
+def open_flags(mode: str) -> int:
+    """os.O_* flags for a Python ``open`` mode string."""
+    base = mode.replace("b", "").replace("t", "")
+    plus = "+" in base
+    kind = base.replace("+", "")
+    if len(kind) != 1 or kind not in "rwax" or len(base) > 2:
+        raise ValueError(f"invalid mode: {mode!r}")
+    flags = {"r": 0, "w": os.O_CREAT | os.O_TRUNC, "a": os.O_CREAT | os.O_APPEND,
+             "x": os.O_CREAT | os.O_EXCL}[kind]
+    if plus:
+        return flags | os.O_RDWR
+    return flags | (os.O_RDONLY if kind == "r" else os.O_WRONLY)
+
+
+class FileHandle:
+    """An open pfs file: positionless reads and writes straight into/from buffers."""
+
+    def __init__(self, client: AsyncClient, ino: int, fh: int, flags: int,
+                 layout: Layout, state: _InodeState, path: str = "") -> None:
+        self.client = client
+        self.ino = ino
+        self.fh = fh
+        self.flags = flags
+        self.layout = layout
+        self.state = state
+        self.path = path
+        self.closed = False
+        self._dirty = False
+
+    @property
+    def readable(self) -> bool:
+        return (self.flags & os.O_ACCMODE) in (os.O_RDONLY, os.O_RDWR)
+
+    @property
+    def writable(self) -> bool:
+        return (self.flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+
+    @property
+    def size(self) -> int:
+        return self.state.known_size
+
+    def _check(self, want_write: bool) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if want_write and not self.writable:
+            raise OSError(errno.EBADF, "file not open for writing")
+        if not want_write and not self.readable:
+            raise OSError(errno.EBADF, "file not open for reading")
+
+    async def pread_into(self, buf: Any, off: int) -> int:
+        """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read."""
+        self._check(False)
+        if off < 0:
+            raise OSError(errno.EINVAL, "negative offset")
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.state.known_size - off))
+        if n:
+            await self.client.data.read_into(self.ino, self.layout, off, view[:n])
+        return n
+
+    async def pread(self, length: int, off: int) -> bytes:
+        buf = bytearray(max(0, min(length, self.state.known_size - off)))
+        n = await self.pread_into(buf, off)
+        return bytes(buf[:n])
+
+    async def pwrite(self, data: Any, off: int) -> int:
+        self._check(True)
+        if off < 0:
+            raise OSError(errno.EINVAL, "negative offset")
+        if self.flags & os.O_APPEND:
+            off = self.state.known_size
+        view = memoryview(data).cast("B")
+        if view:
+            await self.client.data.write(self.ino, self.layout, off, view)
+            self.state.written_end = max(self.state.written_end, off + len(view))
+            self._dirty = True
+        return len(view)
+
+    async def truncate(self, size: int) -> None:
+        self._check(True)
+        await self.commit()
+        attr = await self.client.meta.setattr(self.ino, cred=self.client.cred, size=size)
+        self.state.size = attr.st_size
+        self.state.written_end = min(self.state.written_end, size)
+
+    async def commit(self) -> None:
+        """Tell the metaserver how far this client wrote (fsync, flush, close)."""
+        if self._dirty:
+            attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
+                                                      time.time_ns())
+            self._dirty = False
+            self.state.size = attr.st_size
+
+    async def fsync(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if self.writable:
+            await self.client.data.fsync(self.ino, self.layout)
+        await self.commit()
+
+    async def getattr(self) -> StatResult:
+        attr = await self.client.meta.getattr(self.ino)
+        return attr.with_size(max(attr.st_size, self.state.written_end))
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            end = self.state.written_end if self._dirty else None
+            self._dirty = False
+            await self.client.meta.close(self.fh, end, time.time_ns() if end is not None else None)
+            if end is not None:
+                self.state.size = max(self.state.size, end)
+        finally:
+            self.client._release_state(self.ino)
+
+
+class AsyncClient:
+    def __init__(self, config: ClientConfig, nursery: trio.Nursery,
+                 cred: Cred | None = None) -> None:
+        self.config = config
+        self.cred = cred or _config_cred(config)
+        self.umask = _current_umask()
+        host, port = config.meta_addr
+        self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred)
+        self.data = DataClient(nursery, self.meta.servers,
+                               connections_per_server=config.connections_per_server,
+                               timeout=config.timeout)
+        self._inodes: dict[int, _InodeState] = {}
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, config: Any = None, meta: str | None = None,
+                      cred: Cred | None = None) -> AsyncIterator[AsyncClient]:
+        cfg = client_config(config, meta)
+        async with trio.open_nursery() as nursery:
+            client = cls(cfg, nursery, cred)
+            try:
+                await client.meta.call("hello", client="pfs")
+                yield client
+            finally:
+                client.close()
+                nursery.cancel_scope.cancel()
+
+    def close(self) -> None:
+        self.data.close()
+        self.meta.close()
+
+    # -- inode state shared by this client's handles ---------------------------
+    def _acquire_state(self, ino: int, size: int) -> _InodeState:
+        st = self._inodes.get(ino)
+        if st is None:
+            st = self._inodes[ino] = _InodeState(size)
+        else:
+            st.size = size  # the metaserver's word at open wins (close-to-open)
+        st.handles += 1
+        return st
+
+    def _release_state(self, ino: int) -> None:
+        st = self._inodes.get(ino)
+        if st is not None:
+            st.handles -= 1
+            if st.handles <= 0:
+                del self._inodes[ino]
+
+    def merged_attr(self, attr: StatResult) -> StatResult:
+        """An attribute record with sizes this client wrote but has not committed."""
+        st = self._inodes.get(attr.st_ino)
+        if st is not None and st.written_end > attr.st_size:
+            return attr.with_size(st.written_end)
+        return attr
+
+    # -- handles by inode (FUSE) -------------------------------------------------
+    def _handle(self, r: dict[str, Any], flags: int, path: str = "") -> FileHandle:
+        attr = StatResult.from_wire(r["attr"])
+        state = self._acquire_state(attr.st_ino, attr.st_size)
+        return FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
+                          state, path)
+
+    async def open_ino(self, ino: int, flags: int, cred: Cred | None = None) -> FileHandle:
+        return self._handle(await self.meta.open(ino, flags, cred), flags)
+
+    async def create_in(self, parent: int, name: str | bytes, mode: int, flags: int,
+                        cred: Cred | None = None) -> FileHandle:
+        r = await self.meta.create(parent, name, mode, flags | os.O_CREAT, cred)
+        return self._handle(r, flags)
+
+    async def getattr(self, ino: int) -> StatResult:
+        return self.merged_attr(await self.meta.getattr(ino))
+
+    # -- paths -----------------------------------------------------------------
+    @staticmethod
+    def _norm(path: str | bytes) -> str:
+        p = os.fsdecode(path)
+        if not p:
+            raise OSError(errno.ENOENT, "empty path")
+        return posixpath.normpath("/" + p) if not p.startswith("/") else p
+
+    async def _parent_of(self, path: str | bytes) -> tuple[int, str]:
+        p = self._norm(path).rstrip("/") or "/"
+        if p == "/":
+            raise OSError(errno.EBUSY, "the root directory has no parent entry")
+        head, name = posixpath.split(p)
+        attr, _, _ = await self.meta.resolve(head or "/", True, self.cred)
+        if not attr.is_dir():
+            raise OSError(errno.ENOTDIR, f"{head}: not a directory")
+        return attr.st_ino, name
+
+    async def stat(self, path: str | bytes, follow_symlinks: bool = True) -> StatResult:
+        attr, _, _ = await self.meta.resolve(self._norm(path), follow_symlinks, self.cred)
+        return self.merged_attr(attr)
+
+    async def lstat(self, path: str | bytes) -> StatResult:
+        return await self.stat(path, follow_symlinks=False)
+
+    async def exists(self, path: str | bytes) -> bool:
+        try:
+            await self.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def scandir(self, path: str | bytes = "/", plus: bool = False) -> list[DirEntry]:
+        base = self._norm(path)
+        attr = await self.stat(base)
+        if not attr.is_dir():
+            raise OSError(errno.ENOTDIR, f"{base}: not a directory")
+        out: list[DirEntry] = []
+        cookie = 0
+        while True:
+            page, eof = await self.meta.readdir(attr.st_ino, cookie, READDIR_PAGE, plus, self.cred)
+            for e in page:
+                out.append(DirEntry(e.name, posixpath.join(base, e.name), e.inode_number,
+                                    e.mode, e.cookie, e.attr))
+            if eof or not page:
+                return out
+            cookie = page[-1].cookie
+
+    async def listdir(self, path: str | bytes = "/") -> list[str]:
+        return [e.name for e in await self.scandir(path)]
+
+    async def mkdir(self, path: str | bytes, mode: int = 0o777) -> None:
+        parent, name = await self._parent_of(path)
+        await self.meta.mkdir(parent, name, mode & ~self.umask, self.cred)
+
+    async def makedirs(self, path: str | bytes, mode: int = 0o777, exist_ok: bool = False) -> None:
+        p = self._norm(path).rstrip("/")
+        if not p:
+            if exist_ok:
+                return
+            raise OSError(errno.EEXIST, "/ exists")
+        head = posixpath.dirname(p)
+        if head and head != "/" and not await self.exists(head):
+            await self.makedirs(head, mode, exist_ok=True)
+        try:
+            await self.mkdir(p, mode)
+        except FileExistsError:
+            if not exist_ok or not (await self.stat(p)).is_dir():
+                raise
+
+    async def remove(self, path: str | bytes) -> None:
+        parent, name = await self._parent_of(path)
+        await self.meta.unlink(parent, name, self.cred)
+
+    unlink = remove
+
+    async def rmdir(self, path: str | bytes) -> None:
+        parent, name = await self._parent_of(path)
+        await self.meta.rmdir(parent, name, self.cred)
+
+    async def rename(self, src: str | bytes, dst: str | bytes, flags: int = 0) -> None:
+        sp, sn = await self._parent_of(src)
+        dp, dn = await self._parent_of(dst)
+        await self.meta.rename(sp, sn, dp, dn, flags, self.cred)
+
+    replace = rename
+
+    async def link(self, src: str | bytes, dst: str | bytes) -> None:
+        attr = await self.lstat(src)
+        dp, dn = await self._parent_of(dst)
+        await self.meta.link(attr.st_ino, dp, dn, self.cred)
+
+    async def symlink(self, target: str | bytes, path: str | bytes) -> None:
+        parent, name = await self._parent_of(path)
+        await self.meta.symlink(parent, name, target, self.cred)
+
+    async def readlink(self, path: str | bytes) -> str:
+        attr = await self.lstat(path)
+        return os.fsdecode(await self.meta.readlink(attr.st_ino))
+
+    async def chmod(self, path: str | bytes, mode: int) -> None:
+        attr = await self.stat(path)
+        await self.meta.setattr(attr.st_ino, self.cred, mode=mode & 0o7777)
+
+    async def chown(self, path: str | bytes, uid: int, gid: int) -> None:
+        attr = await self.stat(path)
+        await self.meta.setattr(attr.st_ino, self.cred, uid=None if uid < 0 else uid,
+                                gid=None if gid < 0 else gid)
+
+    async def utime(self, path: str | bytes, times: tuple[float, float] | None = None, *,
+                    ns: tuple[int, int] | None = None) -> None:
+        attr = await self.stat(path)
+        if ns is not None:
+            at, mt = ns
+        elif times is not None:
+            at, mt = int(times[0] * 1e9), int(times[1] * 1e9)
+        else:
+            at = mt = "now"  # type: ignore[assignment]
+        await self.meta.setattr(attr.st_ino, self.cred, atime=at, mtime=mt)
+
+    async def truncate(self, path: str | bytes, size: int) -> None:
+        attr = await self.stat(path)
+        await self.meta.setattr(attr.st_ino, self.cred, size=size)
+        st = self._inodes.get(attr.st_ino)
+        if st is not None:
+            st.size, st.written_end = size, min(st.written_end, size)
+
+    async def getxattr(self, path: str | bytes, name: str | bytes) -> bytes:
+        return await self.meta.getxattr((await self.stat(path)).st_ino, name, self.cred)
+
+    async def setxattr(self, path: str | bytes, name: str | bytes, value: bytes,
+                       flags: int = 0) -> None:
+        await self.meta.setxattr((await self.stat(path)).st_ino, name, value, flags, self.cred)
+
+    async def listxattr(self, path: str | bytes) -> list[str]:
+        names = await self.meta.listxattr((await self.stat(path)).st_ino, self.cred)
+        return [os.fsdecode(n) for n in names]
+
+    async def removexattr(self, path: str | bytes, name: str | bytes) -> None:
+        await self.meta.removexattr((await self.stat(path)).st_ino, name, self.cred)
+
+    async def statvfs(self, path: str | bytes = "/") -> StatVFS:
+        s = await self.meta.statfs()
+        return StatVFS(s["bsize"], s.get("frsize", s["bsize"]), s["blocks"], s["bfree"],
+                       s["bavail"], s["files"], s["ffree"], s["ffree"], s["namemax"])
+
+    async def get_layout(self, path: str | bytes) -> dict[str, Any]:
+        return await self.meta.get_layout((await self.stat(path)).st_ino)
+
+    async def set_layout(self, path: str | bytes, count: int = 0, unit: int = 0,
+                         replicas: int = 0) -> dict[str, Any]:
+        ino = (await self.stat(path)).st_ino
+        return await self.meta.set_layout(ino, unit, count, replicas, self.cred)
+
+    async def open(self, path: str | bytes, mode: str | int = "rb", perm: int = 0o666) -> FileHandle:
+        flags = open_flags(mode) if isinstance(mode, str) else mode
+        p = self._norm(path)
+        if flags & os.O_CREAT:
+            parent, name = await self._parent_of(p)
+            try:
+                r = await self.meta.create(parent, name, perm & ~self.umask, flags, self.cred)
+                return self._handle(r, flags, p)
+            except FileExistsError:
+                if flags & os.O_EXCL:
+                    raise
+        attr, _, _ = await self.meta.resolve(p, True, self.cred)
+        if statmod.S_ISDIR(attr.st_mode) and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            raise OSError(errno.EISDIR, f"{p}: is a directory")
+        return self._handle(await self.meta.open(attr.st_ino, flags, self.cred), flags, p)
+
+    async def read_file(self, path: str | bytes) -> bytes:
+        f = await self.open(path, "rb")
+        try:
+            buf = bytearray(f.size)
+            n = await f.pread_into(buf, 0)
+            return bytes(buf[:n])
+        finally:
+            await f.close()
+
+    async def write_file(self, path: str | bytes, data: Any) -> None:
+        f = await self.open(path, "wb")
+        try:
+            await f.pwrite(data, 0)
+        finally:
+            await f.close()
+
+
+def _config_cred(config: ClientConfig) -> Cred:
+    cur = Cred.current()
+    uid = cur.uid if config.uid < 0 else config.uid
+    gid = cur.gid if config.gid < 0 else config.gid
+    return Cred(uid, gid, cur.groups if config.uid < 0 else ())

@@ -1,0 +1,149 @@
+"""The striped data path: a file range split by its layout and sent to every stripe's
+server in parallel, received straight into (and sent straight from) the caller's buffer."""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from pfs.layout import Layout, Piece
+from pfs.wire.rpc import RpcClient
+
+log = logging.getLogger(__name__)
+
+# Largest single request; bigger pieces (huge stripe units) are cut to this.
+MAX_REQUEST = 8 << 20
+# Requests in flight per client, across all servers: bounds memory and socket queues.
+MAX_IN_FLIGHT = 64
+
+
+class DataClient:
+    """Connections to data servers and the parallel read/write of stripe pieces."""
+
+    def __init__(self, nursery: trio.Nursery,
+                 lookup_servers: Callable[[], Awaitable[dict[str, dict[str, Any]]]], *,
+                 connections_per_server: int = 2, timeout: float = 60.0) -> None:
+        self._nursery = nursery
+        self._lookup_servers = lookup_servers
+        self._per_server = max(1, connections_per_server)
+        self.timeout = timeout
+        self._addrs: dict[str, tuple[str, int]] = {}
+        self._conns: dict[str, list[RpcClient]] = {}
+        self._rr = itertools.count()
+        self._locks: dict[str, trio.Lock] = {}
+        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+
+    async def _address(self, sid: str) -> tuple[str, int]:
+        if sid not in self._addrs:
+            servers = await self._lookup_servers()
+            self._addrs = {k: (v["host"], int(v["port"])) for k, v in servers.items()}
+            if sid not in self._addrs:
+                raise OSError(errno.EIO, f"data server {sid} is not registered")
+        return self._addrs[sid]
+
+    async def connection(self, sid: str) -> RpcClient:
+        conns = self._conns.get(sid)
+        if conns and len(conns) >= self._per_server:
+            c = conns[next(self._rr) % len(conns)]
+            if c.alive:
+                return c
+        lock = self._locks.setdefault(sid, trio.Lock())
+        async with lock:
+            conns = [c for c in self._conns.get(sid, []) if c.alive]
+            if len(conns) < self._per_server:
+                host, port = await self._address(sid)
+                try:
+                    conns.append(await RpcClient.open(self._nursery, host, port,
+                                                      timeout=self.timeout))
+                except OSError as exc:
+                    self._addrs.pop(sid, None)  # it may have moved: ask again next time
+                    if not conns:
+                        raise OSError(exc.errno or errno.EIO,
+                                      f"data server {sid} at {host}:{port}: {exc.strerror}") from None
+            self._conns[sid] = conns
+            return conns[next(self._rr) % len(conns)]
+
+    async def call(self, sid: str, method: str, fields: dict[str, Any], **kw: Any):
+        async with self._slots:
+            conn = await self.connection(sid)
+            return await conn.call(method, fields, **kw)
+
+    async def call_replicas(self, replicas: tuple[str, ...], method: str,
+                            fields: dict[str, Any], **kw: Any):
+        """Try each replica in turn; the last error is raised if all fail."""
+        err: OSError | None = None
+        for sid in replicas:
+            try:
+                return await self.call(sid, method, fields, **kw)
+            except OSError as exc:
+                if exc.errno in (errno.EACCES, errno.EINVAL, errno.ENOSPC):
+                    raise
+                err = exc
+        assert err is not None
+        raise err
+
+    # -- bulk ----------------------------------------------------------------
+    async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview) -> None:
+        """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros."""
+        pieces = list(_split(layout.pieces(off, len(buf))))
+        if len(pieces) == 1:
+            await self._read_piece(ino, layout, off, buf, pieces[0])
+            return
+        async with trio.open_nursery() as n:
+            for p in pieces:
+                n.start_soon(self._read_piece, ino, layout, off, buf, p)
+
+    async def _read_piece(self, ino: int, layout: Layout, base: int, buf: memoryview,
+                          p: Piece) -> None:
+        dest = buf[p.file_off - base:p.file_off - base + p.length]
+        r = await self.call_replicas(layout.servers[p.stripe], "read",
+                                     {"obj": [ino, p.stripe], "off": p.obj_off, "len": p.length},
+                                     into=dest)
+        if r.nbytes < p.length:
+            dest[r.nbytes:] = bytes(p.length - r.nbytes)
+
+    async def write(self, ino: int, layout: Layout, off: int, data: memoryview) -> None:
+        pieces = list(_split(layout.pieces(off, len(data))))
+        if len(pieces) == 1 and layout.replicas == 1:
+            await self._write_piece(ino, layout, off, data, pieces[0])
+            return
+        async with trio.open_nursery() as n:
+            for p in pieces:
+                n.start_soon(self._write_piece, ino, layout, off, data, p)
+
+    async def _write_piece(self, ino: int, layout: Layout, base: int, data: memoryview,
+                           p: Piece) -> None:
+        src = data[p.file_off - base:p.file_off - base + p.length]
+        fields = {"obj": [ino, p.stripe], "off": p.obj_off}
+        replicas = layout.servers[p.stripe]
+        if len(replicas) == 1:
+            await self.call(replicas[0], "write", fields, payload=src)
+            return
+        async with trio.open_nursery() as n:  # every replica must hold an acknowledged write
+            for sid in replicas:
+                n.start_soon(lambda s=sid: self.call(s, "write", fields, payload=src))
+
+    async def fsync(self, ino: int, layout: Layout) -> None:
+        async with trio.open_nursery() as n:
+            for stripe, replicas in enumerate(layout.servers):
+                for sid in replicas:
+                    n.start_soon(self.call, sid, "fsync", {"obj": [ino, stripe]})
+
+    def close(self) -> None:
+        for conns in self._conns.values():
+            for c in conns:
+                c.close()
+        self._conns.clear()
+
+
+def _split(pieces: Any) -> Any:
+    for p in pieces:
+        if p.length <= MAX_REQUEST:
+            yield p
+            continue
+        for start in range(0, p.length, MAX_REQUEST):
+            n = min(MAX_REQUEST, p.length - start)
+            yield Piece(p.stripe, p.obj_off + start, p.file_off + start, n)

@@ -1,0 +1,180 @@
+"""Typed calls to the metaserver, by inode number (the FUSE layer's view).
+
+One multiplexed connection; when it breaks, the call in flight fails with the error and
+the next call reconnects, so a mount whose metaserver went away returns errors and
+recovers when it is back.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Any
+
+import trio
+
+from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.wire.rpc import RpcClient
+
+log = logging.getLogger(__name__)
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def fsname(name: str | bytes) -> bytes:
+    return os.fsencode(name) if isinstance(name, str) else bytes(name)
+
+
+class MetaClient:
+    def __init__(self, nursery: trio.Nursery, host: str, port: int, *,
+                 timeout: float = 60.0, cred: Cred | None = None) -> None:
+        self._nursery = nursery
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self.cred = cred or Cred.current()
+        self._rpc: RpcClient | None = None
+        self._connect_lock = trio.Lock()
+
+    async def _client(self) -> RpcClient:
+        rpc = self._rpc
+        if rpc is not None and rpc.alive:
+            return rpc
+        async with self._connect_lock:
+            if self._rpc is None or not self._rpc.alive:
+                try:
+                    self._rpc = await RpcClient.open(self._nursery, self.host, self.port,
+                                                     timeout=self.timeout)
+                except OSError as exc:
+                    raise OSError(errno.ENOTCONN,
+                                  f"metaserver {self.host}:{self.port} unreachable: "
+                                  f"{exc.strerror or exc}") from None
+                await self._rpc.call("hello", {"client": f"pfs-{os.getpid()}"})
+            return self._rpc
+
+    async def call(self, method: str, **fields: Any) -> dict[str, Any]:
+        rpc = await self._client()
+        return (await rpc.call(method, fields)).fields
+
+    def _cred(self, cred: Cred | None) -> list[Any]:
+        return (cred or self.cred).to_wire()
+
+    def close(self) -> None:
+        if self._rpc is not None:
+            self._rpc.close()
+            self._rpc = None
+
+    # -- namespace -----------------------------------------------------------
+    async def resolve(self, path: str | bytes, follow: bool = True,
+                      cred: Cred | None = None) -> tuple[StatResult, int, bytes]:
+        r = await self.call("resolve", path=fsname(path), follow=follow, cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"]), r["parent"], r["name"]
+
+    async def lookup(self, parent: int, name: str | bytes, cred: Cred | None = None) -> StatResult:
+        r = await self.call("lookup", parent=parent, name=fsname(name), cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"])
+
+    async def getattr(self, ino: int) -> StatResult:
+        return StatResult.from_wire((await self.call("getattr", ino=ino))["attr"])
+
+    async def setattr(self, ino: int, cred: Cred | None = None, **changes: Any) -> StatResult:
+        fields = {k: v for k, v in changes.items() if v is not None}
+        r = await self.call("setattr", ino=ino, cred=self._cred(cred), **fields)
+        return StatResult.from_wire(r["attr"])
+
+    async def access(self, ino: int, mask: int, cred: Cred | None = None) -> None:
+        await self.call("access", ino=ino, mask=mask, cred=self._cred(cred))
+
+    async def mkdir(self, parent: int, name: str | bytes, mode: int,
+                    cred: Cred | None = None) -> StatResult:
+        r = await self.call("mkdir", parent=parent, name=fsname(name), mode=mode,
+                            cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"])
+
+    async def mknod(self, parent: int, name: str | bytes, mode: int, rdev: int = 0,
+                    cred: Cred | None = None) -> StatResult:
+        r = await self.call("mknod", parent=parent, name=fsname(name), mode=mode, rdev=rdev,
+                            cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"])
+
+    async def create(self, parent: int, name: str | bytes, mode: int, flags: int,
+                     cred: Cred | None = None) -> dict[str, Any]:
+        return await self.call("create", parent=parent, name=fsname(name), mode=mode,
+                               flags=flags, cred=self._cred(cred))
+
+    async def open(self, ino: int, flags: int, cred: Cred | None = None) -> dict[str, Any]:
+        return await self.call("open", ino=ino, flags=flags, cred=self._cred(cred))
+
+    async def close(self, fh: int, written_end: int | None = None,
+                    mtime: int | None = None) -> None:
+        await self.call("close", fh=fh, written_end=written_end, mtime=mtime)
+
+    async def commit_size(self, fh: int, written_end: int | None,
+                          mtime: int | None = None) -> StatResult:
+        r = await self.call("commit_size", fh=fh, written_end=written_end, mtime=mtime)
+        return StatResult.from_wire(r["attr"])
+
+    async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
+        await self.call("unlink", parent=parent, name=fsname(name), cred=self._cred(cred))
+
+    async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
+        await self.call("rmdir", parent=parent, name=fsname(name), cred=self._cred(cred))
+
+    async def rename(self, parent: int, name: str | bytes, newparent: int,
+                     newname: str | bytes, flags: int = 0, cred: Cred | None = None) -> None:
+        await self.call("rename", parent=parent, name=fsname(name), newparent=newparent,
+                        newname=fsname(newname), flags=flags, cred=self._cred(cred))
+
+    async def link(self, ino: int, newparent: int, newname: str | bytes,
+                   cred: Cred | None = None) -> StatResult:
+        r = await self.call("link", ino=ino, newparent=newparent, newname=fsname(newname),
+                            cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"])
+
+    async def symlink(self, parent: int, name: str | bytes, target: str | bytes,
+                      cred: Cred | None = None) -> StatResult:
+        r = await self.call("symlink", parent=parent, name=fsname(name), target=fsname(target),
+                            cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"])
+
+    async def readlink(self, ino: int) -> bytes:
+        return (await self.call("readlink", ino=ino))["target"]
+
+    async def readdir(self, ino: int, cookie: int = 0, limit: int = 1024, plus: bool = False,
+                      cred: Cred | None = None) -> tuple[list[DirEntry], bool]:
+        r = await self.call("readdir", ino=ino, cookie=cookie, limit=limit, plus=plus,
+                            cred=self._cred(cred))
+        out = []
+        for name, child, mode, ck, attr in r["entries"]:
+            out.append(DirEntry(os.fsdecode(name), "", child, mode, ck,
+                                StatResult.from_wire(attr) if attr else None))
+        return out, bool(r["eof"])
+
+    async def statfs(self) -> dict[str, int]:
+        return await self.call("statfs")
+
+    async def getxattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> bytes:
+        return (await self.call("getxattr", ino=ino, name=fsname(name),
+                                cred=self._cred(cred)))["value"]
+
+    async def setxattr(self, ino: int, name: str | bytes, value: bytes, flags: int = 0,
+                       cred: Cred | None = None) -> None:
+        await self.call("setxattr", ino=ino, name=fsname(name), value=bytes(value), flags=flags,
+                        cred=self._cred(cred))
+
+    async def listxattr(self, ino: int, cred: Cred | None = None) -> list[bytes]:
+        return (await self.call("listxattr", ino=ino, cred=self._cred(cred)))["names"]
+
+    async def removexattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> None:
+        await self.call("removexattr", ino=ino, name=fsname(name), cred=self._cred(cred))
+
+    async def get_layout(self, ino: int) -> dict[str, Any]:
+        return (await self.call("get_layout", ino=ino))["layout"]
+
+    async def set_layout(self, ino: int, unit: int = 0, count: int = 0, replicas: int = 0,
+                         cred: Cred | None = None) -> dict[str, Any]:
+        return (await self.call("set_layout", ino=ino, unit=unit, count=count,
+                                replicas=replicas, cred=self._cred(cred)))["layout"]
+
+    async def servers(self) -> dict[str, dict[str, Any]]:
+        return (await self.call("servers"))["servers"]

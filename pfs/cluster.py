@@ -1,0 +1,230 @@
+"""A local cluster on loopback: one metaserver and N data servers as background
+processes under one directory.
+
+Layout of DIR::
+
+    cluster.toml      what was started (metaserver port, number of data servers)
+    client.toml       everything a client needs to connect
+    meta/             the metaserver's LMDB
+    data/dsN/         data server N's objects
+    run/*.pid         process ids
+    logs/*.log        server logs
+
+Readiness comes from the servers themselves: each is started with ``--ready-fd`` and
+writes its bound port to that pipe once it serves.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pfs import config as cfgmod
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 20.0
+
+
+@dataclass
+class ClusterSpec:
+    meta_port: int = 0
+    data_servers: int = 4
+    host: str = "127.0.0.1"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _spec_path(d: Path) -> Path:
+    return d / "cluster.toml"
+
+
+def load_spec(d: Path) -> ClusterSpec | None:
+    p = _spec_path(d)
+    if not p.exists():
+        return None
+    with p.open("rb") as f:
+        return cfgmod.from_dict(ClusterSpec, tomllib.load(f), str(p))
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def running(d: Path) -> dict[str, int]:
+    """Processes of the cluster in ``d`` that are alive: name -> pid."""
+    out = {}
+    for pf in sorted((d / "run").glob("*.pid")):
+        pid = _read_pid(pf)
+        if pid and _pid_alive(pid):
+            out[pf.stem] = pid
+    return out
+
+
+def _start(d: Path, name: str, argv: list[str]) -> int:
+    """Start one server in its own session; return the port it reports on its ready pipe."""
+    rfd, wfd = os.pipe()
+    logf = open(d / "logs" / f"{name}.log", "ab")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv, "--ready-fd", str(wfd)],
+            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            pass_fds=(wfd,), start_new_session=True, cwd=d)
+    finally:
+        os.close(wfd)
+        logf.close()
+    (d / "run" / f"{name}.pid").write_text(f"{proc.pid}\n")
+    try:
+        line = b""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([rfd], [], [], max(0.0, left))
+            if not ready:
+                proc.kill()
+                raise ClusterError(f"{name} did not report readiness in {READY_TIMEOUT:g} s; "
+                                   f"see {d / 'logs' / (name + '.log')}")
+            chunk = os.read(rfd, 64)
+            if not chunk:
+                code = proc.poll()
+                raise ClusterError(f"{name} exited (status {code}) before serving; "
+                                   f"see {d / 'logs' / (name + '.log')}")
+            line += chunk
+    finally:
+        os.close(rfd)
+    return int(line.strip())
+
+
+def up(d: Path, data_servers: int | None = None, meta_port: int | None = None) -> Path:
+    """Start (or restart on its existing data) the cluster in ``d``; return client.toml."""
+    d = d.resolve()
+    for sub in ("run", "logs", "data"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    spec = load_spec(d) or ClusterSpec()
+    if data_servers is not None:
+        if load_spec(d) is not None and data_servers < spec.data_servers:
+            raise ClusterError(f"{d} already holds {spec.data_servers} data servers; "
+                               "refusing to start fewer (their data would be missing)")
+        spec.data_servers = data_servers
+    if meta_port is not None:
+        spec.meta_port = meta_port
+    alive = running(d)
+    if "meta" not in alive:
+        port = spec.meta_port
+        try:
+            spec.meta_port = _start(d, "meta", ["metaserver", "--db", str(d / "meta"),
+                                                "--host", spec.host, "--port", str(port)])
+        except ClusterError:
+            if not port:
+                raise
+            log.warning("metaserver port %d unavailable; taking a new one", port)
+            spec.meta_port = _start(d, "meta", ["metaserver", "--db", str(d / "meta"),
+                                                "--host", spec.host, "--port", "0"])
+    _write(_spec_path(d), cfgmod.dump(spec))
+    meta = f"{spec.host}:{spec.meta_port}"
+    for i in range(spec.data_servers):
+        name = f"data{i}"
+        if name in alive:
+            continue
+        ddir = d / "data" / f"ds{i}"
+        ddir.mkdir(parents=True, exist_ok=True)
+        _start(d, name, ["dataserver", "--dir", str(ddir), "--host", spec.host,
+                         "--port", "0", "--meta", meta])
+    client_path = d / "client.toml"
+    _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta)))
+    _wait_registered(meta, spec.data_servers)
+    return client_path
+
+
+def _wait_registered(meta: str, n: int) -> None:
+    """Return once the metaserver counts ``n`` live data servers."""
+    import pfs
+
+    deadline = time.monotonic() + READY_TIMEOUT
+    with pfs.connect(meta=meta) as client:
+        while True:
+            alive = sum(1 for s in client._run(client.aio.meta.servers).values() if s["alive"])
+            if alive >= n:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {alive} of {n} data servers registered")
+            time.sleep(0.05)
+
+
+def down(d: Path) -> list[str]:
+    """Stop every process of the cluster in ``d`` (data servers first)."""
+    d = d.resolve()
+    procs = running(d)
+    order = sorted(procs, key=lambda n: n == "meta")
+    for name in order:
+        try:
+            os.kill(procs[name], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for name in order:
+        pid = procs[name]
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
+        if _pid_alive(pid):
+            log.warning("%s (pid %d) ignored SIGTERM; killing it", name, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        (d / "run" / f"{name}.pid").unlink(missing_ok=True)
+    return order
+
+
+def status(d: Path) -> dict[str, object]:
+    d = d.resolve()
+    spec = load_spec(d)
+    if spec is None:
+        raise ClusterError(f"{d} holds no cluster (no cluster.toml)")
+    return {"dir": str(d), "meta": f"{spec.host}:{spec.meta_port}",
+            "data_servers": spec.data_servers, "processes": running(d)}
+
+
+def ensure_stopped(d: Path) -> None:
+    if running(d):
+        raise OSError(errno.EBUSY, f"cluster in {d} is still running")

@@ -1,0 +1,163 @@
+"""The sans-IO frame protocol, in memory: round trips, limits, malformed input."""
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pfs.errors import LocalProtocolError, RemoteProtocolError
+from pfs.wire.protocol import (HEADER, HEADER_SIZE, MAGIC, VERSION, FrameDecoder, Kind,
+                               Limits, Peer, encode_frame)
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20)
+    | st.binary(max_size=50),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10)
+maps = st.dictionaries(st.text(min_size=1, max_size=10), values, max_size=8)
+
+
+@given(st.lists(st.tuples(st.sampled_from(list(Kind)), st.integers(0, 2**64 - 1), maps,
+                          st.binary(max_size=3000)), max_size=6),
+       st.integers(1, 97))
+def test_frames_round_trip_in_any_chunking(frames, chunk: int) -> None:
+    wire = b"".join(encode_frame(k, rid, f, p) for k, rid, f, p in frames)
+    peer = Peer()
+    got = []
+    for i in range(0, len(wire), chunk):
+        got.extend(peer.receive(wire[i:i + chunk]))
+    assert [(h.kind, h.rid, h.fields, p) for h, p in got] == frames
+
+
+def test_payload_is_taken_straight_into_caller_buffer() -> None:
+    dec = FrameDecoder()
+    frame = encode_frame(Kind.REPLY, 7, {"n": 10}, b"0123456789")
+    dec.feed(frame[:HEADER_SIZE + 8])  # header, map and a little payload
+    head = dec.next_head()
+    assert head is not None and head.payload_len == 10 and dec.pending_payload == 10
+    dest = bytearray(10)
+    n = dec.take_payload_into(memoryview(dest))
+    # the rest would come from the socket: the caller reports it received it itself
+    rest = frame[HEADER_SIZE + 8:]
+    dest[n:] = rest
+    dec.payload_received(len(rest))
+    assert bytes(dest) == b"0123456789" and dec.pending_payload == 0
+
+
+def _raw(kind=1, map_len=None, payload_len=0, body=b"\x80", magic=MAGIC, version=VERSION):
+    return HEADER.pack(magic, version, kind, 0, len(body) if map_len is None else map_len,
+                       1, payload_len) + body
+
+
+@pytest.mark.parametrize("data,match", [
+    (_raw(magic=b"HT"), "bad magic"),
+    (_raw(version=9), "version"),
+    (_raw(kind=77), "kind"),
+    (_raw(map_len=1 << 30), "exceeds limit"),
+    (_raw(payload_len=1 << 40), "exceeds limit"),
+    (_raw(body=b"\xc1"), "invalid msgpack"),
+    (_raw(body=msgpack.packb([1, 2])), "not a map"),
+    (_raw(body=msgpack.packb({1: 2})), "invalid msgpack|keys"),
+    (_raw(body=msgpack.packb({str(i): i for i in range(100)})), "fields"),
+    (_raw(body=msgpack.packb({"a": "x" * 70000})), "invalid msgpack"),
+])
+def test_malformed_frames_are_remote_protocol_errors(data: bytes, match: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        Peer().receive(data)
+
+
+def test_limits_checked_before_the_map_arrives() -> None:
+    """A declared oversized map is refused from the header alone: nothing is buffered for it."""
+    dec = FrameDecoder(Limits(max_map=100))
+    dec.feed(HEADER.pack(MAGIC, VERSION, 1, 0, 101, 1, 0))
+    with pytest.raises(RemoteProtocolError):
+        dec.next_head()
+
+
+def test_encoder_refuses_what_it_cannot_carry() -> None:
+    with pytest.raises(LocalProtocolError):
+        encode_frame(Kind.REQUEST, 1, {"x": object()})
+    with pytest.raises(LocalProtocolError):
+        encode_frame(Kind.REQUEST, 1, {}, b"x" * 11, Limits(max_payload=10))
+    with pytest.raises(LocalProtocolError):
+        encode_frame(Kind.REQUEST, -1, {})
+
+
+@given(st.binary(max_size=400))
+def test_decoder_never_crashes_on_garbage(data: bytes) -> None:
+    peer = Peer(Limits(max_map=4096, max_payload=4096))
+    try:
+        peer.receive(data)
+    except RemoteProtocolError:
+        pass
+
+
+@given(st.lists(st.tuples(maps, st.binary(max_size=100)), min_size=1, max_size=3),
+       st.data())
+def test_mutated_frames_give_frames_or_protocol_errors(frames, data) -> None:
+    wire = bytearray(b"".join(encode_frame(Kind.REQUEST, i, f, p) for i, (f, p) in enumerate(frames)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(wire) - 1))
+        wire[pos] = data.draw(st.integers(0, 255))
+    try:
+        for head, payload in Peer(Limits(max_payload=1 << 16)).receive(bytes(wire)):
+            assert isinstance(head.fields, dict) and len(payload) == head.payload_len
+    except RemoteProtocolError:
+        pass
+
+
+def test_header_layout_is_stable() -> None:
+    frame = encode_frame(Kind.ERROR, 0x0102030405060708, {}, b"")
+    assert frame[:2] == b"PF" and frame[2] == 1 and frame[3] == 3
+    assert struct.unpack("!Q", frame[10:18])[0] == 0x0102030405060708
+
+
+# -- the trio layer, over a real socket pair ------------------------------------
+def test_rpc_over_socketpair_many_in_flight() -> None:
+    from pfs.wire.rpc import RpcClient, RpcService
+    from pfs.wire.transport import Connection
+
+    class Svc(RpcService):
+        async def rpc_echo(self, ctx, req):
+            await trio.sleep(0.001 * (req.int("i") % 5))  # replies come back out of order
+            from pfs.wire.rpc import Reply
+            return Reply({"i": req.int("i")}, payload=bytes(req.payload or b"")[::-1])
+
+        async def rpc_boom(self, ctx, req):
+            raise OSError(28, "disk full, as asked")
+
+    async def main() -> None:
+        a, b = trio.socket.socketpair()
+        async with trio.open_nursery() as n:
+            n.start_soon(Svc().serve_connection, Connection(b))
+            cli = RpcClient(Connection(a))
+            n.start_soon(cli.run)
+            results = {}
+
+            async def one(i: int) -> None:
+                buf = bytearray(10)
+                r = await cli.call("echo", {"i": i}, payload=str(i).encode(),
+                                   into=memoryview(buf))
+                results[i] = (r.fields["i"], bytes(buf[:r.nbytes]))
+
+            async with trio.open_nursery() as m:
+                for i in range(50):
+                    m.start_soon(one, i)
+            assert results == {i: (i, str(i).encode()[::-1]) for i in range(50)}
+            with pytest.raises(OSError) as ei:
+                await cli.call("boom")
+            assert ei.value.errno == 28 and "disk full" in str(ei.value)
+            with pytest.raises(OSError) as ei:
+                await cli.call("nope")
+            assert ei.value.errno == 38
+            with pytest.raises(OSError) as ei:
+                await cli.call("echo", {"i": "not an int"})
+            assert ei.value.errno == 22
+            cli.close()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
