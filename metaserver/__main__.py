@@ -1,0 +1,76 @@
+"""``python -m metaserver``: run the metadata server.
+
+    python -m metaserver --config meta.toml
+    python -m metaserver --db DIR [--host H] [--port P] [--ready-fd N]
+
+``--ready-fd N`` writes the bound port and a newline to file descriptor N once the
+server accepts connections, then closes it: a supervisor (``pfs cluster up``, tests)
+learns readiness and the port without sleeping. SIGTERM and SIGINT stop it cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+import trio
+
+from metaserver.server import serve_meta
+from pfs.config import ConfigError, MetaConfig, load
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m metaserver", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="MetaConfig TOML file")
+    p.add_argument("--db", help="LMDB directory (overrides the config)")
+    p.add_argument("--host", help="address to listen on (overrides the config)")
+    p.add_argument("--port", type=int, help="port to listen on; 0 picks one")
+    p.add_argument("--map-size", type=int, help="LMDB map size in bytes")
+    p.add_argument("--ready-fd", type=int, help="write the bound port to this fd when ready")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> MetaConfig:
+    config = load(MetaConfig, args.config) if args.config else MetaConfig()
+    overrides = {k: v for k, v in (("db", args.db), ("host", args.host), ("port", args.port),
+                                   ("map_size", args.map_size)) if v is not None}
+    return dataclasses.replace(config, **overrides)
+
+
+async def run(config: MetaConfig, ready_fd: int | None = None) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_meta, config)
+            log.info("metaserver ready on %s:%d, db %s", config.host, port, config.db)
+            if ready_fd is not None:
+                try:
+                    os.write(ready_fd, f"{port}\n".encode())
+                finally:
+                    os.close(ready_fd)
+            async for signum in signals:
+                log.info("metaserver stopping on %s", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"metaserver: {exc}", file=sys.stderr)
+        return 2
+    trio.run(run, config, args.ready_fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

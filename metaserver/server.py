@@ -1,0 +1,601 @@
+"""The metadata service: ``docs/rpc.md``'s metaserver methods over :mod:`namespace`.
+
+Reads (getattr, lookup, readdir, ...) run in a read transaction on the event loop.
+Mutations go through **group commit**: a handler queues its operation and waits; one
+writer task drains the queue, runs every queued operation in one write transaction
+(each in a nested transaction, so a failing one rolls back alone), commits once (LMDB
+``sync=True``: one fsync per batch) and only then wakes the handlers, which reply. An
+acknowledged mutation is therefore on disk.
+
+Open files: a handle (``fh``) belongs to a connection; the service counts open handles
+per inode. Dropping the last link of an open inode keeps it as an orphan (key ``O``)
+until its last handle is closed or its connection ends; orphans left by a crash are
+reclaimed at start. Deleted files' objects go to the deletion queue (key ``Q``) in the
+same transaction; a background task asks the data servers to delete them.
+
+Shrinking a file (setattr size, O_TRUNC) first truncates its objects on the data
+servers, then commits the new size, so old bytes never reappear past a later extension.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from metaserver import keys as K
+from metaserver.namespace import NOW, Cred, Namespace
+from metaserver.store import LmdbStore, Store, WriteTxn
+from pfs.config import MetaConfig
+from pfs.layout import object_size
+from pfs.wire.protocol import Limits
+from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_BATCH = 1024  # operations per group commit
+DELETE_CHUNK = 1024  # object ids per delete request
+DELETE_BATCH = 256  # queue entries per deletion round
+DELETE_RETRY = 2.0  # seconds before retrying deletions that failed
+DATA_TIMEOUT = 30.0  # seconds per call to a data server
+
+
+@dataclass(slots=True, eq=False)
+class _Op:
+    fn: Callable[[WriteTxn], Any]
+    done: trio.Event | None
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Live:
+    host: str
+    port: int
+    total: int
+    free: int
+    seen: float  # time.monotonic() of the last register/heartbeat
+
+
+def _cred(req: Request) -> Cred:
+    if "cred" not in req.fields:
+        raise OSError(errno.EINVAL, f"{req.method}: missing field 'cred'")
+    return Cred.from_wire(req.fields["cred"])
+
+
+def _time(req: Request, key: str) -> int | str | None:
+    value = req.any(key)
+    if value is None or value == NOW:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OSError(errno.EINVAL, f"{req.method}: field '{key}' must be an integer or 'now'")
+    return value
+
+
+class MetaService(RpcService):
+    name = "meta"
+
+    def __init__(self, store: Store, config: MetaConfig | None = None,
+                 limits: Limits | None = None) -> None:
+        super().__init__(limits)
+        self.store = store
+        self.config = config or MetaConfig()
+        self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened)
+        # shared with the writer thread: open counts, inodes being deleted, live servers
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}
+        self._dying: set[int] = set()
+        self._live: dict[str, _Live] = {}
+        self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
+        self._wake_deleter = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._dclients: dict[str, RpcClient] = {}
+        self._dlocks: dict[str, trio.Lock] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ running
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Format or recover the store, then run the writer and the deleter."""
+        await self._in_writer_thread(self._startup)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer, name="meta-writer")
+                nursery.start_soon(self._deleter, name="meta-deleter")
+                task_status.started()
+        finally:
+            self._closed = True
+            for client in self._dclients.values():
+                client.close()
+
+    async def serve_all(self, host: str, port: int, *,
+                        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.run)
+            bound = await nursery.start(self.serve, host, port)
+            task_status.started(bound)
+
+    def _startup(self) -> None:
+        with self.store.write() as txn:
+            if self.ns.format(txn):
+                log.info("formatted a new metadata store")
+            orphans = self.ns.orphans(txn)
+            for ino in orphans:
+                self.ns.reclaim(txn, ino)
+            if orphans:
+                log.info("reclaimed %d orphaned inode(s) from the previous run", len(orphans))
+
+    async def _in_writer_thread(self, fn: Callable[[], Any]) -> Any:
+        if self.store.threaded:
+            return await trio.to_thread.run_sync(fn)
+        return fn()
+
+    # ------------------------------------------------------------------ group commit
+    async def _mutate(self, fn: Callable[[WriteTxn], Any]) -> Any:
+        op = _Op(fn, trio.Event())
+        self._send.send_nowait(op)
+        assert op.done is not None
+        await op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    async def _writer(self) -> None:
+        while True:
+            batch = [await self._recv.receive()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await self._in_writer_thread(lambda b=batch: self._run_batch(b))
+            with self._lock:
+                self._dying.clear()
+            for op in batch:
+                if op.done is not None:
+                    op.done.set()
+                elif op.error is not None:
+                    log.warning("background metadata update failed: %s", op.error)
+            self._wake_deleter.set()
+
+    def _run_batch(self, batch: list[_Op]) -> None:
+        try:
+            with self.store.write() as txn:
+                for op in batch:
+                    try:
+                        with txn.nested() as sub:
+                            op.result = op.fn(sub)
+                    except Exception as exc:  # noqa: BLE001 - re-raised in the op's handler
+                        op.error = exc
+        except OSError as exc:  # the commit itself failed: nothing of the batch is stored
+            log.error("metadata commit of %d operation(s) failed: %s", len(batch), exc)
+            for op in batch:
+                if op.error is None:
+                    op.error = exc
+
+    # ------------------------------------------------------------------ open counts
+    def _opened(self, ino: int) -> bool:
+        """Namespace hook (writer thread): keep ``ino`` as an orphan if open; else mark
+        it dying so an ``open`` racing with its deletion fails."""
+        with self._lock:
+            if self._open.get(ino, 0) > 0:
+                return True
+            self._dying.add(ino)
+            return False
+
+    def _ref(self, ino: int) -> None:
+        with self._lock:
+            if ino in self._dying:
+                raise OSError(errno.ENOENT, f"inode {ino} is being removed")
+            self._open[ino] = self._open.get(ino, 0) + 1
+
+    def _unref(self, ino: int) -> bool:
+        """One handle fewer; True when that was the last one and ``ino`` is an orphan."""
+        with self._lock:
+            n = self._open.get(ino, 0) - 1
+            if n > 0:
+                self._open[ino] = n
+                return False
+            self._open.pop(ino, None)
+        if self._closed:
+            return False
+        with self.store.read() as txn:
+            return txn.get(K.orphan(ino)) is not None
+
+    def _new_fh(self, ctx: ConnContext, ino: int) -> int:
+        fhs = ctx.state.setdefault("fhs", {})
+        fh = ctx.state.get("next_fh", 1)
+        ctx.state["next_fh"] = fh + 1
+        fhs[fh] = ino
+        return fh
+
+    def connection_lost(self, ctx: ConnContext) -> None:
+        fhs: dict[int, int] = ctx.state.pop("fhs", {})
+        for ino in fhs.values():
+            if self._unref(ino) and not self._closed:
+                self._send.send_nowait(_Op(lambda t, i=ino: self.ns.reclaim(t, i), None))
+
+    # ------------------------------------------------------------------ data servers
+    def _alive_free(self) -> dict[str, int]:
+        limit = time.monotonic() - self.config.heartbeat_timeout
+        with self._lock:
+            return {sid: s.free for sid, s in self._live.items() if s.seen >= limit}
+
+    def _alive(self, sid: str) -> _Live | None:
+        with self._lock:
+            s = self._live.get(sid)
+        if s is None or s.seen < time.monotonic() - self.config.heartbeat_timeout:
+            return None
+        return s
+
+    async def _dclient(self, sid: str) -> RpcClient:
+        lock = self._dlocks.setdefault(sid, trio.Lock())
+        async with lock:
+            client = self._dclients.get(sid)
+            if client is not None and client.alive:
+                return client
+            s = self._alive(sid)
+            if s is None:
+                raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
+            assert self._nursery is not None
+            client = await RpcClient.open(self._nursery, s.host, s.port, self.limits,
+                                          timeout=DATA_TIMEOUT)
+            self._dclients[sid] = client
+            return client
+
+    async def _call_servers(self, calls: dict[str, list[tuple[str, dict[str, Any]]]]
+                            ) -> dict[str, OSError]:
+        """Run each server's calls in order, servers in parallel; errors by server."""
+        errors: dict[str, OSError] = {}
+
+        async def one(sid: str, todo: list[tuple[str, dict[str, Any]]]) -> None:
+            try:
+                client = await self._dclient(sid)
+                for method, fields in todo:
+                    await client.call(method, fields)
+            except OSError as exc:
+                errors[sid] = exc
+
+        async with trio.open_nursery() as nursery:
+            for sid, todo in calls.items():
+                nursery.start_soon(one, sid, todo)
+        return errors
+
+    async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
+        unit, count = layout["unit"], layout["count"]
+        calls: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for stripe, sids in enumerate(layout["servers"]):
+            fields = {"obj": [ino, stripe], "size": object_size(unit, count, stripe, size)}
+            for sid in sids:
+                calls.setdefault(sid, []).append(("truncate", fields))
+        errors = await self._call_servers(calls)
+        if errors:
+            sid, exc = next(iter(errors.items()))
+            raise OSError(errno.EIO, f"cannot truncate inode {ino} on data server {sid}: {exc}")
+
+    async def _deleter(self) -> None:
+        while True:
+            with trio.move_on_after(30):
+                await self._wake_deleter.wait()
+            self._wake_deleter = trio.Event()
+            failed = await self._delete_round()
+            if failed:
+                await trio.sleep(DELETE_RETRY)
+
+    async def _delete_round(self) -> bool:
+        """Send one round of queued deletions; True if some must be retried."""
+        with self.store.read() as txn:
+            entries = self.ns.delq_entries(txn, DELETE_BATCH)
+        if not entries:
+            return False
+        objs: dict[str, list[list[int]]] = {}
+        needs: dict[int, set[str]] = {}
+        for seq, ent in entries:
+            ino, layout = ent["ino"], ent["layout"]
+            needs[seq] = set()
+            for stripe, sids in enumerate(layout["servers"]):
+                for sid in sids:
+                    objs.setdefault(sid, []).append([ino, stripe])
+                    needs[seq].add(sid)
+        calls = {sid: [("delete", {"objs": lst[i:i + DELETE_CHUNK]})
+                       for i in range(0, len(lst), DELETE_CHUNK)]
+                 for sid, lst in objs.items()}
+        errors = await self._call_servers(calls)
+        for sid, exc in errors.items():
+            log.debug("deletion on data server %s deferred: %s", sid, exc)
+        done = [seq for seq, sids in needs.items() if not sids & errors.keys()]
+        if done:
+            def finish(txn: WriteTxn) -> None:
+                for seq in done:
+                    self.ns.delq_done(txn, seq)
+            await self._mutate(finish)
+        if len(entries) >= DELETE_BATCH and not errors:
+            self._wake_deleter.set()  # more queued than one round takes
+        return bool(errors)
+
+    # ------------------------------------------------------------------ handlers
+    async def rpc_hello(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        ctx.state["client"] = req.str("client", "")
+        return {"root": K.ROOT_INO, "version": PROTOCOL_VERSION}
+
+    async def rpc_resolve(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, path, follow = _cred(req), req.bytes("path"), req.bool("follow", True)
+        with self.store.read() as txn:
+            return self.ns.resolve(txn, cred, path, follow)
+
+    async def rpc_lookup(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        with self.store.read() as txn:
+            return {"attr": self.ns.lookup(txn, cred, parent, name)}
+
+    async def rpc_getattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        ino = req.int("ino")
+        with self.store.read() as txn:
+            return {"attr": self.ns.getattr(txn, ino)}
+
+    async def rpc_setattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino = _cred(req), req.int("ino")
+        kw: dict[str, Any] = {k: req.opt_int(k) for k in ("mode", "uid", "gid", "size")}
+        kw["atime"], kw["mtime"] = _time(req, "atime"), _time(req, "mtime")
+        size = kw["size"]
+        if size is not None:
+            with self.store.read() as txn:
+                plan = self.ns.truncate_plan(txn, cred, ino, size)
+            if plan is not None:
+                await self._truncate_objects(ino, plan[0], size)
+        attr = await self._mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
+        return {"attr": attr}
+
+    async def rpc_access(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino, mask = _cred(req), req.int("ino"), req.int("mask")
+        with self.store.read() as txn:
+            self.ns.access(txn, cred, ino, mask)
+        return {}
+
+    async def rpc_mkdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name, mode = _cred(req), req.int("parent"), req.bytes("name"), req.int("mode")
+        return {"attr": await self._mutate(lambda t: self.ns.mkdir(t, cred, parent, name, mode))}
+
+    async def rpc_mknod(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        mode, rdev = req.int("mode"), req.int("rdev", 0)
+        return {"attr": await self._mutate(
+            lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))}
+
+    async def rpc_create(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        mode, flags = req.int("mode"), req.int("flags", os.O_WRONLY)
+        if flags & os.O_TRUNC:
+            with self.store.read() as txn:
+                plan = self.ns.create_plan(txn, cred, parent, name, flags)
+            if plan is not None:
+                await self._truncate_objects(plan[0], plan[1], 0)
+        opened: list[int] = []
+
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, bool]:
+            attr, layout, created = self.ns.create(txn, cred, parent, name, mode, flags)
+            self._ref(attr["ino"])
+            opened.append(attr["ino"])
+            return attr, layout, created
+
+        try:
+            attr, layout, _ = await self._mutate(op)
+        except BaseException:
+            for ino in opened:  # the op ran but the batch did not commit
+                await self._release(ino)
+            raise
+        return {"attr": attr, "fh": self._new_fh(ctx, attr["ino"]), "layout": layout}
+
+    async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino, flags = _cred(req), req.int("ino"), req.int("flags", os.O_RDONLY)
+        if not flags & os.O_TRUNC:
+            self._ref(ino)
+            try:
+                with self.store.read() as txn:
+                    attr, layout = self.ns.open(txn, cred, ino, flags)
+            except BaseException:
+                await self._release(ino)
+                raise
+            return {"attr": attr, "fh": self._new_fh(ctx, ino), "layout": layout}
+        with self.store.read() as txn:
+            self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
+            plan = self.ns.truncate_plan(txn, cred, ino, 0)
+        if plan is not None:
+            await self._truncate_objects(ino, plan[0], 0)
+        opened: list[int] = []
+
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any]:
+            result = self.ns.open(txn, cred, ino, flags)
+            self._ref(ino)
+            opened.append(ino)
+            return result
+
+        try:
+            attr, layout = await self._mutate(op)
+        except BaseException:
+            for i in opened:
+                await self._release(i)
+            raise
+        return {"attr": attr, "fh": self._new_fh(ctx, ino), "layout": layout}
+
+    async def _release(self, ino: int) -> None:
+        if self._unref(ino):
+            await self._mutate(lambda t: self.ns.reclaim(t, ino))
+
+    def _fh(self, ctx: ConnContext, req: Request, pop: bool = False) -> int:
+        fh = req.int("fh")
+        fhs: dict[int, int] = ctx.state.get("fhs", {})
+        ino = fhs.pop(fh, None) if pop else fhs.get(fh)
+        if ino is None:
+            raise OSError(errno.EBADF, f"no open file handle {fh}")
+        return ino
+
+    async def rpc_close(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
+        ino = self._fh(ctx, req, pop=True)
+        try:
+            if written_end is not None or mtime is not None:
+                try:
+                    await self._mutate(lambda t: self.ns.commit_size(t, ino, written_end, mtime))
+                except FileNotFoundError:
+                    pass
+        finally:
+            await self._release(ino)
+        return {}
+
+    async def rpc_commit_size(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
+        ino = self._fh(ctx, req)
+        return {"attr": await self._mutate(
+            lambda t: self.ns.commit_size(t, ino, written_end, mtime))}
+
+    async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        await self._mutate(lambda t: self.ns.unlink(t, cred, parent, name))
+        return {}
+
+    async def rpc_rmdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        await self._mutate(lambda t: self.ns.rmdir(t, cred, parent, name))
+        return {}
+
+    async def rpc_rename(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        newparent, newname, flags = req.int("newparent"), req.bytes("newname"), req.int("flags", 0)
+        await self._mutate(
+            lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
+        return {}
+
+    async def rpc_link(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino = _cred(req), req.int("ino")
+        newparent, newname = req.int("newparent"), req.bytes("newname")
+        return {"attr": await self._mutate(
+            lambda t: self.ns.link(t, cred, ino, newparent, newname))}
+
+    async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, parent, name, target = (_cred(req), req.int("parent"), req.bytes("name"),
+                                      req.bytes("target"))
+        return {"attr": await self._mutate(
+            lambda t: self.ns.symlink(t, cred, parent, name, target))}
+
+    async def rpc_readlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        ino = req.int("ino")
+        with self.store.read() as txn:
+            return {"target": self.ns.readlink(txn, ino)}
+
+    async def rpc_readdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino = _cred(req), req.int("ino")
+        cookie, limit, plus = req.int("cookie", 0), req.int("limit", 1024), req.bool("plus")
+        with self.store.read() as txn:
+            entries, eof = self.ns.readdir(txn, cred, ino, cookie, limit, plus)
+        return {"entries": entries, "eof": eof}
+
+    async def rpc_statfs(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        limit = time.monotonic() - self.config.heartbeat_timeout
+        with self._lock:
+            alive = [s for s in self._live.values() if s.seen >= limit]
+        total, free = sum(s.total for s in alive), sum(s.free for s in alive)
+        with self.store.read() as txn:
+            return self.ns.statfs(txn, total, free)
+
+    async def rpc_getxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        with self.store.read() as txn:
+            return {"value": self.ns.getxattr(txn, cred, ino, name)}
+
+    async def rpc_setxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        value, flags = req.bytes("value"), req.int("flags", 0)
+        await self._mutate(lambda t: self.ns.setxattr(t, cred, ino, name, value, flags))
+        return {}
+
+    async def rpc_listxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino = _cred(req), req.int("ino")
+        with self.store.read() as txn:
+            return {"names": self.ns.listxattr(txn, cred, ino)}
+
+    async def rpc_removexattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        await self._mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
+        return {}
+
+    async def rpc_get_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        ino = req.int("ino")
+        with self.store.read() as txn:
+            return {"layout": self.ns.get_layout(txn, ino)}
+
+    async def rpc_set_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        cred, ino = _cred(req), req.int("ino")
+        unit, count, replicas = req.int("unit", 0), req.int("count", 0), req.int("replicas", 0)
+        return {"layout": await self._mutate(
+            lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas))}
+
+    async def rpc_servers(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        with self.store.read() as txn:
+            stored = self.ns.list_servers(txn)
+        limit = time.monotonic() - self.config.heartbeat_timeout
+        out: dict[str, Any] = {}
+        with self._lock:
+            for sid, rec in stored.items():
+                live = self._live.get(sid)
+                if live is not None:
+                    rec = {"host": live.host, "port": live.port, "total": live.total,
+                           "free": live.free}
+                out[sid] = {**rec, "alive": live is not None and live.seen >= limit}
+        return {"servers": out}
+
+    async def rpc_register(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        sid = req.str("sid", None) or uuid.uuid4().hex
+        host, port = req.str("host"), req.int("port")
+        total, free = req.int("total"), req.int("free")
+        if not 0 < port < 65536 or total < 0 or free < 0 or len(sid) > 128:
+            raise OSError(errno.EINVAL, "register: bad port, sizes or sid")
+        await self._mutate(
+            lambda t: self.ns.register_server(t, sid, host, port, total, free))
+        with self._lock:
+            self._live[sid] = _Live(host, port, total, free, time.monotonic())
+        old = self._dclients.pop(sid, None)
+        if old is not None:
+            old.close()
+        log.info("data server %s registered at %s:%d (%d of %d bytes free)",
+                 sid, host, port, free, total)
+        return {"sid": sid}
+
+    async def rpc_heartbeat(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        sid, total, free = req.str("sid"), req.int("total"), req.int("free")
+        with self._lock:
+            live = self._live.get(sid)
+            if live is not None:
+                live.total, live.free, live.seen = total, free, time.monotonic()
+                return {}
+        with self.store.read() as txn:
+            rec = self.ns.list_servers(txn).get(sid)
+        if rec is None:
+            raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
+        with self._lock:
+            self._live[sid] = _Live(rec["host"], rec["port"], total, free, time.monotonic())
+        return {}
+
+
+async def serve_meta(config: MetaConfig, *, store: Store | None = None,
+                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Open the store named by ``config.db`` (or use ``store``) and serve until
+    cancelled; ``await nursery.start(serve_meta, config)`` returns the bound port."""
+    owned = store is None
+    st: Store = LmdbStore(config.db, config.map_size) if store is None else store
+    try:
+        service = MetaService(st, config)
+        await service.serve_all(config.host, config.port, task_status=task_status)
+    finally:
+        if owned:
+            st.close()
