@@ -1,0 +1,35 @@
+"""Benchmarks: ``pfs bench throughput | meta | fuse``.
+
+Every benchmark measures its references in the same run (local file, loopback socket,
+raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
+See docs/benchmarks.md for what each figure means and for figures from real runs.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: pfs bench {throughput,meta,fuse} [options]   (-h after a subcommand for its options)
+
+  throughput  native-client sequential write/read of a striped file vs a local file
+              and a loopback socket (issue 2)
+  meta        creates/stats/unlinks per second, 1 and N client processes, vs raw LMDB (issue 2)
+  fuse        dd write / cold read and create/stat/unlink on a pfs mount, the native client,
+              a local dir and a MooseFS mount, in one run (issue 3)
+"""
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], list(argv[1:])
+    if cmd == "throughput":
+        from pfs.bench.throughput import main as run
+    elif cmd == "meta":
+        from pfs.bench.meta import main as run
+    elif cmd == "fuse":
+        from pfs.bench.fusebench import main as run
+    else:
+        print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)

@@ -1,0 +1,380 @@
+"""``pfs bench fuse``: the pfs FUSE mount beside the native client, a local directory and a
+MooseFS mount, all measured in one run, as ``../shared/peers/fsbench.py`` measures:
+
+  write      ``dd if=SRC of=DIR/f bs=1M count=MB conv=fsync``  (SRC: random bytes in /dev/shm)
+  cold read  drop caches (sync; echo 3 > /proc/sys/vm/drop_caches), ``dd if=DIR/f of=/dev/null bs=1M``
+  metadata   create (open O_CREAT|O_EXCL + close), stat, unlink of NFILES empty files in a
+             fresh directory, one client process (see ``pfs bench meta``)
+
+The native client does the same with its own API: the same random bytes written from memory
+in 64 MiB calls, fsync, close; cold read into a preallocated buffer in 64 MiB calls; the
+metadata loop through the path API. MB/s = 10^6 B/s as dd prints it; medians of --reps.
+Targets are interleaved within each repetition so drift on a noisy machine hits all alike.
+
+MooseFS is started with ``moosefs-up.sh`` (1 master, 4 chunk servers, goal 1, on loopback)
+and removed afterwards with ``moosefs-down.sh --purge``. The pfs cluster has 4 data servers
+and the benchmark directory has stripe count 4, unit 1 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pfs.bench import meta as metabench
+from pfs.bench.common import (
+    cluster_for,
+    drop_caches,
+    log,
+    machine_info,
+    median_record,
+    proc_cpu,
+    ratio,
+    run_quiet,
+    self_cpu,
+    table,
+    work_dir,
+    write_json,
+)
+
+METRICS = ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="cluster directory: use (or start) the cluster there")
+    p.add_argument("--config", help="client.toml of a running cluster to use")
+    p.add_argument("--mb", type=int, default=1024, help="MiB per file (default 1024)")
+    p.add_argument("--nfiles", type=int, default=2000, help="files for create/stat/unlink (default 2000)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; medians (default 3)")
+    p.add_argument("--targets", default="local,mount,native,moosefs",
+                   help="which to measure (default local,mount,native,moosefs)")
+    p.add_argument("--peers-dir", default=os.environ.get("PFS_PEERS_DIR"),
+                   help="the folder with moosefs-up.sh (default: ../shared/peers from the repo)")
+    p.add_argument("--mount-opts", default="", help="-o options for pfs mount")
+    p.add_argument("--local-dir", help="scratch space (local target, cluster, mount points)")
+    p.add_argument("--quick", action="store_true", help="64 MiB, 200 files, 1 rep")
+    p.add_argument("--json", help="write all results here")
+
+
+# -- helpers -------------------------------------------------------------------------
+def dd(args: list[str]) -> tuple[float, float, float]:
+    """Run dd; (MB/s, seconds, dd's CPU seconds)."""
+    c0 = os.times()
+    r = run_quiet(["dd", *args])
+    c1 = os.times()
+    if r.returncode:
+        raise RuntimeError(f"dd {' '.join(args)} failed: {r.stderr.strip()}")
+    m = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", r.stderr, re.M)
+    if not m:
+        raise RuntimeError(f"cannot parse dd output: {r.stderr!r}")
+    nbytes, secs = int(m.group(1)), float(m.group(2))
+    cpu = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
+    return nbytes / secs / 1e6, secs, cpu
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def peers_dir(arg: str | None) -> Path:
+    return Path(arg) if arg else _repo_root().parent / "shared" / "peers"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def mount_available() -> bool:
+    from pfs import cli
+
+    try:
+        parser = cli.build_parser()
+        parser.parse_args(["mount", "--help"])
+    except SystemExit as exc:
+        return exc.code == 0
+    return False
+
+
+def _pids_of_mount(mnt: Path) -> list[int]:
+    """Processes whose command line names ``mnt`` (the FUSE daemon serving it)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(str(mnt)) in argv or any(os.fsencode(str(mnt)) in a and b"mfsmount" in a
+                                                for a in argv):
+            out.append(int(p))
+    return out
+
+
+def _is_mounted(mnt: Path) -> bool:
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == str(mnt) for line in f)
+
+
+class Target:
+    def __init__(self, name: str, path: Path | None, pids: list[int]) -> None:
+        self.name, self.path, self.pids = name, path, pids
+
+
+# -- set-up ----------------------------------------------------------------------
+def pfs_mount(toml: Path, mnt: Path, opts: str) -> None:
+    mnt.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "pfs.cli", "mount", "--config", str(toml), str(mnt)]
+    if opts:
+        argv += ["-o", opts]
+    r = run_quiet(argv, timeout=120)
+    if r.returncode or not _is_mounted(mnt):
+        raise RuntimeError(f"pfs mount failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}")
+
+
+def pfs_umount(mnt: Path) -> None:
+    if not _is_mounted(mnt):
+        return
+    r = run_quiet([sys.executable, "-m", "pfs.cli", "umount", str(mnt)], timeout=60)
+    if r.returncode and _is_mounted(mnt):
+        run_quiet(["fusermount3", "-u", str(mnt)])
+    if _is_mounted(mnt):
+        run_quiet(["umount", "-l", str(mnt)])
+
+
+def moosefs_up(peers: Path, mnt: Path, base: Path) -> dict[str, str]:
+    env = dict(os.environ, MFS_BASE=str(base))
+    port = 19419
+    while not all(_port_free(port + i) for i in range(7)):
+        port += 100
+    env["MFS_PORT_BASE"] = str(port)
+    r = run_quiet(["bash", str(peers / "moosefs-up.sh"), str(mnt)], env=env, timeout=180)
+    if r.returncode:
+        raise RuntimeError(f"moosefs-up.sh failed: {r.stderr.strip()}\n{r.stdout.strip()}")
+    log(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "MooseFS up")
+    return env
+
+
+def moosefs_down(peers: Path, mnt: Path, env: dict[str, str]) -> None:
+    r = run_quiet(["bash", str(peers / "moosefs-down.sh"), str(mnt), "--purge"], env=env,
+                  timeout=180)
+    if r.returncode:
+        log(f"moosefs-down.sh: {r.stderr.strip()}")
+
+
+def moosefs_pids(base: Path) -> list[int]:
+    pids = []
+    for lock in [base / "master" / ".mfsmaster.lock", *base.glob("cs*/var/.mfschunkserver.lock"),
+                 base / "mfsmount.pid"]:
+        try:
+            txt = "".join(ch for ch in lock.read_text() if ch.isdigit())
+            if txt:
+                pids.append(int(txt))
+        except OSError:
+            pass
+    return pids
+
+
+# -- one target, one repetition -----------------------------------------------------
+def posix_io(t: Target, src: Path, mb: int) -> dict[str, Any]:
+    assert t.path is not None
+    f = t.path / f"fsbench-{os.getpid()}"
+    p0 = sum(proc_cpu(p) for p in t.pids)
+    w, ws, wcpu = dd([f"if={src}", f"of={f}", "bs=1M", f"count={mb}", "conv=fsync"])
+    p1 = sum(proc_cpu(p) for p in t.pids)
+    dropped = drop_caches()
+    p2 = sum(proc_cpu(p) for p in t.pids)
+    rd, rs, rcpu = dd([f"if={f}", "of=/dev/null", "bs=1M"])
+    p3 = sum(proc_cpu(p) for p in t.pids)
+    os.unlink(f)
+    return {"write_MBps": w, "read_MBps": rd, "write_s": ws, "read_s": rs,
+            "write_cpu_s": wcpu + p1 - p0, "read_cpu_s": rcpu + p3 - p2,
+            "drop_caches_ok": dropped}
+
+
+def native_io(c: Any, data: memoryview, rbuf: memoryview, pids: list[int]) -> dict[str, Any]:
+    chunk = 64 << 20
+    path = f"/bench-fuse/native-{os.getpid()}"
+
+    def cpu() -> float:
+        return self_cpu() + sum(proc_cpu(p) for p in pids)
+
+    c0, t0 = cpu(), time.perf_counter()
+    with c.open(path, "wb") as f:
+        off = 0
+        while off < len(data):
+            off += f.write(data[off:off + chunk])
+        f.fsync()
+    ws, c1 = time.perf_counter() - t0, cpu()
+    dropped = drop_caches()
+    c2, t0 = cpu(), time.perf_counter()
+    with c.open(path, "rb") as f:
+        got = 0
+        while got < len(rbuf):
+            n = f.readinto(rbuf[got:got + chunk])
+            if not n:
+                break
+            got += n
+    rs, c3 = time.perf_counter() - t0, cpu()
+    if got != len(data) or rbuf != data:
+        raise RuntimeError("native read-back differs from what was written")
+    c.remove(path)
+    return {"write_MBps": len(data) / ws / 1e6, "read_MBps": len(data) / rs / 1e6,
+            "write_s": ws, "read_s": rs, "write_cpu_s": c1 - c0, "read_cpu_s": c3 - c2,
+            "drop_caches_ok": dropped}
+
+
+def meta_ops(t: Target, nfiles: int, toml: Path | None) -> dict[str, Any]:
+    if t.name == "native":
+        rec = metabench.measure("pfs", str(toml), 1, nfiles, t.pids, t.name)
+    else:
+        rec = metabench.measure("posix", str(t.path), 1, nfiles, t.pids, t.name)
+    return {"create_ops": rec["create"]["ops_per_s"], "stat_ops": rec["stat"]["ops_per_s"],
+            "unlink_ops": rec["unlink"]["ops_per_s"],
+            "create_cpu_us": rec["create"]["cpu_us_per_op"],
+            "stat_cpu_us": rec["stat"]["cpu_us_per_op"],
+            "unlink_cpu_us": rec["unlink"]["cpu_us_per_op"]}
+
+
+# -- the run -----------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import pfs
+
+    if args.quick:
+        args.mb, args.nfiles, args.reps = min(args.mb, 64), min(args.nfiles, 200), 1
+    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
+    notes: list[str] = []
+    if "mount" in wanted and not mount_available():
+        notes.append("`pfs mount` is not available in this checkout: mount target skipped")
+        wanted.remove("mount")
+    peers = peers_dir(args.peers_dir)
+    if "moosefs" in wanted and not (peers / "moosefs-up.sh").exists():
+        notes.append(f"no moosefs-up.sh in {peers}: MooseFS target skipped")
+        wanted.remove("moosefs")
+    if "moosefs" in wanted and not shutil.which("mfsmount"):
+        notes.append("MooseFS is not installed: MooseFS target skipped")
+        wanted.remove("moosefs")
+    for n in notes:
+        log(n)
+    size = args.mb << 20
+    res: dict[str, Any] = {"bench": "fuse", "notes": notes}
+    src = Path(f"/dev/shm/pfs-bench-rand-{os.getpid()}")
+    mfs_env: dict[str, str] | None = None
+    with contextlib.ExitStack() as stack:
+        wd = stack.enter_context(work_dir(args.local_dir, "pfs-bench-fuse-"))
+        need_pfs = "mount" in wanted or "native" in wanted
+        cut = stack.enter_context(cluster_for(args, wd, 4)) if need_pfs else None
+        res["machine"] = machine_info(wd)
+        res["config"] = {"mb": args.mb, "nfiles": args.nfiles, "reps": args.reps,
+                         "targets": wanted, "stripe_count": 4, "stripe_unit": 1 << 20,
+                         "src": str(src)}
+        pmnt, mmnt, mbase = wd / "pfs-mnt", wd / "mfs-mnt", wd / "mfs-base"
+        try:
+            log(f"making {args.mb} MiB of random data in {src}")
+            from pfs.bench.common import random_buffer
+
+            data = memoryview(random_buffer(size))
+            with open(src, "wb") as f:
+                f.write(data)
+            rbuf = memoryview(bytearray(size))
+            targets: list[Target] = []
+            server_pids = list(cut.pids.values()) if cut else []
+            toml = cut.client_toml if cut else None
+            with (pfs.connect(config=toml) if toml else contextlib.nullcontext()) as c:
+                if c is not None:
+                    c.makedirs("/bench-fuse", exist_ok=True)
+                    c.set_layout("/bench-fuse", count=4, unit=1 << 20)
+                for name in wanted:
+                    if name == "local":
+                        (wd / "local").mkdir()
+                        targets.append(Target("local", wd / "local", []))
+                    elif name == "mount":
+                        log("mounting pfs")
+                        pfs_mount(toml, pmnt, args.mount_opts)
+                        targets.append(Target("mount", pmnt / "bench-fuse",
+                                              server_pids + _pids_of_mount(pmnt)))
+                    elif name == "native":
+                        targets.append(Target("native", None, server_pids))
+                    elif name == "moosefs":
+                        log("starting MooseFS")
+                        mfs_env = moosefs_up(peers, mmnt, mbase)
+                        targets.append(Target("moosefs", mmnt, moosefs_pids(mbase)))
+                    else:
+                        raise SystemExit(f"unknown target {name!r}")
+                runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+                for rep in range(args.reps):
+                    for t in targets:
+                        log(f"rep {rep + 1}/{args.reps}: {t.name}")
+                        if t.name == "native":
+                            r = native_io(c, data, rbuf, t.pids)
+                        else:
+                            r = posix_io(t, src, args.mb)
+                        r.update(meta_ops(t, args.nfiles, toml))
+                        log("  " + " ".join(f"{k}={r[k]:.0f}" for k in METRICS))
+                        runs[t.name].append(r)
+        finally:
+            if _is_mounted(pmnt):
+                pfs_umount(pmnt)
+            if mfs_env is not None:
+                moosefs_down(peers, mmnt, mfs_env)
+            src.unlink(missing_ok=True)
+    res["runs"] = runs
+    med = {k: median_record(v) for k, v in runs.items()}
+    res["median"] = med
+    res["ratios"] = ratios(med)
+    return res
+
+
+def ratios(med: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for a, b in (("mount", "moosefs"), ("native", "moosefs"), ("mount", "local"),
+                 ("native", "local"), ("mount", "native")):
+        if a in med and b in med:
+            for m in METRICS:
+                out[f"{a}/{b} {m}"] = round(ratio(med[a][m], med[b][m]), 3)
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    med, cfg, m = res["median"], res["config"], res["machine"]
+    lines = [f"pfs bench fuse: {cfg['mb']} MiB files (dd bs=1M, conv=fsync; cold read after "
+             f"drop_caches), {cfg['nfiles']} files for metadata, median of {cfg['reps']}",
+             f"machine: {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}), {m.get('fs', '?')}"]
+    lines += [f"note: {n}" for n in res.get("notes", [])]
+    lines.append("")
+    rows = [[name, f"{r['write_MBps']:.0f}", f"{r['read_MBps']:.0f}", f"{r['create_ops']:,.0f}",
+             f"{r['stat_ops']:,.0f}", f"{r['unlink_ops']:,.0f}", f"{r['write_cpu_s']:.2f}",
+             f"{r['read_cpu_s']:.2f}"] for name, r in med.items()]
+    lines.append(table(rows, ["target", "write MB/s", "cold read MB/s", "creates/s", "stats/s",
+                              "unlinks/s", "write CPU s", "read CPU s"]))
+    lines.append("")
+    lines.append("ratios:")
+    for k, v in res["ratios"].items():
+        lines.append(f"  {k:36s} {v:.3f}")
+    lines.append("aims (issue 3): mount >= MooseFS on write, cold read, creates, stats, unlinks; "
+                 "mount read >= 0.4x native read")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pfs bench fuse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    res = run(args)
+    print(report(res))
+    write_json(args.json, res)
+    return 0

@@ -1,0 +1,102 @@
+"""The benchmarks run end to end in tiny configurations against a real local cluster and
+produce well-formed output and JSON. Nothing here judges speed."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pfs.bench import main as bench_main
+
+# pfs.cluster drops its Popen objects while the servers run on (they are daemons by
+# design); Popen.__del__ then warns, which the suite's "error" filter would turn into a
+# failure of whichever test happens to start the shared cluster.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <function Popen.__del__:pytest.PytestUnraisableExceptionWarning")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_usage_and_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["--help"]) == 0
+    assert "throughput" in capsys.readouterr().out
+    assert bench_main(["no-such-bench"]) == 2
+    assert bench_main([]) == 2
+
+
+def test_parse_size() -> None:
+    from pfs.bench.common import parse_size
+
+    assert parse_size("1G") == 1 << 30
+    assert parse_size("64M") == 64 << 20
+    assert parse_size("512k") == 512 << 10
+    assert parse_size("4096") == 4096
+    assert parse_size("1MiB") == 1 << 20
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_throughput(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tp.json"
+    rc = bench_main(["throughput", "--dir", str(cluster_dir), "--size", "8M", "--chunk", "2M",
+                     "--reps", "2", "--no-cold", "--local-dir", str(tmp_path),
+                     "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("pfs_write", "pfs_read_warm", "local_write", "socket", "GB/s/core"):
+        assert word in text
+    res = json.loads(out.read_text())
+    assert res["config"]["size"] == 8 << 20
+    assert res["config"]["stripe_count"] == 4
+    assert res["layout"]["count"] == 4
+    assert len(res["runs"]) == 2
+    for path in ("local_write", "local_read_warm", "pfs_write", "pfs_read_warm", "socket"):
+        m = res["median"][path]
+        assert _positive(m["GBps"]) and _positive(m["seconds"]), (path, m)
+        assert m["bytes"] == 8 << 20
+        assert m["GBps_per_core"] >= 0
+    assert _positive(res["ratios"]["pfs_write/local_write"])
+    assert _positive(res["ratios"]["pfs_read_warm/local_read_warm"])
+    assert "pfs_read_cold" not in res["median"]
+
+
+def test_meta(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "meta.json"
+    local = tmp_path / "posix"
+    local.mkdir()
+    rc = bench_main(["meta", "--dir", str(cluster_dir), "--clients", "1,2", "--files", "30",
+                     "--lmdb-ops", "30", "--lmdb-batch", "4", "--posix", f"local={local}",
+                     "--local-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    assert "creates/s" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    got = {(r["label"], r["clients"]) for r in res["median"]}
+    assert got == {("pfs native", 1), ("pfs native", 2), ("local", 1), ("local", 2)}
+    for r in res["median"]:
+        for ph in ("create", "stat", "unlink"):
+            assert _positive(r[ph]["ops_per_s"]), r
+            assert r[ph]["ops"] == 30
+    for key in ("durable_1_per_txn", "durable_4_per_txn"):
+        assert _positive(res["lmdb"][key]["ops_per_s"])
+    assert list(local.iterdir()) == []  # the bench cleaned up after itself
+
+
+def test_fuse_bench_local_and_native(cluster_dir: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue-3 comparison with the targets that need no mount or MooseFS."""
+    out = tmp_path / "fuse.json"
+    rc = bench_main(["fuse", "--dir", str(cluster_dir), "--targets", "local,native",
+                     "--mb", "4", "--nfiles", "20", "--reps", "1",
+                     "--local-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    assert "cold read MB/s" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert set(res["median"]) == {"local", "native"}
+    for name, rec in res["median"].items():
+        for k in ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops"):
+            assert _positive(rec[k]), (name, k, rec)
+    assert _positive(res["ratios"]["native/local write_MBps"])
