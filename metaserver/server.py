@@ -19,6 +19,7 @@ servers, then commits the new size, so old bytes never reappear past a later ext
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -158,7 +159,7 @@ class MetaService(RpcService):
                     batch.append(self._recv.receive_nowait())
                 except trio.WouldBlock:
                     break
-            await self._in_writer_thread(lambda b=batch: self._run_batch(b))
+            await self._in_writer_thread(functools.partial(self._run_batch, batch))
             with self._lock:
                 self._dying.clear()
             for op in batch:
@@ -212,6 +213,9 @@ class MetaService(RpcService):
         with self.store.read() as txn:
             return txn.get(K.orphan(ino)) is not None
 
+    def _reclaim(self, ino: int, txn: WriteTxn) -> bool:
+        return self.ns.reclaim(txn, ino)
+
     def _new_fh(self, ctx: ConnContext, ino: int) -> int:
         fhs = ctx.state.setdefault("fhs", {})
         fh = ctx.state.get("next_fh", 1)
@@ -223,7 +227,7 @@ class MetaService(RpcService):
         fhs: dict[int, int] = ctx.state.pop("fhs", {})
         for ino in fhs.values():
             if self._unref(ino) and not self._closed:
-                self._send.send_nowait(_Op(lambda t, i=ino: self.ns.reclaim(t, i), None))
+                self._send.send_nowait(_Op(functools.partial(self._reclaim, ino), None))
 
     # ------------------------------------------------------------------ data servers
     def _alive_free(self) -> dict[str, int]:

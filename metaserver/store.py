@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import lmdb
@@ -40,16 +40,16 @@ class Txn(Protocol):
 
 
 class WriteTxn(Txn, Protocol):
-    def nested(self) -> contextmanager[WriteTxn]: ...  # type: ignore[valid-type]
+    def nested(self) -> AbstractContextManager[WriteTxn]: ...
 
 
 class Store(Protocol):
     #: True when a write may run in a worker thread while reads go on in another
     threaded: bool
 
-    def read(self) -> contextmanager[Txn]: ...  # type: ignore[valid-type]
+    def read(self) -> AbstractContextManager[Txn]: ...
 
-    def write(self) -> contextmanager[WriteTxn]: ...  # type: ignore[valid-type]
+    def write(self) -> AbstractContextManager[WriteTxn]: ...
 
     def close(self) -> None: ...
 
@@ -71,16 +71,16 @@ class _LmdbTxn:
         self.txn = txn
 
     def get(self, key: bytes) -> bytes | None:
-        return self.txn.get(key)
+        return self.txn.get(key)  # type: ignore[return-value]  # bytes: buffers=False
 
     def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         with self.txn.cursor() as cur:
             if not cur.set_range(start if start is not None and start > prefix else prefix):
                 return
             for key, value in cur:
-                if not key.startswith(prefix):
+                if not bytes(key).startswith(prefix):
                     return
-                yield key, value
+                yield bytes(key), bytes(value)
 
     def put(self, key: bytes, value: bytes) -> None:
         try:

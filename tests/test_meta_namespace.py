@@ -11,8 +11,15 @@ from typing import Any
 import pytest
 
 from metaserver import keys as K
-from metaserver.namespace import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, XATTR_CREATE,
-                                  XATTR_REPLACE, Cred, Namespace)
+from metaserver.namespace import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT,
+    XATTR_CREATE,
+    XATTR_REPLACE,
+    Cred,
+    Namespace,
+)
 from metaserver.store import LmdbStore, MemoryStore
 from pfs.config import LayoutDefaults
 
@@ -351,7 +358,6 @@ def test_readdir_cookies(fs: FS) -> None:
 
 
 def test_setattr_rules(fs: FS) -> None:
-    f = fs.file(1, b"f", USER) if False else None
     pub = fs.mkdir(ROOT, 1, b"pub", 0o777)["ino"]
     f = fs.file(pub, b"f", USER, 0o6755)
     a = fs.getattr(f)

@@ -1,0 +1,436 @@
+"""The metadata service over the wire: in-process with ``nursery.start`` and as a
+process killed with SIGKILL."""
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from metaserver.server import MetaService, serve_meta
+from metaserver.store import LmdbStore
+from pfs.config import LayoutDefaults, MetaConfig
+from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
+
+ROOTC = [0, 0, []]
+USERC = [1000, 1000, [1000]]
+UNIT = 4096
+
+
+def trio_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> None:
+        trio.run(functools.partial(fn, *args, **kw))
+    return wrapper
+
+
+class FakeData(RpcService):
+    """Records what the metaserver asks of a data server."""
+
+    name = "fakedata"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.truncates: list[tuple[list[int], int]] = []
+        self.deleted: list[list[int]] = []
+        self.changed = trio.Event()
+
+    def _poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def rpc_truncate(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        self.truncates.append((req.list("obj"), req.int("size")))
+        self._poke()
+        return {}
+
+    async def rpc_delete(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        objs = req.list("objs")
+        self.deleted.extend(objs)
+        self._poke()
+        return {"deleted": len(objs)}
+
+
+@dataclass
+class Env:
+    nursery: trio.Nursery
+    port: int
+    client: RpcClient
+    data: dict[str, FakeData] = field(default_factory=dict)
+    clients: list[RpcClient] = field(default_factory=list)
+
+    async def call(self, method: str, **fields: Any) -> dict[str, Any]:
+        return (await self.client.call(method, fields)).fields
+
+    async def connect(self) -> RpcClient:
+        c = await RpcClient.open(self.nursery, "127.0.0.1", self.port)
+        self.clients.append(c)
+        return c
+
+    async def wait_for(self, cond: Callable[[], bool]) -> None:
+        """Wait until a fake data server saw what ``cond`` checks."""
+        with trio.fail_after(10):
+            while not cond():
+                events = [d.changed for d in self.data.values()]
+                async with trio.open_nursery() as n:
+                    for ev in events:
+                        async def wait(ev: trio.Event = ev) -> None:
+                            await ev.wait()
+                            n.cancel_scope.cancel()
+                        n.start_soon(wait)
+
+
+def config(tmp_path: Path, **kw: Any) -> MetaConfig:
+    return MetaConfig(db=str(tmp_path / "db"), port=0, map_size=1 << 28,
+                      layout=LayoutDefaults(unit=UNIT, count=2, replicas=1), **kw)
+
+
+@asynccontextmanager
+async def running(tmp_path: Path, servers: int = 2, **kw: Any) -> AsyncIterator[Env]:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_meta, config(tmp_path, **kw)))
+        env = Env(nursery, port, await RpcClient.open(nursery, "127.0.0.1", port))
+        assert await env.call("hello", client="test") == {"root": 1, "version": 1}
+        for _ in range(servers):
+            fake = FakeData()
+            dport = await nursery.start(fake.serve, "127.0.0.1", 0)
+            sid = (await env.call("register", sid=None, host="127.0.0.1", port=dport,
+                                  total=1 << 30, free=1 << 29))["sid"]
+            env.data[sid] = fake
+        env.clients.append(env.client)
+        try:
+            yield env
+        finally:
+            for c in env.clients:
+                c.close()
+            nursery.cancel_scope.cancel()
+
+
+async def expect(code: int, aw: Awaitable[Any]) -> None:
+    with pytest.raises(OSError) as info:
+        await aw
+    assert info.value.errno == code, info.value
+
+
+@trio_test
+async def test_namespace_over_the_wire(tmp_path: Path) -> None:
+    async with running(tmp_path) as env:
+        d = (await env.call("mkdir", parent=1, name=b"d", mode=0o755, cred=ROOTC))["attr"]
+        assert stat.S_ISDIR(d["mode"])
+        await expect(errno.EEXIST, env.call("mkdir", parent=1, name=b"d", mode=0o755, cred=ROOTC))
+        await expect(errno.EINVAL, env.call("mkdir", parent=1, name=b"d"))  # no cred
+        await expect(errno.ENOSYS, env.call("no_such_method"))
+        r = await env.call("create", parent=d["ino"], name="f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        f, fh, layout = r["attr"], r["fh"], r["layout"]
+        assert layout["count"] == 2 and sorted(s[0] for s in layout["servers"]) == sorted(env.data)
+        assert (await env.call("commit_size", fh=fh, written_end=3 * UNIT, mtime=None))["attr"]["size"] == 3 * UNIT
+        await env.call("close", fh=fh, written_end=5 * UNIT, mtime=123)
+        await expect(errno.EBADF, env.call("close", fh=fh))
+        a = (await env.call("getattr", ino=f["ino"]))["attr"]
+        assert a["size"] == 5 * UNIT and a["mtime"] == 123
+        got = await env.call("resolve", path=b"/d/f", follow=True, cred=ROOTC)
+        assert got["attr"]["ino"] == f["ino"] and got["parent"] == d["ino"] and got["name"] == b"f"
+        assert (await env.call("lookup", parent=d["ino"], name=b"f", cred=ROOTC))["attr"] == a
+        rd = await env.call("readdir", ino=d["ino"], cookie=0, limit=10, plus=True, cred=ROOTC)
+        assert rd["eof"] and [e[0] for e in rd["entries"]] == [b"f"] and rd["entries"][0][4] == a
+        await env.call("symlink", parent=1, name=b"s", target=b"d/f", cred=ROOTC)
+        s = await env.call("resolve", path="/s", follow=False, cred=ROOTC)
+        assert (await env.call("readlink", ino=s["attr"]["ino"]))["target"] == b"d/f"
+        await env.call("link", ino=f["ino"], newparent=1, newname=b"hard", cred=ROOTC)
+        await env.call("rename", parent=1, name=b"hard", newparent=d["ino"], newname=b"g",
+                       flags=0, cred=ROOTC)
+        await env.call("setxattr", ino=f["ino"], name=b"user.k", value=b"v", flags=0, cred=ROOTC)
+        assert (await env.call("getxattr", ino=f["ino"], name=b"user.k", cred=ROOTC))["value"] == b"v"
+        assert (await env.call("listxattr", ino=f["ino"], cred=ROOTC))["names"] == [b"user.k"]
+        await env.call("removexattr", ino=f["ino"], name=b"user.k", cred=ROOTC)
+        await env.call("access", ino=f["ino"], mask=os.R_OK, cred=USERC)
+        await expect(errno.EACCES, env.call("access", ino=f["ino"], mask=os.W_OK, cred=USERC))
+        await expect(errno.EACCES, env.call("open", ino=f["ino"], flags=os.O_WRONLY, cred=USERC))
+        lay = await env.call("set_layout", ino=d["ino"], unit=2 * UNIT, count=1, replicas=1,
+                             cred=ROOTC)
+        assert lay["layout"]["count"] == 1
+        assert (await env.call("get_layout", ino=d["ino"]))["layout"]["unit"] == 2 * UNIT
+        st = await env.call("statfs")
+        assert st["blocks"] == 2 * (1 << 30) // 4096 and st["namemax"] == 255
+        servers = (await env.call("servers"))["servers"]
+        assert set(servers) == set(env.data) and all(s["alive"] for s in servers.values())
+        sid = next(iter(env.data))
+        await env.call("heartbeat", sid=sid, total=1 << 30, free=1 << 20)
+        assert (await env.call("servers"))["servers"][sid]["free"] == 1 << 20
+        await expect(errno.ENOENT, env.call("heartbeat", sid="nope", total=1, free=1))
+        fifo = await env.call("mknod", parent=1, name=b"fifo", mode=stat.S_IFIFO | 0o644,
+                              rdev=0, cred=ROOTC)
+        assert stat.S_ISFIFO(fifo["attr"]["mode"])
+        await expect(errno.ENOTEMPTY, env.call("rmdir", parent=1, name=b"d", cred=ROOTC))
+        await expect(errno.EISDIR, env.call("unlink", parent=1, name=b"d", cred=ROOTC))
+
+
+@trio_test
+async def test_truncate_and_delete_reach_data_servers(tmp_path: Path) -> None:
+    async with running(tmp_path) as env:
+        r = await env.call("create", parent=1, name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        ino, layout = r["attr"]["ino"], r["layout"]
+        await env.call("close", fh=r["fh"], written_end=10 * UNIT, mtime=None)
+        # shrink: every object is cut before the reply
+        a = (await env.call("setattr", ino=ino, size=3 * UNIT + 5, cred=ROOTC))["attr"]
+        assert a["size"] == 3 * UNIT + 5
+        cuts = sorted((tuple(o), s) for d in env.data.values() for o, s in d.truncates)
+        assert cuts == [((ino, 0), 2 * UNIT), ((ino, 1), UNIT + 5)]
+        # growing does not touch the data servers
+        await env.call("setattr", ino=ino, size=20 * UNIT, cred=ROOTC)
+        assert sum(len(d.truncates) for d in env.data.values()) == 2
+        # O_TRUNC cuts to zero first
+        r2 = await env.call("open", ino=ino, flags=os.O_RDWR | os.O_TRUNC, cred=ROOTC)
+        assert r2["attr"]["size"] == 0
+        assert sorted(s for d in env.data.values() for _, s in d.truncates[-1:]) == [0, 0]
+        await env.call("close", fh=r2["fh"], written_end=None, mtime=None)
+        # unlink queues the objects for deletion; the deleter sends them
+        await env.call("unlink", parent=1, name=b"f", cred=ROOTC)
+        want = sorted([ino, i] for i in range(len(layout["servers"])))
+        await env.wait_for(lambda: sorted(o for d in env.data.values() for o in d.deleted) == want)
+
+
+@trio_test
+async def test_unlinked_while_open(tmp_path: Path) -> None:
+    async with running(tmp_path) as env:
+        r = await env.call("create", parent=1, name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        ino = r["attr"]["ino"]
+        other = await env.connect()
+        r2 = (await other.call("open", {"ino": ino, "flags": os.O_RDONLY, "cred": ROOTC})).fields
+        await env.call("unlink", parent=1, name=b"f", cred=ROOTC)
+        a = (await env.call("getattr", ino=ino))["attr"]
+        assert a["nlink"] == 0  # still there while open
+        await expect(errno.ENOENT, env.call("open", ino=ino, flags=os.O_RDONLY, cred=ROOTC))
+        await env.call("close", fh=r["fh"], written_end=UNIT, mtime=None)
+        assert (await env.call("getattr", ino=ino))["attr"]["size"] == UNIT
+        assert r2["fh"]
+        other.close()  # the last handle goes with its connection
+        await env.wait_for(lambda: any(d.deleted for d in env.data.values()))
+        await expect(errno.ENOENT, env.call("getattr", ino=ino))
+
+
+@trio_test
+async def test_group_commit_concurrent_creates(tmp_path: Path) -> None:
+    commits = 0
+
+    class Counting(LmdbStore):
+        def write(self):  # type: ignore[no-untyped-def]
+            nonlocal commits
+            commits += 1
+            return super().write()
+
+    store = Counting(tmp_path / "db", 1 << 28)
+    n = 400
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_meta, config(tmp_path), store=store))
+        service_clients = [await RpcClient.open(nursery, "127.0.0.1", port) for _ in range(4)]
+        c0 = service_clients[0]
+        fake = FakeData()
+        dport = await nursery.start(fake.serve, "127.0.0.1", 0)
+        await c0.call("register", {"sid": "s1", "host": "127.0.0.1", "port": dport,
+                                   "total": 1 << 30, "free": 1 << 29})
+        d = (await c0.call("mkdir", {"parent": 1, "name": b"d", "mode": 0o777,
+                                     "cred": ROOTC})).fields["attr"]["ino"]
+        before = commits
+        results: list[Any] = []
+
+        async def make(i: int) -> None:
+            c = service_clients[i % 4]
+            try:
+                r = await c.call("mkdir" if i % 3 == 0 else "mknod",
+                                 {"parent": d, "name": b"e%d" % i, "mode": 0o644 | (
+                                     stat.S_IFDIR if i % 3 == 0 else stat.S_IFREG),
+                                  "rdev": 0, "cred": ROOTC})
+                results.append(r.fields["attr"]["ino"])
+            except OSError as exc:
+                results.append(exc)
+
+        async with trio.open_nursery() as burst:
+            for i in range(n):
+                burst.start_soon(make, i)
+            # one duplicate name fails alone, inside a batch of good ones
+            burst.start_soon(make, 0)
+        errors = [r for r in results if isinstance(r, OSError)]
+        assert len(errors) == 1 and errors[0].errno == errno.EEXIST
+        assert commits - before < n / 4, "creates were not grouped into shared commits"
+        names: list[bytes] = []
+        cookie = 0
+        while True:
+            rd = (await c0.call("readdir", {"ino": d, "cookie": cookie, "limit": 100,
+                                            "cred": ROOTC})).fields
+            names += [e[0] for e in rd["entries"]]
+            if rd["eof"]:
+                break
+            cookie = rd["entries"][-1][3]
+        assert sorted(names) == sorted(b"e%d" % i for i in range(n))
+        attr = (await c0.call("getattr", {"ino": d})).fields["attr"]
+        assert attr["nlink"] == 2 + len(range(0, n, 3))
+        for c in service_clients:
+            c.close()
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_no_servers_and_dead_servers(tmp_path: Path) -> None:
+    async with running(tmp_path, servers=0) as env:
+        await expect(errno.ENOSPC, env.call("create", parent=1, name=b"f", mode=0o644,
+                                            flags=os.O_CREAT | os.O_WRONLY, cred=ROOTC))
+        assert (await env.call("statfs"))["blocks"] == 0
+    async with running(tmp_path, servers=1, heartbeat_timeout=0.0) as env:
+        servers = (await env.call("servers"))["servers"]
+        assert len(servers) == 1 and not next(iter(servers.values()))["alive"]
+        await expect(errno.ENOSPC, env.call("mknod", parent=1, name=b"f", mode=0o644, rdev=0,
+                                            cred=ROOTC))
+
+
+# ---------------------------------------------------------------------------
+# a real process, killed with SIGKILL
+# ---------------------------------------------------------------------------
+def start_process(db: Path) -> tuple[subprocess.Popen[bytes], int]:
+    rfd, wfd = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metaserver", "--db", str(db), "--host", "127.0.0.1",
+         "--port", "0", "--ready-fd", str(wfd), "--log-level", "WARNING"],
+        pass_fds=(wfd,), stdin=subprocess.DEVNULL)
+    os.close(wfd)
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([rfd], [], [], 60)
+            assert ready, "metaserver did not report readiness"
+            chunk = os.read(rfd, 64)
+            assert chunk, f"metaserver exited with {proc.wait()}"
+            line += chunk
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        os.close(rfd)
+    return proc, int(line)
+
+
+def test_acknowledged_changes_survive_kill9(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    proc, port = start_process(db)
+    expected: dict[bytes, int] = {}
+    state: dict[str, Any] = {}
+
+    async def phase1() -> None:
+        async with trio.open_nursery() as nursery:
+            c = await RpcClient.open(nursery, "127.0.0.1", port)
+
+            async def call(method: str, **f: Any) -> dict[str, Any]:
+                return (await c.call(method, f)).fields
+
+            await call("register", sid="s1", host="127.0.0.1", port=9, total=1 << 30, free=1 << 29)
+            d = (await call("mkdir", parent=1, name=b"d", mode=0o755, cred=ROOTC))["attr"]["ino"]
+            state["d"] = d
+
+            async def make(i: int) -> None:
+                r = await call("create", parent=d, name=b"f%d" % i, mode=0o644,
+                               flags=os.O_CREAT | os.O_WRONLY, cred=ROOTC)
+                await call("close", fh=r["fh"], written_end=i, mtime=None)
+                expected[b"f%d" % i] = r["attr"]["ino"]
+
+            async with trio.open_nursery() as burst:
+                for i in range(60):
+                    burst.start_soon(make, i)
+            await call("rename", parent=d, name=b"f1", newparent=1, newname=b"moved",
+                       flags=0, cred=ROOTC)
+            state["moved"] = expected.pop(b"f1")
+            await call("unlink", parent=d, name=b"f2", cred=ROOTC)
+            state["gone"] = expected.pop(b"f2")
+            await call("setxattr", ino=d, name=b"user.x", value=b"y", flags=0, cred=ROOTC)
+            # an orphan: unlinked while open, then the process dies with it open
+            r = await call("create", parent=d, name=b"orphan", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+            state["orphan"] = r["attr"]["ino"]
+            await call("unlink", parent=d, name=b"orphan", cred=ROOTC)
+            assert (await call("getattr", ino=state["orphan"]))["attr"]["nlink"] == 0
+            proc.send_signal(signal.SIGKILL)  # right after the last acknowledgement
+            proc.wait()
+            c.close()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(phase1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    proc, port = start_process(db)
+
+    async def phase2() -> None:
+        async with trio.open_nursery() as nursery:
+            c = await RpcClient.open(nursery, "127.0.0.1", port)
+
+            async def call(method: str, **f: Any) -> dict[str, Any]:
+                return (await c.call(method, f)).fields
+
+            d = state["d"]
+            names: dict[bytes, int] = {}
+            cookie = 0
+            while True:
+                rd = await call("readdir", ino=d, cookie=cookie, limit=16, cred=ROOTC)
+                names.update({e[0]: e[1] for e in rd["entries"]})
+                if rd["eof"]:
+                    break
+                cookie = rd["entries"][-1][3]
+            assert names == expected
+            for name, ino in expected.items():
+                assert (await call("getattr", ino=ino))["attr"]["size"] == int(name[1:])
+            moved = await call("lookup", parent=1, name=b"moved", cred=ROOTC)
+            assert moved["attr"]["ino"] == state["moved"]
+            await expect(errno.ENOENT, call("getattr", ino=state["gone"]))
+            await expect(errno.ENOENT, call("getattr", ino=state["orphan"]))  # reclaimed
+            assert (await call("getxattr", ino=d, name=b"user.x", cred=ROOTC))["value"] == b"y"
+            assert "s1" in (await call("servers"))["servers"]
+            c.close()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(phase2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_service_on_memory_store() -> None:
+    from metaserver.store import MemoryStore
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            svc = MetaService(MemoryStore(), MetaConfig(port=0))
+            port = await nursery.start(svc.serve_all, "127.0.0.1", 0)
+            c = await RpcClient.open(nursery, "127.0.0.1", port)
+            async with trio.open_nursery() as burst:
+                for i in range(50):
+                    burst.start_soon(c.call, "mkdir",
+                                     {"parent": 1, "name": b"d%d" % i, "mode": 0o755,
+                                      "cred": ROOTC})
+            assert (await c.call("getattr", {"ino": 1})).fields["attr"]["nlink"] == 52
+            c.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
