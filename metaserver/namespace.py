@@ -334,14 +334,34 @@ class Namespace:
         return ino, rec
 
     # ------------------------------------------------------------------ placement
-    def file_layout(self, dir_layout: dict[str, Any] | None, unit: int = 0, count: int = 0,
+    def inherited(self, txn: Txn, dir_ino: int, unit: int = 0, count: int = 0,
+                  replicas: int = 0) -> tuple[int, int, int]:
+        """Fill each 0 from the nearest directory (``dir_ino``, then its ancestors) that
+        sets it, else from the cluster default."""
+        node = dir_ino
+        for _ in range(1 << 16):
+            if unit and count and replicas:
+                break
+            rec = self._rec(txn, node)
+            d = rec.get("layout") or {}
+            unit = unit or d.get("unit", 0)
+            count = count or d.get("count", 0)
+            replicas = replicas or d.get("replicas", 0)
+            if node == K.ROOT_INO:
+                break
+            node = rec.get("parent", K.ROOT_INO)
+        return (unit or self.default.unit, count or self.default.count,
+                replicas or self.default.replicas)
+
+    def file_layout(self, txn: Txn, dir_ino: int | None, unit: int = 0, count: int = 0,
                     replicas: int = 0) -> dict[str, Any]:
-        """A placed layout: explicit values, else the directory's default, else the
-        cluster's."""
-        d = dir_layout or {}
-        unit = unit or d.get("unit") or self.default.unit
-        count = count or d.get("count") or self.default.count
-        replicas = replicas or d.get("replicas") or self.default.replicas
+        """A placed layout: explicit values, else the nearest directory default, else
+        the cluster's."""
+        if dir_ino is not None:
+            unit, count, replicas = self.inherited(txn, dir_ino, unit, count, replicas)
+        unit = unit or self.default.unit
+        count = count or self.default.count
+        replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
         return self.place(unit, count, replicas)
 
@@ -613,7 +633,7 @@ class Namespace:
             rdev = 0
         extra: dict[str, Any] = {"rdev": rdev}
         if ftype == stat.S_IFREG:
-            extra["layout"] = self.file_layout(prec.get("layout"))
+            extra["layout"] = self.file_layout(txn, parent)
         now = self.clock()
         ino, rec = self._make(txn, cred, parent, prec, name, ftype | (mode & 0o7777), now,
                               extra)
@@ -730,7 +750,7 @@ class Namespace:
             attr, layout = self._open_inode(txn, cred, ino, self._rec(txn, ino), flags, now)
             return attr, layout, False
         prec = self._new_entry_checks(txn, cred, parent, name)
-        layout = self.file_layout(prec.get("layout"))
+        layout = self.file_layout(txn, parent)
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
         return self.attr(ino, rec), layout, True
@@ -976,7 +996,7 @@ class Namespace:
         elif stat.S_ISREG(rec["mode"]):
             if rec["size"] != 0:
                 raise _err(errno.EBUSY, "the layout of a file with data cannot change")
-            layout = self.file_layout(None, unit, count, replicas)
+            layout = self.file_layout(txn, None, unit, count, replicas)
         else:
             raise _err(errno.EINVAL, "layouts are for files and directories")
         rec["layout"] = layout

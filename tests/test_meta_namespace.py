@@ -464,6 +464,13 @@ def test_layouts_inherit(fs: FS) -> None:
     err(errno.EBUSY, fs.set_layout, ROOT, ino, 1 << 16, 1, 1)
     err(errno.EINVAL, fs.set_layout, ROOT, d, 1000, 1, 1)
     err(errno.EPERM, fs.set_layout, USER, d, 0, 1, 1)
+    # a directory made before its parent got a default still inherits it (nearest wins)
+    fs.set_layout(ROOT, d, 0, 0, 0)
+    old = fs.mkdir(ROOT, d, b"old", 0o755)["ino"]
+    fs.set_layout(ROOT, d, 1 << 17, 0, 0)
+    fs.set_layout(ROOT, 1, 0, 3, 0)
+    _, lay, _ = fs.create(ROOT, old, b"f", 0o644, CREAT)
+    assert (lay["unit"], lay["count"], lay["replicas"]) == (1 << 17, 3, 1)
 
 
 def test_placement(fs: FS) -> None:
