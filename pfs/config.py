@@ -17,6 +17,60 @@ class ConfigError(ValueError):
     pass
 
 
+# -- client profiles: the data path by workload phase -------------------------------
+# Thresholds (bytes per request), from the engine micro-benchmark (tests/bench_engines.py;
+# page-cache reads, 2 cores): below SMALL_READ_MAX a read is latency-bound, and the cheapest
+# path wins (posix inline in the event loop: p50 ~15-20 us at queue depth 1, io_uring
+# ~20-28 us); from LARGE_READ_MIN up io_uring with IOSQE_ASYNC and 1 MiB SQEs moves 8-9 GB/s
+# against 3-5 GB/s for preadv in threads, at half the CPU per GB. GDS_MIN_BYTES is kvikio's
+# own GDS threshold: smaller GPU reads are cheaper staged through pinned host memory.
+PROFILES = ("inference", "load", "auto")
+SMALL_READ_MAX = 64 << 10
+LARGE_READ_MIN = 1 << 20
+GDS_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What a profile means for one request.
+
+    - ``engine``: local-file engine (``posix`` or ``uring``);
+    - ``queue_depth``: ops in flight per engine;
+    - ``chunk``: largest single op; bigger reads are cut and run in parallel;
+    - ``gds``: GPU destinations of local files go through kvikio (else pinned staging);
+    - ``merge_gap``: a loader merges two tensors' byte ranges into one read when at most
+      this many unwanted bytes lie between them."""
+
+    name: str
+    engine: str
+    queue_depth: int
+    chunk: int
+    gds: bool
+    merge_gap: int
+
+
+def check_profile(name: str) -> str:
+    if name not in PROFILES:
+        raise ConfigError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    return name
+
+
+def profile_settings(name: str, nbytes: int | None = None) -> ProfileSettings:
+    """The settings of profile ``name``; ``auto`` picks by request size ``nbytes``:
+    ``inference`` up to SMALL_READ_MAX, ``load`` from LARGE_READ_MIN, and in between
+    io_uring with a medium queue (unknown size: ``load``, the bulk case)."""
+    check_profile(name)
+    if name == "inference":
+        return ProfileSettings("inference", "uring", 64, 256 << 10, False, 0)
+    if name == "load":
+        return ProfileSettings("load", "uring", 32, 1 << 20, True, 1 << 20)
+    if nbytes is None or nbytes >= LARGE_READ_MIN:
+        return dataclasses.replace(profile_settings("load"), name="auto")
+    if nbytes <= SMALL_READ_MAX:
+        return dataclasses.replace(profile_settings("inference"), name="auto")
+    return ProfileSettings("auto", "uring", 32, 1 << 20, nbytes >= GDS_MIN_BYTES, 64 << 10)
+
+
 @dataclass
 class ClientConfig:
     meta: str = "127.0.0.1:9400"  # metaserver HOST:PORT
@@ -24,6 +78,10 @@ class ClientConfig:
     connections_per_server: int = 2  # data connections per data server
     uid: int = -1  # credentials sent with requests; -1: this process's
     gid: int = -1
+    profile: str = "auto"  # data path by workload phase: inference, load or auto (above)
+
+    def __post_init__(self) -> None:
+        check_profile(self.profile)
 
     @property
     def meta_addr(self) -> tuple[str, int]:

@@ -1,0 +1,773 @@
+"""Sharded safetensors loader: checkpoints from pfs or local disk into tensors, fast.
+
+    tensors = pfs.load_safetensors("/models/llama", client=c)            # pfs directory
+    tensors = pfs.load_safetensors("ckpt/model.safetensors")              # local file
+    part = pfs.load_safetensors(src, tp_rank=1, tp_size=4,
+                                split={"*.q_proj.weight": 0, "*.o_proj.weight": 1})
+
+How it reads:
+
+1. every shard's header (8-byte little-endian length, then JSON) is read and checked;
+2. the wanted byte ranges are planned: whole tensors whose ranges lie within
+   ``merge_gap`` bytes of each other are merged into one *region*, read with one large
+   request into one preallocated buffer; each tensor is a zero-copy view of its region;
+3. a tensor-parallel slice (``split``) gets a buffer of its own and only its bytes are
+   read: one range for a split along dim 0, one range per outer row for a later dim
+   (rows that touch are merged);
+4. all reads of all shards are issued at once: local files through an I/O engine
+   (io_uring where the kernel has it: one batch of SQEs; otherwise preadv in threads),
+   pfs files through the async client, concurrently in one trio nursery, each request
+   striped across the data servers.
+
+It returns ``{name: tensor}``: torch tensors when torch is installed (or
+``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
+fp8: with ``ml_dtypes`` installed those come as ``ml_dtypes.bfloat16`` /
+``float8_e4m3fn`` / ``float8_e5m2`` arrays, without it as their raw bits — ``uint16`` for
+BF16, ``uint8`` for the F8 types — bit-exact either way (``arr.view(ml_dtypes.bfloat16)``
+gives floats later).
+
+The ``load`` profile (:func:`pfs.config.profile_settings`) sets the engine, queue depth,
+request size and merge gap.
+"""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import logging
+import math
+import os
+import posixpath
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from pfs.config import ProfileSettings, profile_settings
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+HEADER_PROBE = 64 << 10  # first read of a shard: the length and, usually, the whole header
+ALIGN = 8  # region buffers start at multiples of this (relative to the data section)
+PFS_CONCURRENCY = 64  # strided-slice requests in flight through the pfs client
+
+# safetensors dtype -> (itemsize, numpy dtype name, torch dtype attribute)
+DTYPES: dict[str, tuple[int, str, str]] = {
+    "BOOL": (1, "bool", "bool"),
+    "U8": (1, "uint8", "uint8"),
+    "I8": (1, "int8", "int8"),
+    "I16": (2, "int16", "int16"),
+    "U16": (2, "uint16", "uint16"),
+    "F16": (2, "float16", "float16"),
+    "BF16": (2, "bfloat16", "bfloat16"),
+    "I32": (4, "int32", "int32"),
+    "U32": (4, "uint32", "uint32"),
+    "F32": (4, "float32", "float32"),
+    "F64": (8, "float64", "float64"),
+    "I64": (8, "int64", "int64"),
+    "U64": (8, "uint64", "uint64"),
+    "F8_E4M3": (1, "float8_e4m3fn", "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2", "float8_e5m2"),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz", "float8_e4m3fnuz"),
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz", "float8_e5m2fnuz"),
+    "C64": (8, "complex64", "complex64"),
+}
+# numpy stand-ins (same bits) for types numpy lacks when ml_dtypes is absent
+_RAW = {1: "uint8", 2: "uint16"}
+
+SplitRule = int | Callable[[str, tuple[int, ...], int, int], Any]
+
+
+class CheckpointError(ValueError):
+    """A safetensors file or index that is malformed, truncated or inconsistent."""
+
+    def __init__(self, filename: str, msg: str) -> None:
+        self.filename = filename
+        super().__init__(f"{filename}: {msg}")
+
+
+@dataclass
+class LoadStats:
+    """Filled by :func:`load_safetensors` when passed as ``stats``."""
+
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0  # bytes of the returned tensors
+    read_bytes: int = 0  # bytes read from storage (merging may read small gaps)
+    requests: int = 0
+    seconds: float = 0.0
+    engine: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+# -- headers ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class Shard:
+    name: str  # as shown in errors
+    path: str
+    size: int
+    data_start: int = 0
+    tensors: list[TensorInfo] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    handle: Any = None
+
+
+def header_length(shard: str, head: bytes, size: int) -> int:
+    if size < 8 or len(head) < 8:
+        raise CheckpointError(shard, f"{size} bytes is too small for a safetensors file "
+                                     "(no 8-byte header length)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER:
+        raise CheckpointError(shard, f"corrupt header: header length {n} exceeds the "
+                                     f"{MAX_HEADER}-byte limit")
+    if 8 + n > size:
+        raise CheckpointError(shard, f"truncated or corrupt: header length {n} runs past "
+                                     f"the end of the file ({size} bytes)")
+    return n
+
+
+def parse_header(shard: str, raw: bytes, size: int) -> tuple[list[TensorInfo], dict[str, str]]:
+    """Tensors of one file (absolute offsets), checked as safetensors checks them."""
+    data_start = 8 + len(raw)
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(shard, f"corrupt header: not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(shard, "corrupt header: the JSON is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        raise CheckpointError(shard, "corrupt header: __metadata__ must map strings to strings")
+    tensors: list[TensorInfo] = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise CheckpointError(shard, f"corrupt header: entry {name!r} is not an object")
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in DTYPES:
+            raise CheckpointError(shard, f"tensor {name!r}: unknown dtype {dtype!r}; "
+                                         f"known: {', '.join(DTYPES)}")
+        if (not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                           for d in shape)):
+            raise CheckpointError(shard, f"corrupt header: tensor {name!r} has shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise CheckpointError(shard, f"corrupt header: tensor {name!r} has data_offsets "
+                                         f"{offs!r}")
+        want = math.prod(shape) * DTYPES[dtype][0]
+        if offs[1] - offs[0] != want:
+            raise CheckpointError(shard, f"corrupt header: tensor {name!r} ({dtype} "
+                                         f"{tuple(shape)}) needs {want} bytes but its "
+                                         f"data_offsets {offs} span {offs[1] - offs[0]}")
+        tensors.append(TensorInfo(name, dtype, tuple(shape), data_start + offs[0],
+                                  data_start + offs[1]))
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    prev_end, prev_name = data_start, None
+    for t in tensors:
+        if t.begin < prev_end and t.nbytes:
+            raise CheckpointError(shard, f"corrupt header: tensor {t.name!r} overlaps "
+                                         f"{prev_name!r}")
+        prev_end, prev_name = max(prev_end, t.end), t.name
+    if prev_end > size:
+        raise CheckpointError(shard, f"truncated: the tensors need {prev_end} bytes but the "
+                                     f"file has {size} ({prev_end - size} missing)")
+    return tensors, meta
+
+
+# -- tensor parallelism -------------------------------------------------------------
+def _rule_for(name: str, split: Mapping[str, SplitRule] | None) -> SplitRule | None:
+    if not split:
+        return None
+    if name in split:
+        return split[name]
+    for pattern, rule in split.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return rule
+    return None
+
+
+def slice_of(t: TensorInfo, rule: SplitRule | None, rank: int, size: int
+             ) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of rank's part of ``t``, or None for the whole tensor.
+
+    A rule is a dim (``0``, ``1``, negative counts from the end): the dim is cut into
+    ``size`` balanced parts (the first ``n % size`` ranks get one more), as
+    ``torch.tensor_split`` and ``numpy.array_split`` cut. A callable rule
+    ``f(name, shape, rank, size)`` returns a dim, an explicit ``(dim, start, stop)``, or
+    None (every rank gets the whole tensor)."""
+    if rule is None:
+        return None
+    got = rule(t.name, t.shape, rank, size) if callable(rule) else rule
+    if got is None:
+        return None
+    if isinstance(got, tuple):
+        dim, start, stop = got
+    else:
+        dim, start, stop = int(got), -1, -1
+    ndim = len(t.shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"tensor {t.name!r} of shape {t.shape}: cannot split along dim {dim}")
+    dim %= ndim
+    if start < 0:
+        n = t.shape[dim]
+        base, extra = divmod(n, size)
+        start = rank * base + min(rank, extra)
+        stop = start + base + (1 if rank < extra else 0)
+    if not 0 <= start <= stop <= t.shape[dim]:
+        raise ValueError(f"tensor {t.name!r}: slice [{start}:{stop}] of dim {dim} is outside "
+                         f"its size {t.shape[dim]}")
+    return dim, start, stop
+
+
+def slice_ranges(t: TensorInfo, dim: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """File ranges ``(offset, length)`` of ``t[..., start:stop (dim), ...]``, in order,
+    touching ranges merged."""
+    outer = math.prod(t.shape[:dim])
+    inner = math.prod(t.shape[dim + 1:]) * t.itemsize
+    row = t.shape[dim] * inner
+    piece = (stop - start) * inner
+    if piece == 0 or outer == 0:
+        return []
+    if piece == row:  # the whole dim: one range
+        return [(t.begin, outer * row)]
+    out: list[tuple[int, int]] = []
+    for o in range(outer):
+        off = t.begin + o * row + start * inner
+        out.append((off, piece))
+    return out
+
+
+# -- sources ------------------------------------------------------------------------
+class _Reader:
+    """Where shard bytes come from. Subclasses: local files, pfs files."""
+
+    engine_name = ""
+
+    async def open(self, path: str) -> tuple[Any, int]:
+        raise NotImplementedError
+
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+        raise NotImplementedError
+
+    async def close(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    async def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    async def is_dir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    async def listdir(self, path: str) -> list[str]:
+        raise NotImplementedError
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def dirname(self, path: str) -> str:
+        return os.path.dirname(path)
+
+    def aclose(self) -> None:
+        pass
+
+
+class _LocalReader(_Reader):
+    def __init__(self, settings: ProfileSettings) -> None:
+        from pfs.engine import get_engine, uring_unavailable
+
+        name = settings.engine
+        if name == "uring" and uring_unavailable() is not None:
+            name = "posix"
+        opts: dict[str, int] = {"queue_depth": settings.queue_depth}
+        if name == "uring":
+            opts["chunk"] = settings.chunk
+        self.engine = get_engine(name, **opts)
+        self.engine_name = name
+        self.chunk = settings.chunk
+
+    async def open(self, path: str) -> tuple[int, int]:
+        return await trio.to_thread.run_sync(_open_local, path)
+
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+        from pfs.engine import Op
+
+        batch: list[Op] = []
+        where: list[tuple[int, int]] = []  # (op index, offset in its buffer) per piece
+        for i, (fd, off, view) in enumerate(ops):
+            # posix runs an op per thread: cut large ones so threads share them too
+            step = self.chunk if self.engine_name == "posix" else max(len(view), 1)
+            for s in range(0, len(view), step):
+                batch.append(Op(fd, off + s, min(step, len(view) - s), view[s:s + step]))
+                where.append((i, s))
+        counts = await self.engine.submit(batch)
+        out = [0] * len(ops)
+        short: set[int] = set()
+        for (i, _s), n, op in zip(where, counts, batch, strict=True):
+            if i not in short:
+                out[i] += n
+                if n < op.length:
+                    short.add(i)
+        return out
+
+    async def close(self, handle: Any) -> None:
+        os.close(handle)
+
+    async def exists(self, path: str) -> bool:
+        return await trio.to_thread.run_sync(os.path.exists, path)
+
+    async def is_dir(self, path: str) -> bool:
+        return await trio.to_thread.run_sync(os.path.isdir, path)
+
+    async def listdir(self, path: str) -> list[str]:
+        return await trio.to_thread.run_sync(os.listdir, path)
+
+    def aclose(self) -> None:
+        self.engine.close()
+
+
+def _open_local(path: str) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    return fd, os.fstat(fd).st_size
+
+
+class _PfsReader(_Reader):
+    engine_name = "pfs"
+
+    def __init__(self, aclient: Any) -> None:
+        self.client = aclient
+        self.limiter = trio.CapacityLimiter(PFS_CONCURRENCY)
+
+    async def open(self, path: str) -> tuple[Any, int]:
+        f = await self.client.open(path, "rb")
+        return f, f.size
+
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+        out = [0] * len(ops)
+
+        async def one(i: int, f: Any, off: int, view: memoryview) -> None:
+            if len(view) <= (1 << 20):  # small pieces: bounded; large ones are striped
+                async with self.limiter:
+                    out[i] = await f.pread_into(view, off)
+            else:
+                out[i] = await f.pread_into(view, off)
+
+        async with trio.open_nursery() as n:
+            for i, (f, off, view) in enumerate(ops):
+                n.start_soon(one, i, f, off, view)
+        return out
+
+    async def close(self, handle: Any) -> None:
+        await handle.close()
+
+    async def exists(self, path: str) -> bool:
+        return bool(await self.client.exists(path))
+
+    async def is_dir(self, path: str) -> bool:
+        try:
+            return bool((await self.client.stat(path)).is_dir())
+        except FileNotFoundError:
+            return False
+
+    async def listdir(self, path: str) -> list[str]:
+        return list(await self.client.listdir(path))
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def dirname(self, path: str) -> str:
+        return posixpath.dirname(path)
+
+
+async def _shard_paths(reader: _Reader, source: str) -> tuple[list[str], str | None]:
+    """The shard files of ``source`` (a file, an index, or a directory) and the index."""
+    if await reader.is_dir(source):
+        index = reader.join(source, INDEX_NAME)
+        if await reader.exists(index):
+            return await _from_index(reader, index), index
+        names = sorted(n for n in await reader.listdir(source) if n.endswith(".safetensors"))
+        if not names:
+            raise FileNotFoundError(errno.ENOENT, f"no {INDEX_NAME} and no *.safetensors "
+                                                  "files in the directory", source)
+        return [reader.join(source, n) for n in names], None
+    if source.endswith(".json"):
+        return await _from_index(reader, source), source
+    if not await reader.exists(source):
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint", source)
+    return [source], None
+
+
+async def _from_index(reader: _Reader, index: str) -> list[str]:
+    h, size = await reader.open(index)
+    try:
+        buf = bytearray(size)
+        n = (await reader.read_many([(h, 0, memoryview(buf))]))[0]
+    finally:
+        await reader.close(h)
+    try:
+        doc = json.loads(bytes(buf[:n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(index, f"not valid JSON ({exc})") from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise CheckpointError(index, "no weight_map of tensor names to shard files")
+    base = reader.dirname(index)
+    shards: list[str] = []
+    for fname in dict.fromkeys(wmap.values()):  # first-seen order, no repeats
+        if os.path.isabs(fname) or ".." in fname.split("/"):
+            raise CheckpointError(index, f"shard {fname!r} is not a plain file name")
+        path = reader.join(base, fname)
+        if not await reader.exists(path):
+            raise FileNotFoundError(errno.ENOENT, f"shard {fname!r} named by {index} is "
+                                                  "missing", path)
+        shards.append(path)
+    return shards
+
+
+async def _read_header(reader: _Reader, path: str) -> Shard:
+    handle, size = await reader.open(path)
+    try:
+        return await _parse_shard(reader, path, handle, size)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await reader.close(handle)
+        raise
+
+
+async def _parse_shard(reader: _Reader, path: str, handle: Any, size: int) -> Shard:
+    shard = Shard(path, path, size, handle=handle)
+    probe = bytearray(min(size, HEADER_PROBE))
+    got = (await reader.read_many([(handle, 0, memoryview(probe))]))[0] if probe else 0
+    n = header_length(path, bytes(probe[:got]), size)
+    if 8 + n <= got:
+        raw = bytes(probe[8:8 + n])
+    else:
+        rest = bytearray(8 + n - got)
+        more = (await reader.read_many([(handle, got, memoryview(rest))]))[0]
+        if more < len(rest):
+            raise CheckpointError(path, "truncated while reading the header")
+        raw = bytes(probe[8:got]) + bytes(rest)
+    shard.data_start = 8 + n
+    shard.tensors, shard.metadata = parse_header(path, raw, size)
+    return shard
+
+
+# -- planning -----------------------------------------------------------------------
+@dataclass
+class _Region:
+    shard: Shard
+    start: int
+    end: int
+    members: list[TensorInfo] = field(default_factory=list)
+    buf: Any = None  # framework buffer (uint8)
+
+
+@dataclass
+class _Sliced:
+    shard: Shard
+    info: TensorInfo
+    shape: tuple[int, ...]
+    ranges: list[tuple[int, int]]
+    buf: Any = None
+
+
+def _plan(shards: list[Shard], names: Any, split: Mapping[str, SplitRule] | None,
+          rank: int, size: int, merge_gap: int) -> tuple[list[_Region], list[_Sliced]]:
+    regions: list[_Region] = []
+    sliced: list[_Sliced] = []
+    seen: dict[str, str] = {}
+    for sh in shards:
+        whole: list[TensorInfo] = []
+        for t in sh.tensors:
+            if t.name in seen:
+                raise CheckpointError(sh.name, f"tensor {t.name!r} is also in {seen[t.name]}")
+            seen[t.name] = sh.name
+            if names is not None and t.name not in names:
+                continue
+            cut = slice_of(t, _rule_for(t.name, split), rank, size) if size > 1 else None
+            if cut is None or (cut[1] == 0 and cut[2] == t.shape[cut[0]]):
+                whole.append(t)
+                continue
+            dim, start, stop = cut
+            shape = t.shape[:dim] + (stop - start,) + t.shape[dim + 1:]
+            sliced.append(_Sliced(sh, t, shape, slice_ranges(t, dim, start, stop)))
+        cur: _Region | None = None
+        for t in whole:  # sorted by offset
+            if cur is not None and t.begin - cur.end <= merge_gap:
+                cur.members.append(t)
+                cur.end = max(cur.end, t.end)
+                continue
+            rel = (t.begin - sh.data_start) // ALIGN * ALIGN
+            cur = _Region(sh, sh.data_start + rel, t.end, [t])
+            regions.append(cur)
+    if names is not None:
+        missing = set(names) - set(seen)
+        if missing:
+            raise KeyError(f"tensors not in the checkpoint: {sorted(missing)[:10]}")
+    return regions, sliced
+
+
+# -- frameworks ---------------------------------------------------------------------
+class _Numpy:
+    name = "numpy"
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.np = np
+        try:
+            import ml_dtypes
+        except ImportError:
+            ml_dtypes = None
+        self.ml = ml_dtypes
+
+    def alloc(self, n: int) -> tuple[Any, memoryview]:
+        a = self.np.empty(n, dtype=self.np.uint8)
+        return a, memoryview(a).cast("B")  # type: ignore[arg-type]
+
+    def dtype(self, st: str) -> Any:
+        size, npname, _ = DTYPES[st]
+        if st != "BF16" and not st.startswith("F8"):
+            return self.np.dtype(npname)
+        if self.ml is not None and hasattr(self.ml, npname):
+            return self.np.dtype(getattr(self.ml, npname))
+        return self.np.dtype(_RAW[size])
+
+    def view(self, buf: Any, off: int, t: TensorInfo, shape: tuple[int, ...]) -> Any:
+        n = math.prod(shape) * t.itemsize
+        return buf[off:off + n].view(self.dtype(t.dtype)).reshape(shape)
+
+    def to_device(self, buf: Any, device: str) -> Any:
+        raise ValueError(f"device={device!r} needs torch (numpy arrays live in host memory)")
+
+
+class _Torch:
+    name = "torch"
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.pin = device.startswith("cuda")
+
+    def alloc(self, n: int) -> tuple[Any, memoryview]:
+        t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
+        return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+
+    def dtype(self, st: str) -> Any:
+        attr = DTYPES[st][2]
+        if not hasattr(self.torch, attr):
+            raise ValueError(f"torch {self.torch.__version__} has no {attr} for {st}")
+        return getattr(self.torch, attr)
+
+    def view(self, buf: Any, off: int, t: TensorInfo, shape: tuple[int, ...]) -> Any:
+        dt = self.dtype(t.dtype)
+        n = math.prod(shape) * t.itemsize
+        if n == 0:
+            return self.torch.empty(shape, dtype=dt, device=buf.device)
+        if off % t.itemsize == 0:
+            return buf[off:off + n].view(dt).view(shape)
+        # an odd offset (a file not written by safetensors): one copy for this tensor
+        return buf[off:off + n].clone().view(dt).view(shape)
+
+    def to_device(self, buf: Any, device: str) -> Any:
+        return buf.to(device, non_blocking=True)
+
+
+def _framework(framework: str | None, device: str) -> _Numpy | _Torch:
+    if framework not in (None, "torch", "numpy"):
+        raise ValueError(f"framework must be 'torch' or 'numpy', not {framework!r}")
+    if framework == "numpy":
+        if device != "cpu":
+            raise ValueError(f"device={device!r} needs framework='torch'")
+        return _Numpy()
+    try:
+        fw = _Torch(device)
+    except ImportError:
+        if framework == "torch":
+            raise
+        if device != "cpu":
+            raise ValueError(f"device={device!r} needs torch (pip install torch)") from None
+        return _Numpy()
+    if device.startswith("cuda"):
+        from pfs.gpu import GpuUnavailable, libcuda_missing
+
+        why = libcuda_missing()
+        if why is not None:
+            raise GpuUnavailable(why, f"device={device!r}")
+        if not fw.torch.cuda.is_available():
+            raise GpuUnavailable("a CUDA build of torch",
+                                 f"torch {fw.torch.__version__} cannot reach a GPU "
+                                 f"for device={device!r}")
+    elif device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda:N', not {device!r}")
+    return fw
+
+
+# -- the load -----------------------------------------------------------------------
+async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
+                names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
+                merge_gap: int, stats: LoadStats) -> dict[str, Any]:
+    paths, _index = await _shard_paths(reader, source)
+    shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
+    try:
+        async def head(i: int, p: str) -> None:
+            shards[i] = await _read_header(reader, p)
+
+        async with trio.open_nursery() as n:
+            for i, p in enumerate(paths):
+                n.start_soon(head, i, p)
+        regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
+        ops: list[tuple[Any, int, memoryview]] = []
+        owners: list[tuple[str, int]] = []  # (file, bytes it should give)
+        for r in regions:
+            r.buf, view = fw.alloc(r.end - r.start)
+            if len(view):
+                ops.append((r.shard.handle, r.start, view))
+                owners.append((r.shard.name, len(view)))
+        for s in sliced:
+            s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
+            pos = 0
+            for off, length in s.ranges:
+                ops.append((s.shard.handle, off, view[pos:pos + length]))
+                owners.append((s.shard.name, length))
+                pos += length
+        counts = await reader.read_many(ops)
+        for (fname, want), got in zip(owners, counts, strict=True):
+            if got < want:
+                raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
+                                             "(the file shrank while loading?)")
+    finally:
+        for sh in shards:
+            if sh is not None and sh.handle is not None:
+                with trio.CancelScope(shield=True):
+                    await reader.close(sh.handle)
+    stats.files = len(paths)
+    stats.requests = len(ops)
+    stats.read_bytes = sum(len(v) for _h, _o, v in ops)
+    stats.engine = reader.engine_name
+    out: dict[str, Any] = {}
+    for r in regions:
+        buf = r.buf if device == "cpu" else fw.to_device(r.buf, device)
+        for t in r.members:
+            out[t.name] = fw.view(buf, t.begin - r.start, t, t.shape)
+    for s in sliced:
+        buf = s.buf if device == "cpu" else fw.to_device(s.buf, device)
+        out[s.info.name] = fw.view(buf, 0, s.info, s.shape)
+    stats.tensors = len(out)
+    stats.bytes = sum(t.nbytes for r in regions for t in r.members) + sum(
+        math.prod(s.shape) * s.info.itemsize for s in sliced)
+    return out
+
+
+def _check_tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    if tp_rank is None and tp_size is None:
+        return 0, 1
+    if tp_rank is None or tp_size is None:
+        raise ValueError("give both tp_rank and tp_size")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
+    return tp_rank, tp_size
+
+
+async def aload_safetensors(source: str, device: str = "cpu", client: Any = None, *,
+                            tp_rank: int | None = None, tp_size: int | None = None,
+                            split: Mapping[str, SplitRule] | None = None,
+                            names: Sequence[str] | None = None, framework: str | None = None,
+                            profile: str = "load", merge_gap: int | None = None,
+                            stats: LoadStats | None = None) -> dict[str, Any]:
+    """:func:`load_safetensors` inside a trio run; ``client`` is an async client."""
+    rank, size = _check_tp(tp_rank, tp_size)
+    settings = profile_settings(profile)
+    gap = settings.merge_gap if merge_gap is None else merge_gap
+    fw = _framework(framework, device)
+    st = stats if stats is not None else LoadStats()
+    wanted = set(names) if names is not None else None
+    reader: _Reader = _PfsReader(client) if client is not None else _LocalReader(settings)
+    t0 = time.perf_counter()
+    try:
+        out = await _load(reader, os.fspath(source), fw, device, wanted, split, rank, size,
+                          gap, st)
+    finally:
+        reader.aclose()
+    st.seconds = time.perf_counter() - t0
+    return out
+
+
+def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client: Any = None,
+                     tp_rank: int | None = None, tp_size: int | None = None,
+                     split: Mapping[str, SplitRule] | None = None, *,
+                     names: Sequence[str] | None = None, framework: str | None = None,
+                     profile: str = "load", merge_gap: int | None = None,
+                     config: Any = None, meta: str | None = None,
+                     stats: LoadStats | None = None) -> dict[str, Any]:
+    """Load a safetensors checkpoint into ``{name: tensor}``.
+
+    ``source``: a local file, a local directory (with ``model.safetensors.index.json``, or
+    else every ``*.safetensors`` in it), an index file; or the same on pfs — with
+    ``client`` (from :func:`pfs.connect`), or as ``pfs:///path`` (connecting with
+    ``config``/``meta``/``$PFS_CONFIG``).
+
+    ``device``: ``"cpu"`` or ``"cuda:N"`` (torch; bytes land in pinned host buffers and
+    are copied region by region). ``tp_rank``/``tp_size``/``split``: tensor-parallel
+    slices, see :func:`slice_of`; tensors no rule matches are loaded whole.
+    ``names``: load only these. ``framework``: ``"torch"`` or ``"numpy"`` (default: torch
+    if installed). ``merge_gap``: bytes of unwanted data worth reading to merge two ranges
+    (default: the profile's). ``stats``: a :class:`LoadStats` to fill.
+
+    Errors: :class:`CheckpointError` (a ValueError naming the file) for corrupt headers
+    and truncated files, FileNotFoundError naming a missing shard."""
+    src = os.fspath(source)
+    own_client = None
+    if client is None and src.startswith("pfs://"):
+        import pfs
+
+        own_client = client = pfs.connect(config=config, meta=meta)
+    if src.startswith("pfs://"):
+        src = "/" + src[len("pfs://"):].lstrip("/")
+    try:
+        kwargs = dict(device=device, tp_rank=tp_rank, tp_size=tp_size, split=split,
+                      names=names, framework=framework, profile=profile, merge_gap=merge_gap,
+                      stats=stats)
+        if client is None:
+            return trio.run(lambda: aload_safetensors(src, **kwargs))  # type: ignore[arg-type]
+        aio = getattr(client, "aio", None)
+        if aio is None:
+            raise TypeError("client must be a pfs.connect() client; inside trio use "
+                            "aload_safetensors with an async client")
+
+        async def go() -> dict[str, Any]:
+            return await aload_safetensors(src, client=aio, **kwargs)  # type: ignore[arg-type]
+
+        return client._run(go)
+    finally:
+        if own_client is not None:
+            own_client.close()
