@@ -20,7 +20,6 @@ import logging
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 import tomllib
@@ -100,16 +99,28 @@ def running(d: Path) -> dict[str, int]:
 def _start(d: Path, name: str, argv: list[str]) -> int:
     """Start one server in its own session; return the port it reports on its ready pipe."""
     rfd, wfd = os.pipe()
-    logf = open(d / "logs" / f"{name}.log", "ab")
+    os.set_inheritable(wfd, True)
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+               (os.POSIX_SPAWN_OPEN, 1, str(d / "logs" / f"{name}.log"),
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644),
+               (os.POSIX_SPAWN_DUP2, 1, 2)]
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *argv, "--ready-fd", str(wfd)],
-            stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-            pass_fds=(wfd,), start_new_session=True, cwd=d)
+        # posix_spawn, not Popen: the servers outlive this process, so there is no
+        # Popen object to wait on (and none to warn about an unwaited child)
+        pid = os.posix_spawn(sys.executable,
+                             [sys.executable, "-m", *argv, "--ready-fd", str(wfd)],
+                             os.environ, file_actions=actions, setsid=True)
     finally:
         os.close(wfd)
-        logf.close()
-    (d / "run" / f"{name}.pid").write_text(f"{proc.pid}\n")
+
+    def exit_status() -> int | None:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        return os.waitstatus_to_exitcode(status) if done else None
+
+    (d / "run" / f"{name}.pid").write_text(f"{pid}\n")
     try:
         line = b""
         deadline = time.monotonic() + READY_TIMEOUT
@@ -117,12 +128,12 @@ def _start(d: Path, name: str, argv: list[str]) -> int:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([rfd], [], [], max(0.0, left))
             if not ready:
-                proc.kill()
+                os.kill(pid, signal.SIGKILL)
                 raise ClusterError(f"{name} did not report readiness in {READY_TIMEOUT:g} s; "
                                    f"see {d / 'logs' / (name + '.log')}")
             chunk = os.read(rfd, 64)
             if not chunk:
-                code = proc.poll()
+                code = exit_status()
                 raise ClusterError(f"{name} exited (status {code}) before serving; "
                                    f"see {d / 'logs' / (name + '.log')}")
             line += chunk

@@ -80,8 +80,10 @@ class FileHandle:
     """An open pfs file: positionless reads and writes straight into/from buffers."""
 
     def __init__(self, client: AsyncClient, ino: int, fh: int, flags: int,
-                 layout: Layout, state: _InodeState, path: str = "") -> None:
+                 layout: Layout, state: _InodeState, path: str = "",
+                 attr: StatResult | None = None) -> None:
         self.client = client
+        self.attr = attr  # the metaserver's attributes at open (FUSE replies with them)
         self.ino = ino
         self.fh = fh
         self.flags = flags
@@ -209,7 +211,7 @@ class AsyncClient:
 
     def close(self) -> None:
         self.data.close()
-        self.meta.close()
+        self.meta.disconnect()
 
     # -- inode state shared by this client's handles ---------------------------
     def _acquire_state(self, ino: int, size: int) -> _InodeState:
@@ -240,7 +242,7 @@ class AsyncClient:
         attr = StatResult.from_wire(r["attr"])
         state = self._acquire_state(attr.st_ino, attr.st_size)
         return FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
-                          state, path)
+                          state, path, attr)
 
     async def open_ino(self, ino: int, flags: int, cred: Cred | None = None) -> FileHandle:
         return self._handle(await self.meta.open(ino, flags, cred), flags)
@@ -259,6 +261,8 @@ class AsyncClient:
         p = os.fsdecode(path)
         if not p:
             raise OSError(errno.ENOENT, "empty path")
+        if "\0" in p:
+            raise OSError(errno.EINVAL, "path contains a NUL byte")
         return posixpath.normpath("/" + p) if not p.startswith("/") else p
 
     async def _parent_of(self, path: str | bytes) -> tuple[int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+from functools import partial
 from typing import Any, Awaitable, Callable
 
 import trio
@@ -18,6 +19,32 @@ log = logging.getLogger(__name__)
 MAX_REQUEST = 8 << 20
 # Requests in flight per client, across all servers: bounds memory and socket queues.
 MAX_IN_FLIGHT = 64
+
+
+async def run_all(jobs: list[Callable[[], Awaitable[Any]]]) -> None:
+    """Run jobs concurrently; if any fails, raise its OSError itself (not a group), so
+    callers see the errno of the failure as for a single call."""
+    if len(jobs) == 1:
+        await jobs[0]()
+        return
+    try:
+        async with trio.open_nursery() as n:
+            for job in jobs:
+                n.start_soon(job)
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        first = next((e for e in leaves if isinstance(e, OSError)), None)
+        if first is None or any(not isinstance(e, (OSError, trio.Cancelled)) for e in leaves):
+            raise
+        raise first from group
+
+
+def _leaves(group: BaseExceptionGroup) -> Any:
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 class DataClient:
@@ -88,13 +115,8 @@ class DataClient:
     # -- bulk ----------------------------------------------------------------
     async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview) -> None:
         """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros."""
-        pieces = list(_split(layout.pieces(off, len(buf))))
-        if len(pieces) == 1:
-            await self._read_piece(ino, layout, off, buf, pieces[0])
-            return
-        async with trio.open_nursery() as n:
-            for p in pieces:
-                n.start_soon(self._read_piece, ino, layout, off, buf, p)
+        await run_all([partial(self._read_piece, ino, layout, off, buf, p)
+                       for p in _split(layout.pieces(off, len(buf)))])
 
     async def _read_piece(self, ino: int, layout: Layout, base: int, buf: memoryview,
                           p: Piece) -> None:
@@ -106,13 +128,8 @@ class DataClient:
             dest[r.nbytes:] = bytes(p.length - r.nbytes)
 
     async def write(self, ino: int, layout: Layout, off: int, data: memoryview) -> None:
-        pieces = list(_split(layout.pieces(off, len(data))))
-        if len(pieces) == 1 and layout.replicas == 1:
-            await self._write_piece(ino, layout, off, data, pieces[0])
-            return
-        async with trio.open_nursery() as n:
-            for p in pieces:
-                n.start_soon(self._write_piece, ino, layout, off, data, p)
+        await run_all([partial(self._write_piece, ino, layout, off, data, p)
+                       for p in _split(layout.pieces(off, len(data)))])
 
     async def _write_piece(self, ino: int, layout: Layout, base: int, data: memoryview,
                            p: Piece) -> None:
@@ -122,15 +139,12 @@ class DataClient:
         if len(replicas) == 1:
             await self.call(replicas[0], "write", fields, payload=src)
             return
-        async with trio.open_nursery() as n:  # every replica must hold an acknowledged write
-            for sid in replicas:
-                n.start_soon(lambda s=sid: self.call(s, "write", fields, payload=src))
+        # every replica must hold an acknowledged write
+        await run_all([partial(self.call, sid, "write", fields, payload=src) for sid in replicas])
 
     async def fsync(self, ino: int, layout: Layout) -> None:
-        async with trio.open_nursery() as n:
-            for stripe, replicas in enumerate(layout.servers):
-                for sid in replicas:
-                    n.start_soon(self.call, sid, "fsync", {"obj": [ino, stripe]})
+        await run_all([partial(self.call, sid, "fsync", {"obj": [ino, stripe]})
+                       for stripe, replicas in enumerate(layout.servers) for sid in replicas])
 
     def close(self) -> None:
         for conns in self._conns.values():

@@ -59,7 +59,7 @@ class MetaClient:
     def _cred(self, cred: Cred | None) -> list[Any]:
         return (cred or self.cred).to_wire()
 
-    def close(self) -> None:
+    def disconnect(self) -> None:
         if self._rpc is not None:
             self._rpc.close()
             self._rpc = None

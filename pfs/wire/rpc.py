@@ -122,7 +122,7 @@ class RpcClient:
         for call in pending.values():
             call.error = OSError(exc.errno, str(exc.strerror or exc))
             call.done.set()
-        self.conn.closed = True
+        self.conn.close()
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
                    payload: bytes | bytearray | memoryview | None = None,

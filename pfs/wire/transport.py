@@ -81,8 +81,14 @@ class Connection:
                 try:
                     n = os.sendfile(out, fd, offset + sent, count - sent)
                 except BlockingIOError:
-                    await trio.lowlevel.wait_writable(self.sock)
+                    try:
+                        await trio.lowlevel.wait_writable(self.sock)
+                    except trio.ClosedResourceError:
+                        raise ConnectionClosed(f"connection to {self.name} was closed") from None
                     continue
+                except (BrokenPipeError, ConnectionResetError) as exc:
+                    self.closed = True
+                    raise ConnectionClosed(f"connection to {self.name} lost: {exc.strerror}") from exc
                 if n == 0:
                     await self._sendall(bytes(count - sent))
                     break
@@ -98,6 +104,8 @@ class Connection:
         except (BrokenPipeError, ConnectionResetError) as exc:
             self.closed = True
             raise ConnectionClosed(f"connection to {self.name} lost: {exc.strerror}") from exc
+        except trio.ClosedResourceError:
+            raise ConnectionClosed(f"connection to {self.name} was closed") from None
 
     # -- receiving -----------------------------------------------------------
     async def recv_head(self) -> FrameHead | None:
@@ -111,6 +119,8 @@ class Connection:
                 data = await self.sock.recv(RECV_CHUNK)
             except ConnectionResetError:
                 data = b""
+            except trio.ClosedResourceError:
+                raise ConnectionClosed(f"connection to {self.name} was closed") from None
             if not data:
                 self.closed = True
                 if dec.buffered:
@@ -128,6 +138,8 @@ class Connection:
                 n = await self.sock.recv_into(dest[got:])
             except ConnectionResetError:
                 n = 0
+            except trio.ClosedResourceError:
+                raise ConnectionClosed(f"connection to {self.name} was closed") from None
             if n == 0:
                 self.closed = True
                 raise ConnectionClosed(f"{self.name} closed the connection mid-payload")

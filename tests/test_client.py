@@ -1,0 +1,222 @@
+"""The native client against a real cluster of server processes on loopback."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import threading
+
+import numpy as np
+import pytest
+
+import pfs
+
+UNIT = 64 * 1024  # small units so modest files cross many stripe boundaries
+
+
+@pytest.fixture
+def striped(client, workdir) -> str:
+    client.set_layout(workdir, count=4, unit=UNIT)
+    return workdir
+
+
+@pytest.mark.parametrize("size", [0, 1, UNIT - 1, UNIT, UNIT + 1, 4 * UNIT + 7, 13 * UNIT + 12345])
+def test_odd_sizes_round_trip_through_every_api(client, striped, size: int) -> None:
+    data = os.urandom(size)
+    path = f"{striped}/f{size}"
+    with client.open(path, "wb") as f:
+        assert f.write(data) == size
+    assert client.stat(path).st_size == size
+    # whole-file read
+    with client.open(path, "rb") as f:
+        assert f.read() == data
+    # readinto a bytearray, a memoryview and a numpy array
+    buf = bytearray(size)
+    with client.open(path, "rb") as f:
+        assert f.readinto(buf) == size
+    assert bytes(buf) == data
+    arr = np.zeros(size, dtype=np.uint8)
+    with client.open(path, "rb") as f:
+        assert f.readinto(memoryview(arr)) == size
+    assert arr.tobytes() == data
+    # positional reads at random offsets and lengths
+    rng = random.Random(size)
+    with client.open(path, "rb") as f:
+        for _ in range(20):
+            off = rng.randrange(0, size + 10)
+            n = rng.randrange(0, 3 * UNIT)
+            assert f.pread(n, off) == data[off:off + n]
+    # buffered text-free read in chunks with seek/tell
+    with client.open(path, "rb") as f:
+        f.seek(size // 3)
+        assert f.tell() == size // 3
+        assert f.read(UNIT) == data[size // 3:size // 3 + UNIT]
+    assert client.read_file(path) == data
+
+
+def test_data_is_striped_over_distinct_servers(client, striped) -> None:
+    path = f"{striped}/big"
+    client.write_file(path, os.urandom(8 * UNIT))
+    layout = client.get_layout(path)
+    assert layout["count"] == 4 and layout["unit"] == UNIT
+    servers = [s[0] for s in layout["servers"]]
+    assert len(set(servers)) == 4
+
+
+def test_pwrite_patterns_match_a_local_model(client, striped) -> None:
+    rng = random.Random(7)
+    model = bytearray()
+    path = f"{striped}/model"
+    with client.open(path, "w+b") as f:
+        for _ in range(60):
+            off = rng.randrange(0, 10 * UNIT)
+            blob = rng.randbytes(rng.randrange(1, 2 * UNIT))
+            f.pwrite(blob, off)
+            if len(model) < off + len(blob):
+                model.extend(bytes(off + len(blob) - len(model)))
+            model[off:off + len(blob)] = blob
+        f.flush()
+        assert f.pread(len(model) + 100, 0) == bytes(model)
+    assert client.read_file(path) == bytes(model)
+
+
+def test_sparse_file_reads_zeros_in_holes(client, striped) -> None:
+    path = f"{striped}/sparse"
+    with client.open(path, "wb") as f:
+        f.pwrite(b"end", 9 * UNIT + 5)
+    data = client.read_file(path)
+    assert len(data) == 9 * UNIT + 8
+    assert data[:-3] == bytes(9 * UNIT + 5) and data[-3:] == b"end"
+
+
+def test_truncate_shrinks_then_extends_with_zeros(client, striped) -> None:
+    path = f"{striped}/trunc"
+    data = os.urandom(5 * UNIT)
+    client.write_file(path, data)
+    client.truncate(path, UNIT + 10)
+    assert client.read_file(path) == data[:UNIT + 10]
+    client.truncate(path, 3 * UNIT)
+    assert client.read_file(path) == data[:UNIT + 10] + bytes(3 * UNIT - UNIT - 10)
+    with client.open(path, "r+b") as f:
+        f.truncate(5)
+    assert client.read_file(path) == data[:5]
+
+
+def test_append_and_exclusive_create(client, workdir) -> None:
+    path = f"{workdir}/log"
+    with client.open(path, "ab") as f:
+        f.write(b"one\n")
+    with client.open(path, "ab") as f:
+        f.write(b"two\n")
+    assert client.read_file(path) == b"one\ntwo\n"
+    with pytest.raises(FileExistsError):
+        client.open(path, "xb")
+    with client.open(path, "w") as f:  # text mode through io wrappers
+        f.write("héllo\n")
+    with client.open(path, "r") as f:
+        assert f.read() == "héllo\n"
+
+
+def test_namespace_calls(client, workdir) -> None:
+    d = workdir
+    client.makedirs(f"{d}/a/b/c")
+    client.makedirs(f"{d}/a/b/c", exist_ok=True)
+    client.write_file(f"{d}/a/x", b"x")
+    assert sorted(client.listdir(f"{d}/a")) == ["b", "x"]
+    client.rename(f"{d}/a/x", f"{d}/a/b/y")
+    assert client.listdir(f"{d}/a/b") == ["c", "y"] or sorted(client.listdir(f"{d}/a/b")) == ["c", "y"]
+    client.link(f"{d}/a/b/y", f"{d}/a/z")
+    assert client.stat(f"{d}/a/z").st_nlink == 2
+    client.symlink("b/y", f"{d}/a/sym")
+    assert client.readlink(f"{d}/a/sym") == "b/y"
+    assert client.read_file(f"{d}/a/sym") == b"x"
+    assert client.lstat(f"{d}/a/sym").is_symlink()
+    client.chmod(f"{d}/a/z", 0o600)
+    assert client.stat(f"{d}/a/z").st_mode & 0o7777 == 0o600
+    client.chown(f"{d}/a/z", 1234, 5678)
+    st = client.stat(f"{d}/a/z")
+    assert (st.st_uid, st.st_gid) == (1234, 5678)
+    client.utime(f"{d}/a/z", ns=(1_000_000_000, 2_000_000_000))
+    st = client.stat(f"{d}/a/z")
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
+    client.setxattr(f"{d}/a/z", "user.k", b"v")
+    assert client.getxattr(f"{d}/a/z", "user.k") == b"v"
+    assert "user.k" in client.listxattr(f"{d}/a/z")
+    client.removexattr(f"{d}/a/z", "user.k")
+    with pytest.raises(OSError) as ei:
+        client.getxattr(f"{d}/a/z", "user.k")
+    assert ei.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as ei:
+        client.rmdir(f"{d}/a")
+    assert ei.value.errno == errno.ENOTEMPTY
+    client.remove(f"{d}/a/z")
+    assert client.stat(f"{d}/a/b/y").st_nlink == 1
+    vfs = client.statvfs()
+    assert vfs.f_blocks > 0 and vfs.f_namemax == 255
+    entries = {e.name: e for e in client.scandir(f"{d}/a")}
+    assert entries["b"].is_dir() and entries["sym"].is_symlink()
+
+
+@pytest.mark.parametrize("bad,code", [
+    ("a/\x00b", errno.EINVAL), ("x" * 256, errno.ENAMETOOLONG)])
+def test_bad_names(client, workdir, bad: str, code: int) -> None:
+    with pytest.raises(OSError) as ei:
+        client.mkdir(f"{workdir}/{bad}")
+    assert ei.value.errno == code
+
+
+def test_path_through_a_file_is_enotdir(client, workdir) -> None:
+    client.write_file(f"{workdir}/f", b"")
+    with pytest.raises(OSError) as ei:
+        client.stat(f"{workdir}/f/g")
+    assert ei.value.errno == errno.ENOTDIR
+    with pytest.raises(FileNotFoundError):
+        client.stat(f"{workdir}/missing")
+
+
+def test_directory_layout_is_inherited(client, workdir) -> None:
+    client.set_layout(workdir, count=2, unit=128 * 1024)
+    client.mkdir(f"{workdir}/sub")
+    client.write_file(f"{workdir}/sub/f", b"abc")
+    lay = client.get_layout(f"{workdir}/sub/f")
+    assert (lay["count"], lay["unit"]) == (2, 128 * 1024)
+
+
+def test_concurrent_clients(client_toml, workdir) -> None:
+    """Eight clients in threads write distinct files and read each other's back."""
+    blobs = {i: os.urandom(200_000 + i) for i in range(8)}
+    errors: list[BaseException] = []
+    written = threading.Barrier(8, timeout=120)
+
+    def work(i: int) -> None:
+        try:
+            with pfs.connect(config=client_toml) as c:
+                c.write_file(f"{workdir}/c{i}", blobs[i])
+                written.wait()
+                # close-to-open: every file was closed before the barrier, so it is whole
+                other = (i + 1) % 8
+                assert c.read_file(f"{workdir}/c{other}") == blobs[other]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            written.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with pfs.connect(config=client_toml) as c:
+        for i, blob in blobs.items():
+            assert hashlib.sha256(c.read_file(f"{workdir}/c{i}")).digest() == hashlib.sha256(blob).digest()
+
+
+def test_unlinked_open_file_stays_readable(client, workdir) -> None:
+    path = f"{workdir}/ghost"
+    data = os.urandom(3 * UNIT)
+    client.write_file(path, data)
+    with client.open(path, "rb") as f:
+        client.remove(path)
+        assert not client.exists(path)
+        assert f.read() == data

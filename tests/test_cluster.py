@@ -1,0 +1,147 @@
+"""Whole clusters of real processes: restarts, kill -9, dead servers, the CLI."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pfs
+from pfs import cluster
+from pfs.config import ClientConfig, ConfigError, load
+
+UNIT = 64 * 1024
+
+
+def _kill(d: Path, name: str, sig: int = signal.SIGKILL) -> None:
+    pid = cluster.running(d)[name]
+    os.kill(pid, sig)
+    while True:  # reap it (it is our child) or wait for it to go
+        try:
+            done, _ = os.waitpid(pid, 0)
+            if done == pid:
+                return
+        except ChildProcessError:
+            if not cluster._pid_alive(pid):
+                return
+
+
+def test_restart_of_every_server_keeps_data(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=3)
+    blobs = {f"/d/f{i}": os.urandom(50_000 * (i + 1)) for i in range(5)}
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/d")
+        c.set_layout("/d", count=3, unit=UNIT)
+        for p, b in blobs.items():
+            c.write_file(p, b)
+    cluster.down(private_cluster)
+    assert cluster.running(private_cluster) == {}
+    toml2 = cluster.up(private_cluster)  # the same cluster, on its existing data
+    assert load(ClientConfig, toml2).meta == load(ClientConfig, toml).meta
+    with pfs.connect(config=toml2) as c:
+        for p, b in blobs.items():
+            assert c.read_file(p) == b
+        assert len(c._run(c.aio.meta.servers)) == 3  # same identities, no duplicates
+
+
+def test_kill_9_metaserver_keeps_every_acknowledged_change(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/k")
+        for i in range(50):
+            c.write_file(f"/k/f{i}", f"data {i}".encode())
+        for i in range(0, 50, 2):
+            c.rename(f"/k/f{i}", f"/k/r{i}")
+        for i in range(1, 50, 4):
+            c.remove(f"/k/f{i}")
+        c.symlink("r0", "/k/link")
+        c.setxattr("/k/r0", "user.tag", b"kept")
+    _kill(private_cluster, "meta")
+    toml = cluster.up(private_cluster)
+    with pfs.connect(config=toml) as c:
+        names = set(c.listdir("/k"))
+        want = {f"r{i}" for i in range(0, 50, 2)} | {f"f{i}" for i in range(3, 50, 4)} | {"link"}
+        assert names == want
+        for i in range(0, 50, 2):
+            assert c.read_file(f"/k/r{i}") == f"data {i}".encode()
+        assert c.readlink("/k/link") == "r0"
+        assert c.getxattr("/k/r0", "user.tag") == b"kept"
+
+
+def test_dead_data_server_gives_a_clear_error_not_a_hang(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/x")
+        c.set_layout("/x", count=2, unit=UNIT)
+        c.write_file("/x/f", os.urandom(4 * UNIT))
+        _kill(private_cluster, "data1")
+        with pytest.raises(OSError) as ei:
+            c.read_file("/x/f")
+        assert ei.value.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EIO, errno.ENOTCONN)
+        # the rest of the namespace keeps working
+        assert c.stat("/x/f").st_size == 4 * UNIT
+    cluster.up(private_cluster)  # it comes back on its data
+    with pfs.connect(config=toml) as c:
+        assert len(c.read_file("/x/f")) == 4 * UNIT
+
+
+def test_metaserver_down_is_an_error_then_recovers(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=1)
+    with pfs.connect(config=toml) as c:
+        c.write_file("/m", b"abc")
+        _kill(private_cluster, "meta")
+        with pytest.raises(OSError) as ei:
+            c.stat("/m")
+        assert ei.value.errno in (errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED)
+        cluster.up(private_cluster)
+        assert c.read_file("/m") == b"abc"  # the same client reconnects
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    p = tmp_path / "client.toml"
+    p.write_text('meta = "127.0.0.1:1"\nmetta = "typo"\n')
+    with pytest.raises(ConfigError, match="metta"):
+        pfs.connect(config=p)
+
+
+def _pfs(*args: str, env_config: Path | None = None, input: bytes | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if env_config is not None:
+        env["PFS_CONFIG"] = str(env_config)
+    return subprocess.run([sys.executable, "-m", "pfs.cli", *args], capture_output=True,
+                          env=env, input=input, timeout=120)
+
+
+def test_cli_round_trip(private_cluster: Path, tmp_path: Path) -> None:
+    r = _pfs("cluster", "up", "--dir", str(private_cluster), "--data-servers", "2")
+    assert r.returncode == 0, r.stderr
+    toml = Path(r.stdout.decode().strip().splitlines()[-1])
+    assert toml == private_cluster.resolve() / "client.toml" and toml.exists()
+    local = tmp_path / "in.bin"
+    local.write_bytes(os.urandom(300_000))
+    for args in (["mkdir", "-p", "/a/b"], ["setstripe", "--count", "2", "--unit", "64K", "/a"],
+                 ["put", str(local), "/a/b/f"], ["mv", "/a/b/f", "/a/g"],
+                 ["get", "/a/g", str(tmp_path / "out.bin")]):
+        r = _pfs(*args, env_config=toml)
+        assert r.returncode == 0, (args, r.stderr)
+    assert (tmp_path / "out.bin").read_bytes() == local.read_bytes()
+    r = _pfs("ls", "-l", "/a", env_config=toml)
+    assert b"g" in r.stdout and b"300000" in r.stdout
+    r = _pfs("getstripe", "/a/g", env_config=toml)
+    assert b'"count": 2' in r.stdout and b'"unit": 65536' in r.stdout
+    r = _pfs("cat", "/a/g", "--meta", load(ClientConfig, toml).meta)
+    assert r.stdout == local.read_bytes()
+    r = _pfs("df", env_config=toml)
+    assert r.returncode == 0 and b"avail" in r.stdout
+    r = _pfs("stat", "/nope", env_config=toml)
+    assert r.returncode == 1 and b"ENOENT" in r.stderr
+    r = _pfs("rm", "-r", "/a", env_config=toml)
+    assert r.returncode == 0, r.stderr
+    r = _pfs("cluster", "status", "--dir", str(private_cluster))
+    assert r.returncode == 0 and r.stdout.count(b" up ") == 2
+    r = _pfs("cluster", "down", "--dir", str(private_cluster))
+    assert r.returncode == 0 and cluster.running(private_cluster) == {}
