@@ -21,4 +21,13 @@ def connect(config: Any = None, meta: str | None = None, **kwargs: Any) -> "Clie
     return Client.connect(config=config, meta=meta, **kwargs)
 
 
-__all__ = ["connect", "__version__"]
+def load_safetensors(source: Any, device: str = "cpu", client: Any = None,
+                     **kwargs: Any) -> dict[str, Any]:
+    """Load a (sharded) safetensors checkpoint from pfs or local disk into
+    ``{name: tensor}``; see :func:`pfs.loader.load_safetensors` (imported on first use)."""
+    from pfs.loader import load_safetensors as load
+
+    return load(source, device, client, **kwargs)
+
+
+__all__ = ["connect", "load_safetensors", "__version__"]

@@ -211,6 +211,44 @@ def cmd_df(args: argparse.Namespace) -> None:
               f"{s.f_files - s.f_ffree}")
 
 
+def cmd_load(args: argparse.Namespace) -> None:
+    """Load a safetensors checkpoint with the loader fast path and report the rate."""
+    from pfs.loader import CheckpointError, LoadStats, load_safetensors
+
+    stats = LoadStats()
+    pfs_source = not args.local and (args.config or args.meta or os.environ.get("PFS_CONFIG"))
+    try:
+        if pfs_source:
+            with _client(args) as c:
+                out = load_safetensors(args.path, args.device, c, args.tp_rank, args.tp_size,
+                                       _split_arg(args.split), framework=args.framework,
+                                       stats=stats)
+        else:
+            out = load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
+                                   _split_arg(args.split), framework=args.framework,
+                                   stats=stats)
+    except CheckpointError as exc:
+        raise SystemExit(f"pfs load: {exc}") from None
+    kind = type(next(iter(out.values()))).__module__.split(".")[0] if out else "-"
+    print(f"loaded {stats.tensors} tensors ({kind}) from {stats.files} file(s): "
+          f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
+          f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
+          f"{stats.requests} reads, device {args.device}]")
+
+
+def _split_arg(items: list[str] | None) -> dict[str, int] | None:
+    """``--split PATTERN=DIM`` (repeatable) as the loader's split rules."""
+    if not items:
+        return None
+    out: dict[str, int] = {}
+    for item in items:
+        pattern, sep, dim = item.rpartition("=")
+        if not sep or not pattern or dim.lstrip("-") not in ("0", "1", "2", "3"):
+            raise SystemExit(f"pfs load: --split wants PATTERN=DIM, not {item!r}")
+        out[pattern] = int(dim)
+    return out
+
+
 # -- cluster ------------------------------------------------------------------
 def cmd_cluster_up(args: argparse.Namespace) -> None:
     from pfs import cluster
@@ -311,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("path")
     client_cmd("getstripe", cmd_getstripe, "show a layout").add_argument("path")
     client_cmd("df", cmd_df, "capacity of the cluster")
+    sp = client_cmd("load", cmd_load, "load a safetensors checkpoint (file, index or "
+                                      "directory) and report GB/s")
+    sp.add_argument("path", help="pfs path (with --config/--meta/$PFS_CONFIG) or local path")
+    sp.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    sp.add_argument("--tp-rank", type=int, default=None)
+    sp.add_argument("--tp-size", type=int, default=None)
+    sp.add_argument("--split", action="append", metavar="PATTERN=DIM",
+                    help="tensor-parallel rule: tensors matching PATTERN cut along DIM")
+    sp.add_argument("--framework", choices=["torch", "numpy"], default=None)
+    sp.add_argument("--local", action="store_true", help="PATH is on local disk")
 
     cl = sub.add_parser("cluster", help="a local cluster on loopback").add_subparsers(
         dest="clcmd", required=True)
