@@ -360,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--framework", choices=["torch", "numpy"], default=None)
     sp.add_argument("--local", action="store_true", help="PATH is on local disk")
 
+    from fuse.mount import add_mount_parser  # pfs mount / pfs umount
+
+    add_mount_parser(sub, client_cmd)
+
     cl = sub.add_parser("cluster", help="a local cluster on loopback").add_subparsers(
         dest="clcmd", required=True)
     sp = cl.add_parser("up", help="start a metaserver and N data servers in DIR")

@@ -1,0 +1,521 @@
+"""The FUSE operations: kernel requests mapped onto the pfs async client.
+
+A thin adapter. Each handler converts pyfuse3's arguments, calls ``client.meta`` (the
+metaserver, by inode) or a :class:`~pfs.client.aio.FileHandle`, and turns the
+``OSError`` it raises into ``pyfuse3.FUSEError`` with the same errno. Permission checks,
+POSIX rules and errno values all come from the metaserver; what lives here is only what
+the kernel protocol needs: credentials of the calling process, the table of open file and
+directory handles, lookup counts, and the kernel cache hints (timeouts, ``keep_cache``).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+
+from fuse.options import MountTuning
+from pfs.client.aio import AsyncClient, FileHandle
+from pfs.client.types import Cred, DirEntry, StatResult
+
+log = logging.getLogger(__name__)
+
+READDIR_PAGE = 512
+DOT_OFFSETS = 2  # kernel directory offsets 1 and 2 are '.' and '..'
+GROUPS_TTL = 2.0
+GROUPS_CACHE_MAX = 4096
+# pyfuse3 turns UTIME_NOW into the kernel's current time; a time this close to ours
+# is taken to mean "now" when the explicit form is refused (see ``setattr``).
+NOW_SLACK_NS = 2_000_000_000
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
+
+
+def _os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or the first one inside an exception group
+    (parallel stripe I/O raises from a nursery) if the group holds nothing else."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_os_error_of(e) for e in exc.exceptions]
+        if found and all(e is not None for e in found):
+            return found[0]
+    return None
+
+
+@contextmanager
+def fs_errors() -> Iterator[None]:
+    """Turn the client's ``OSError`` into ``FUSEError`` with the same errno."""
+    try:
+        yield
+    except (OSError, BaseExceptionGroup) as exc:
+        err = _os_error_of(exc)
+        if err is None:
+            raise
+        code = err.errno if isinstance(err.errno, int) and err.errno > 0 else errno.EIO
+        if code == errno.ENOSYS:  # the kernel would stop sending this request for good
+            code = errno.EIO
+        if code not in (errno.ENOENT, errno.EEXIST, errno.ENODATA):
+            log.debug("-> %s: %s", errno.errorcode.get(code, code), err)
+        raise pyfuse3.FUSEError(code) from None
+
+
+def _read_groups(pid: int) -> tuple[int, ...]:
+    """Supplementary groups of process ``pid`` (its ``Groups:`` line in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return tuple(int(g) for g in line.split()[1:])
+    except OSError:  # the process is gone: no supplementary groups
+        pass
+    return ()
+
+
+class _GroupCache:
+    """Supplementary groups by pid, kept for ``ttl`` seconds."""
+
+    def __init__(self, ttl: float = GROUPS_TTL) -> None:
+        self.ttl = ttl
+        self._cache: dict[int, tuple[float, tuple[int, ...]]] = {}
+
+    def get(self, pid: int) -> tuple[int, ...]:
+        if pid <= 0:
+            return ()
+        now = time.monotonic()
+        hit = self._cache.get(pid)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        groups = _read_groups(pid)
+        if len(self._cache) >= GROUPS_CACHE_MAX:
+            self._cache = {p: v for p, v in self._cache.items() if v[0] > now}
+            if len(self._cache) >= GROUPS_CACHE_MAX:
+                self._cache.clear()
+        self._cache[pid] = (now + self.ttl, groups)
+        return groups
+
+
+@dataclass
+class _DirHandle:
+    ino: int
+    cred: Cred
+    pending: list[DirEntry] = field(default_factory=list)  # fetched, not yet returned
+    pending_after: int = -1  # the cookie just before ``pending[0]``
+    eof: bool = False
+
+
+class PfsOperations(pyfuse3.Operations):
+    """pyfuse3 request handlers over one :class:`AsyncClient`."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, client: AsyncClient, tuning: MountTuning | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.meta = client.meta
+        self.tuning = tuning or MountTuning()
+        self._groups = _GroupCache()
+        self._files: dict[int, FileHandle] = {}
+        self._dirs: dict[int, _DirHandle] = {}
+        self._next_fh = 1
+        self._lookups: dict[int, int] = {}
+        # (mtime, size) of each inode when this mount last opened it: unchanged at the
+        # next open means the kernel's cached pages are still good (keep_cache)
+        self._seen: dict[int, tuple[int, int]] = {}
+        self._wrote: set[int] = set()  # handles that wrote (their inode's pages changed)
+
+    # -- helpers ---------------------------------------------------------------
+    def cred(self, ctx: pyfuse3.RequestContext) -> Cred:
+        return Cred(ctx.uid, ctx.gid, self._groups.get(ctx.pid))
+
+    def _check_writable(self) -> None:
+        if self.tuning.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+
+    def entry(self, attr: StatResult) -> pyfuse3.EntryAttributes:
+        a = self.client.merged_attr(attr)
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = a.st_ino
+        e.generation = 0
+        e.entry_timeout = self.tuning.entry_timeout
+        e.attr_timeout = self.tuning.attr_timeout
+        e.st_mode = a.st_mode
+        e.st_nlink = a.st_nlink
+        e.st_uid = a.st_uid
+        e.st_gid = a.st_gid
+        e.st_rdev = a.st_rdev
+        e.st_size = a.st_size
+        e.st_blksize = a.st_blksize
+        e.st_blocks = a.st_blocks
+        e.st_atime_ns = a.st_atime_ns
+        e.st_mtime_ns = a.st_mtime_ns
+        e.st_ctime_ns = a.st_ctime_ns
+        return e
+
+    def _looked_up(self, attr: StatResult) -> pyfuse3.EntryAttributes:
+        """An entry reply, counted: the kernel now holds one more reference."""
+        self._lookups[attr.st_ino] = self._lookups.get(attr.st_ino, 0) + 1
+        return self.entry(attr)
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _file(self, fh: int) -> FileHandle:
+        try:
+            return self._files[fh]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+
+    @staticmethod
+    def _invalidate_attrs(ino: int) -> None:
+        try:
+            pyfuse3.invalidate_inode(ino, attr_only=True)
+        except OSError as exc:  # not known to the kernel (yet): nothing cached
+            if exc.errno not in (errno.ENOENT, errno.ENOSYS):
+                log.warning("invalidating the attributes of inode %d: %s", ino, exc)
+
+    def _handles_of(self, ino: int) -> list[FileHandle]:
+        return [h for h in self._files.values() if h.ino == ino]
+
+    # -- names -----------------------------------------------------------------
+    async def lookup(self, parent_inode: int, name: bytes,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        try:
+            with fs_errors():
+                attr = await self.meta.lookup(parent_inode, name, self.cred(ctx))
+        except pyfuse3.FUSEError as exc:
+            if exc.errno == errno.ENOENT and self.tuning.negative_timeout > 0:
+                e = pyfuse3.EntryAttributes()
+                e.st_ino = 0
+                e.entry_timeout = self.tuning.negative_timeout
+                return e
+            raise
+        return self._looked_up(attr)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            left = self._lookups.get(ino, 0) - n
+            if left > 0:
+                self._lookups[ino] = left
+            else:
+                self._lookups.pop(ino, None)
+                self._seen.pop(ino, None)
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        with fs_errors():
+            return self.entry(await self.client.getattr(inode))
+
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        cred = self.cred(ctx)
+        result: StatResult | None = None
+        with fs_errors():
+            if fields.update_size:
+                result = await self._truncate(inode, attr.st_size, fh, cred)
+            changes: dict[str, Any] = {}
+            if fields.update_mode:
+                changes["mode"] = attr.st_mode & 0o7777
+            if fields.update_uid:
+                changes["uid"] = attr.st_uid
+            if fields.update_gid:
+                changes["gid"] = attr.st_gid
+            if fields.update_atime:
+                changes["atime"] = attr.st_atime_ns
+            if fields.update_mtime:
+                changes["mtime"] = attr.st_mtime_ns
+            if changes:
+                result = await self._setattr(inode, cred, changes)
+            if result is None:
+                result = await self.client.getattr(inode)
+        return self.entry(result)
+
+    async def _setattr(self, ino: int, cred: Cred, changes: dict[str, Any]) -> StatResult:
+        try:
+            return await self.meta.setattr(ino, cred, **changes)
+        except PermissionError:
+            # utimensat(UTIME_NOW) by a non-owner who may write is allowed, explicit
+            # times are not; pyfuse3 hands both over as explicit times. Times equal to
+            # each other and to the clock are taken to be "now" and asked for as such.
+            times = {k: v for k, v in changes.items() if k in ("atime", "mtime")}
+            if (not times or len(times) != len(changes) or len(set(times.values())) != 1
+                    or abs(next(iter(times.values())) - time.time_ns()) > NOW_SLACK_NS):
+                raise
+            return await self.meta.setattr(ino, cred, **{k: "now" for k in times})
+
+    async def _truncate(self, ino: int, size: int, fh: int | None, cred: Cred) -> StatResult:
+        h = self._files.get(fh) if fh is not None else None
+        if h is not None and h.writable:
+            # ftruncate: the descriptor's write access was checked when it was opened
+            await h.truncate(size)
+            self._wrote.add(fh)  # type: ignore[arg-type]
+            return await self.client.getattr(ino)
+        others = self._handles_of(ino)
+        for other in others:  # sizes written here must reach the metaserver first
+            await other.commit()
+        attr = await self.meta.setattr(ino, cred, size=size)
+        if others:
+            st = others[0].state  # one state per inode, shared by its handles
+            st.size = attr.st_size
+            st.written_end = min(st.written_end, size)
+        self._seen.pop(ino, None)
+        return attr
+
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        with fs_errors():
+            return await self.meta.readlink(inode)
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        with fs_errors():
+            attr = await self.meta.mknod(parent_inode, name, mode & ~ctx.umask, rdev,
+                                         self.cred(ctx))
+        return self._looked_up(attr)
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        with fs_errors():
+            attr = await self.meta.mkdir(parent_inode, name, mode & ~ctx.umask, self.cred(ctx))
+        return self._looked_up(attr)
+
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        with fs_errors():
+            await self.meta.unlink(parent_inode, name, self.cred(ctx))
+
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        with fs_errors():
+            await self.meta.rmdir(parent_inode, name, self.cred(ctx))
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        with fs_errors():
+            attr = await self.meta.symlink(parent_inode, name, target, self.cred(ctx))
+        return self._looked_up(attr)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        wire = 0
+        if flags & pyfuse3.RENAME_NOREPLACE:
+            wire |= 1
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            wire |= 2
+        if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        with fs_errors():
+            await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                                   wire, self.cred(ctx))
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._check_writable()
+        with fs_errors():
+            attr = await self.meta.link(inode, new_parent_inode, new_name, self.cred(ctx))
+        return self._looked_up(attr)
+
+    # -- files -----------------------------------------------------------------
+    def _file_info(self, h: FileHandle, attr_key: tuple[int, int]) -> pyfuse3.FileInfo:
+        """Register ``h`` and say whether the kernel may keep the inode's cached pages:
+        only when the file is as this mount last saw it (close-to-open otherwise)."""
+        fh = self._new_fh()
+        self._files[fh] = h
+        keep = self._seen.get(h.ino) == attr_key
+        if not keep:  # cached size and times are stale too: have the kernel ask again
+            self._invalidate_attrs(h.ino)
+        self._seen[h.ino] = attr_key
+        return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=keep, nonseekable=False)
+
+    @staticmethod
+    def _key(h: FileHandle) -> tuple[int, int]:
+        a = h.attr
+        return (a.st_mtime_ns, a.st_size) if a is not None else (-1, -1)
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS:
+            self._check_writable()
+        with fs_errors():
+            h = await self.client.open_ino(inode, flags, self.cred(ctx))
+        return self._file_info(h, self._key(h))
+
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        self._check_writable()
+        with fs_errors():
+            h = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
+                                            self.cred(ctx))
+        assert h.attr is not None
+        return self._file_info(h, self._key(h)), self._looked_up(h.attr)
+
+    async def read(self, fh: int, off: int, size: int) -> Any:
+        h = self._file(fh)
+        buf = bytearray(size)
+        with fs_errors():
+            n = await h.pread_into(buf, off)
+        return memoryview(buf)[:n] if n < size else buf
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._file(fh)
+        with fs_errors():
+            n = await h.pwrite(buf, off)
+        self._wrote.add(fh)
+        return n
+
+    async def flush(self, fh: int) -> None:
+        h = self._file(fh)
+        with fs_errors():
+            await h.commit()
+        if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
+            self._invalidate_attrs(h.ino)
+
+    async def release(self, fh: int) -> None:
+        h = self._files.pop(fh, None)
+        if h is None:
+            return
+        if fh in self._wrote:
+            self._wrote.discard(fh)
+            self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
+        with fs_errors():
+            await h.close()
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._file(fh)
+        with fs_errors():
+            await h.fsync()
+
+    # -- directories -----------------------------------------------------------
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        cred = self.cred(ctx)
+        if not self.tuning.kernel_permissions:
+            with fs_errors():
+                await self.meta.access(inode, os.R_OK, cred)
+        fh = self._new_fh()
+        self._dirs[fh] = _DirHandle(inode, cred)
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        """Entries after kernel offset ``start_id``: 1 is '.', 2 is '..', and an entry's
+        offset is its metaserver cookie + 2 (cookies stay valid while the directory
+        changes, so a listing never repeats or skips an entry)."""
+        try:
+            d = self._dirs[fh]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+        for offset, name in ((1, b"."), (2, b"..")):
+            if start_id < offset:
+                if not pyfuse3.readdir_reply(token, name, await self._dot(d, name), offset):
+                    return
+                start_id = offset
+        cookie = start_id - DOT_OFFSETS
+        if d.pending_after != cookie:  # a new position (or a rewind): fetch afresh
+            d.pending, d.pending_after, d.eof = [], cookie, False
+        while True:
+            if not d.pending:
+                if d.eof:
+                    return
+                with fs_errors():
+                    d.pending, d.eof = await self.meta.readdir(d.ino, d.pending_after,
+                                                               READDIR_PAGE, True, d.cred)
+                if not d.pending:
+                    d.eof = True
+                    return
+            while d.pending:
+                e = d.pending[0]
+                attr = e.attr
+                if attr is None:
+                    with fs_errors():
+                        attr = await self.meta.getattr(e.inode_number)
+                if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self.entry(attr),
+                                             e.cookie + DOT_OFFSETS):
+                    return
+                self._lookups[attr.st_ino] = self._lookups.get(attr.st_ino, 0) + 1
+                d.pending.pop(0)
+                d.pending_after = e.cookie
+
+    async def _dot(self, d: _DirHandle, name: bytes) -> pyfuse3.EntryAttributes:
+        """'.' or '..' for a listing: only the inode number and type reach the caller
+        (the kernel neither caches these attributes nor counts a lookup)."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = d.ino
+        e.st_mode = stat.S_IFDIR
+        if name == b".." and d.ino != pyfuse3.ROOT_INODE:
+            try:
+                e.st_ino = (await self.meta.lookup(d.ino, b"..", d.cred)).st_ino
+            except OSError as exc:  # e.g. no search permission: '..' as itself
+                log.debug("'..' of inode %d: %s", d.ino, exc)
+        return e
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        # every namespace change is durable when the metaserver answers it
+        return None
+
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        with fs_errors():
+            s = await self.meta.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = s["bsize"]
+        out.f_frsize = s.get("frsize", s["bsize"])
+        out.f_blocks = s["blocks"]
+        out.f_bfree = s["bfree"]
+        out.f_bavail = s["bavail"]
+        out.f_files = s["files"]
+        out.f_ffree = s["ffree"]
+        out.f_favail = s["ffree"]
+        out.f_namemax = s["namemax"]
+        return out
+
+    # -- extended attributes ---------------------------------------------------
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        with fs_errors():
+            return await self.meta.getxattr(inode, name, self.cred(ctx))
+
+    async def setxattr(self, inode: int, name: bytes, value: bytes,
+                       ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        with fs_errors():
+            await self.meta.setxattr(inode, name, value, 0, self.cred(ctx))
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        with fs_errors():
+            return await self.meta.listxattr(inode, self.cred(ctx))
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._check_writable()
+        with fs_errors():
+            await self.meta.removexattr(inode, name, self.cred(ctx))
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        if mode & os.W_OK and self.tuning.read_only:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        with fs_errors():
+            await self.meta.access(inode, mode, self.cred(ctx))
+        return True
+
+    # -- shutdown --------------------------------------------------------------
+    async def close_all(self) -> None:
+        """Close the handles the kernel left open (unmount): sizes reach the metaserver."""
+        files, self._files = self._files, {}
+        for h in files.values():
+            try:
+                await h.close()
+            except OSError as exc:
+                log.warning("closing inode %d at unmount: %s", h.ino, exc)
