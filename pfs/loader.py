@@ -511,6 +511,9 @@ def _plan(shards: list[Shard], names: Any, split: Mapping[str, SplitRule] | None
             seen[t.name] = sh.name
             if names is not None and t.name not in names:
                 continue
+            if not t.nbytes:  # an empty tensor: nothing to read, no region
+                sliced.append(_Sliced(sh, t, t.shape, []))
+                continue
             cut = slice_of(t, _rule_for(t.name, split), rank, size) if size > 1 else None
             if cut is None or (cut[1] == 0 and cut[2] == t.shape[cut[0]]):
                 whole.append(t)
@@ -716,6 +719,13 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
     try:
         out = await _load(reader, os.fspath(source), fw, device, wanted, split, rank, size,
                           gap, st)
+    except BaseExceptionGroup as group:  # parallel reads: report the (first) error itself
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        if isinstance(leaf, Exception):
+            raise leaf from None
+        raise
     finally:
         reader.aclose()
     st.seconds = time.perf_counter() - t0

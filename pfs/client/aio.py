@@ -114,8 +114,14 @@ class FileHandle:
             raise OSError(errno.EBADF, "file not open for reading")
 
     async def pread_into(self, buf: Any, off: int) -> int:
-        """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read."""
+        """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
+        A GPU buffer (``__cuda_array_interface__``) is filled through pinned host staging
+        (:mod:`pfs.gpu`)."""
         self._check(False)
+        if hasattr(buf, "__cuda_array_interface__"):
+            from pfs.gpu import pread_into_device
+
+            return await pread_into_device(self, buf, off)
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")

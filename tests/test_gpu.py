@@ -1,0 +1,266 @@
+"""pfs.gpu: GPU destinations. CPU-side tests use a fake object exposing
+``__cuda_array_interface__`` and mock only what cannot run here (the CUDA driver, kvikio,
+CuPy); tests marked ``gpu`` need a CUDA device and skip without one
+(``tests/gpu_check.sh`` runs them on a GPU machine)."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import pfs.gpu as gpu
+from pfs.engine import get_engine
+from pfs.gpu import GpuUnavailable, choose_path, device_buffer, is_device_buffer
+
+
+class FakeDeviceArray:
+    """Looks like a CuPy array to pfs; holds no GPU memory."""
+
+    def __init__(self, shape: tuple[int, ...], typestr: str = "|u1",
+                 strides: tuple[int, ...] | None = None, readonly: bool = False) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (0xDEAD0000, readonly), "version": 3,
+                                         "strides": strides}
+
+
+@pytest.fixture
+def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "libcuda_missing",
+                        lambda: "the CUDA driver (libcuda.so.1 cannot be loaded: test)")
+
+
+@pytest.fixture
+def driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "libcuda_missing", lambda: None)
+
+
+def _no_kvikio() -> Any:
+    raise ImportError("No module named 'kvikio'")
+
+
+def test_detects_device_buffers() -> None:
+    assert is_device_buffer(FakeDeviceArray((4,)))
+    for host in (bytearray(4), memoryview(b"x"), b"", None):
+        assert not is_device_buffer(host)
+    import numpy as np
+
+    assert not is_device_buffer(np.zeros(3))
+
+
+def test_device_buffer_geometry() -> None:
+    b = device_buffer(FakeDeviceArray((3, 5), "<f4"))
+    assert b.ptr == 0xDEAD0000 and b.nbytes == 60
+    assert device_buffer(FakeDeviceArray((3, 5), "<f4", strides=(20, 4))).nbytes == 60
+    with pytest.raises(OSError) as e:
+        device_buffer(FakeDeviceArray((3, 5), "<f4", strides=(4, 12)))
+    assert e.value.errno == errno.EINVAL and "contiguous" in str(e.value)
+    with pytest.raises(OSError, match="read-only"):
+        device_buffer(FakeDeviceArray((3,), readonly=True))
+
+
+def test_host_buffers_never_touch_kvikio(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_import_kvikio", lambda: pytest.fail("kvikio imported"))
+    assert choose_path(bytearray(10), local=True, profile="load") == "host"
+    # and importing pfs (and its loader, engines, client) does not import kvikio
+    code = ("import sys, pfs, pfs.engine, pfs.loader, pfs.gpu, pfs.client.sync; "
+            "assert 'kvikio' not in sys.modules and 'cupy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_driver_names_libcuda(no_driver: None) -> None:
+    with pytest.raises(GpuUnavailable) as e:
+        choose_path(FakeDeviceArray((4,)), local=True, profile="load", nbytes=4)
+    assert e.value.errno == errno.ENOTSUP and "libcuda.so.1" in str(e.value)
+    with pytest.raises(GpuUnavailable, match="libcuda.so.1"):
+        get_engine("gds")
+
+
+def test_missing_kvikio_falls_back_to_staging(driver: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_import_kvikio", _no_kvikio)
+    monkeypatch.setattr(gpu, "_copier", lambda: "cupy")
+    buf = FakeDeviceArray((8 << 20,))
+    assert choose_path(buf, local=True, profile="load", nbytes=8 << 20) == "staging"
+    with pytest.raises(GpuUnavailable) as e:
+        get_engine("gds")
+    assert "kvikio" in str(e.value) and "pfs[gpu]" in str(e.value)
+
+
+def test_nothing_to_copy_with_names_cupy_or_torch(driver: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_import_kvikio", _no_kvikio)
+    monkeypatch.setattr(gpu, "_copier", lambda: None)
+    with pytest.raises(GpuUnavailable, match="CuPy or a CUDA build of torch"):
+        choose_path(FakeDeviceArray((4,)), local=False, nbytes=4)
+
+
+def test_path_by_profile_and_locality(driver: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_import_kvikio", lambda: object())
+    monkeypatch.setattr(gpu, "_copier", lambda: "cupy")
+    big, small = FakeDeviceArray((4 << 20,)), FakeDeviceArray((4096,))
+    assert choose_path(big, local=True, profile="load", nbytes=4 << 20) == "gds"
+    assert choose_path(small, local=True, profile="load", nbytes=4096) == "gds"
+    assert choose_path(big, local=True, profile="auto", nbytes=4 << 20) == "gds"
+    assert choose_path(small, local=True, profile="auto", nbytes=4096) == "staging"
+    assert choose_path(big, local=True, profile="inference", nbytes=4 << 20) == "staging"
+    assert choose_path(big, local=False, profile="load", nbytes=4 << 20) == "staging"
+    with pytest.raises(ValueError, match="unknown profile"):
+        choose_path(big, local=True, profile="fast")
+
+
+def test_gds_engine_refuses_host_buffers(driver: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_import_kvikio", lambda: object())
+    eng = get_engine("gds")
+    assert eng.name == "gds"
+
+    async def main() -> None:
+        with pytest.raises(OSError, match="GPU buffers only"):
+            await eng.read_into(0, 0, memoryview(bytearray(10)))
+        with pytest.raises(OSError) as e:
+            await eng.fsync(0)
+        assert e.value.errno == errno.ENOTSUP
+
+    trio.run(main)
+
+
+def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
+    """The async FileHandle hands GPU buffers to pfs.gpu, which says what is missing."""
+    from pfs.client.aio import FileHandle
+
+    class Handle:
+        _check = FileHandle._check
+        closed = False
+        readable = True
+        writable = False
+
+    with pytest.raises(GpuUnavailable, match="libcuda.so.1"):
+        trio.run(FileHandle.pread_into, Handle(), FakeDeviceArray((16,)), 0)
+
+
+def test_loader_cuda_device_needs_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from pfs.loader import load_safetensors
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: covered by the gpu tests")
+    (tmp_path / "x.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")
+    with pytest.raises(GpuUnavailable) as e:
+        load_safetensors(tmp_path / "x.safetensors", device="cuda:0")
+    assert "libcuda.so.1" in str(e.value) or "CUDA build of torch" in str(e.value)
+
+
+# -- on a GPU ---------------------------------------------------------------------------
+def _cupy() -> Any:
+    if gpu.libcuda_missing() is not None:
+        pytest.skip("no CUDA driver")
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        pytest.skip(f"no CUDA device: {exc}")
+    return cupy
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes]:
+    data = os.urandom((24 << 20) + 12345)
+    p = tmp_path / "blob"
+    p.write_bytes(data)
+    return p, data
+
+
+@pytest.mark.gpu
+def test_gpu_gds_read(data_file: tuple[Path, bytes]) -> None:
+    cupy = _cupy()
+    pytest.importorskip("kvikio")
+    path, data = data_file
+    buf = cupy.empty(len(data) - 1000, dtype=cupy.uint8)
+    assert gpu.gds_read(path, buf, 1000) == len(data) - 1000
+    assert cupy.asnumpy(buf).tobytes() == data[1000:]
+
+
+@pytest.mark.gpu
+def test_gpu_gds_engine(data_file: tuple[Path, bytes]) -> None:
+    cupy = _cupy()
+    pytest.importorskip("kvikio")
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+    bufs = [cupy.empty(n, dtype=cupy.uint8) for n in (4096, 3 << 20, 1)]
+
+    async def main() -> list[int]:
+        eng = get_engine("gds")
+        return await eng.readv([(fd, 0, 4096, bufs[0]), (fd, 777, 3 << 20, bufs[1]),
+                                (fd, len(data) - 1, 1, bufs[2])])
+
+    try:
+        assert trio.run(main) == [4096, 3 << 20, 1]
+    finally:
+        os.close(fd)
+    assert cupy.asnumpy(bufs[1]).tobytes() == data[777:777 + (3 << 20)]
+    assert cupy.asnumpy(bufs[2]).tobytes() == data[-1:]
+
+
+@pytest.mark.gpu
+def test_gpu_staging_reuses_pinned_buffer(data_file: tuple[Path, bytes]) -> None:
+    cupy = _cupy()
+    path, data = data_file
+    fd = os.open(path, os.O_RDONLY)
+
+    async def pread_into(view: memoryview, off: int) -> int:
+        return os.preadv(fd, [view], off)
+
+    async def main() -> None:
+        st = gpu.DeviceStager(4 << 20)
+        host = st.view
+        for off in (0, 5, 1 << 20):
+            buf = cupy.empty(len(data) - off, dtype=cupy.uint8)
+            assert await st.read_into_device(pread_into, buf, off) == len(data) - off
+            assert cupy.asnumpy(buf).tobytes() == data[off:]
+            assert st.view is host  # the same pinned buffer every time
+        st.close()
+
+    try:
+        trio.run(main)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.gpu
+def test_gpu_client_readinto(request: pytest.FixtureRequest) -> None:
+    cupy = _cupy()  # before the cluster starts
+    client = request.getfixturevalue("client")
+    workdir = request.getfixturevalue("workdir")
+    data = os.urandom((5 << 20) + 3)
+    client.write_file(f"{workdir}/g", data)
+    with client.open(f"{workdir}/g", "rb") as f:
+        buf = cupy.empty(len(data), dtype=cupy.uint8)
+        assert f.readinto(buf) == len(data)
+    assert cupy.asnumpy(buf).tobytes() == data
+
+
+@pytest.mark.gpu
+def test_gpu_loader_cuda(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    from safetensors.torch import save_file
+
+    from pfs.loader import load_safetensors
+
+    t = {"a": torch.randn(1000, 257).to(torch.bfloat16), "b": torch.arange(10)}
+    save_file(t, str(tmp_path / "m.safetensors"))
+    out = load_safetensors(tmp_path / "m.safetensors", device="cuda:0")
+    for k, v in t.items():
+        assert out[k].device.type == "cuda"
+        assert torch.equal(out[k].cpu().view(torch.uint8) if v.element_size() == 1
+                           else out[k].cpu(), v)
+    part = load_safetensors(tmp_path / "m.safetensors", device="cuda:0", tp_rank=1,
+                            tp_size=2, split={"a": 1})
+    assert torch.equal(part["a"].cpu(), torch.tensor_split(t["a"], 2, 1)[1])
