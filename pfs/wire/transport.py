@@ -50,6 +50,7 @@ class Connection:
         self.decoder = FrameDecoder(self.limits)
         self.name = name or _peer_name(sock)
         self._send_lock = trio.Lock()
+        self._rbuf = bytearray(RECV_CHUNK)  # reused: recv(n) would allocate n bytes per call
         self.closed = False
 
     # -- sending -------------------------------------------------------------
@@ -116,17 +117,17 @@ class Connection:
             if head is not None:
                 return head
             try:
-                data = await self.sock.recv(RECV_CHUNK)
+                n = await self.sock.recv_into(self._rbuf)
             except ConnectionResetError:
-                data = b""
+                n = 0
             except trio.ClosedResourceError:
                 raise ConnectionClosed(f"connection to {self.name} was closed") from None
-            if not data:
+            if not n:
                 self.closed = True
                 if dec.buffered:
                     raise RemoteProtocolError(f"{self.name} closed the connection mid-frame")
                 return None
-            dec.feed(data)
+            dec.feed(memoryview(self._rbuf)[:n])
 
     async def recv_payload_into(self, dest: memoryview) -> None:
         """Receive exactly ``len(dest)`` payload bytes into ``dest``."""
