@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from pfs.layout import Layout, Piece
+from pfs.layout import Layout, Piece, stripe_extents
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -113,34 +113,44 @@ class DataClient:
         raise err
 
     # -- bulk ----------------------------------------------------------------
+    # A range is cut into per-stripe runs that are contiguous in the object (the pieces
+    # of one stripe inside the range follow each other in it); each run is one request
+    # whose payload is scattered into / gathered from the caller's buffer piece by piece.
     async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview) -> None:
         """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros."""
-        await run_all([partial(self._read_piece, ino, layout, off, buf, p)
-                       for p in _split(layout.pieces(off, len(buf)))])
+        await run_all([partial(self._read_run, ino, layout, off, buf, run)
+                       for run in _runs(layout, off, len(buf))])
 
-    async def _read_piece(self, ino: int, layout: Layout, base: int, buf: memoryview,
-                          p: Piece) -> None:
-        dest = buf[p.file_off - base:p.file_off - base + p.length]
-        r = await self.call_replicas(layout.servers[p.stripe], "read",
-                                     {"obj": [ino, p.stripe], "off": p.obj_off, "len": p.length},
-                                     into=dest)
-        if r.nbytes < p.length:
-            dest[r.nbytes:] = bytes(p.length - r.nbytes)
+    async def _read_run(self, ino: int, layout: Layout, base: int, buf: memoryview,
+                        run: list[Piece]) -> None:
+        dests = [buf[p.file_off - base:p.file_off - base + p.length] for p in run]
+        total = sum(p.length for p in run)
+        r = await self.call_replicas(
+            layout.servers[run[0].stripe], "read",
+            {"obj": [ino, run[0].stripe], "off": run[0].obj_off, "len": total},
+            into=dests[0] if len(dests) == 1 else dests)
+        if r.nbytes < total:  # past the object's end: a hole up to the file size
+            skip = r.nbytes
+            for d in dests:
+                if skip >= len(d):
+                    skip -= len(d)
+                    continue
+                d[skip:] = bytes(len(d) - skip)
+                skip = 0
 
     async def write(self, ino: int, layout: Layout, off: int, data: memoryview) -> None:
-        await run_all([partial(self._write_piece, ino, layout, off, data, p)
-                       for p in _split(layout.pieces(off, len(data)))])
+        await run_all([partial(self._write_run, ino, layout, off, data, run)
+                       for run in _runs(layout, off, len(data))])
 
-    async def _write_piece(self, ino: int, layout: Layout, base: int, data: memoryview,
-                           p: Piece) -> None:
-        src = data[p.file_off - base:p.file_off - base + p.length]
-        fields = {"obj": [ino, p.stripe], "off": p.obj_off}
-        replicas = layout.servers[p.stripe]
-        if len(replicas) == 1:
-            await self.call(replicas[0], "write", fields, payload=src)
-            return
+    async def _write_run(self, ino: int, layout: Layout, base: int, data: memoryview,
+                         run: list[Piece]) -> None:
+        srcs = [data[p.file_off - base:p.file_off - base + p.length] for p in run]
+        payload = srcs[0] if len(srcs) == 1 else srcs
+        fields = {"obj": [ino, run[0].stripe], "off": run[0].obj_off}
+        replicas = layout.servers[run[0].stripe]
         # every replica must hold an acknowledged write
-        await run_all([partial(self.call, sid, "write", fields, payload=src) for sid in replicas])
+        await run_all([partial(self.call, sid, "write", fields, payload=payload)
+                       for sid in replicas])
 
     async def fsync(self, ino: int, layout: Layout) -> None:
         await run_all([partial(self.call, sid, "fsync", {"obj": [ino, stripe]})
@@ -151,6 +161,23 @@ class DataClient:
             for c in conns:
                 c.close()
         self._conns.clear()
+
+
+def _runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
+    """Per-stripe runs of pieces, each contiguous in its object and at most MAX_REQUEST."""
+    out: list[list[Piece]] = []
+    for ext in stripe_extents(layout.unit, layout.count, off, length):
+        run: list[Piece] = []
+        size = 0
+        for p in _split(ext.pieces):
+            if run and size + p.length > MAX_REQUEST:
+                out.append(run)
+                run, size = [], 0
+            run.append(p)
+            size += p.length
+        if run:
+            out.append(run)
+    return out
 
 
 def _split(pieces: Any) -> Any:

@@ -19,7 +19,8 @@ import trio
 
 from pfs.errors import ProtocolError, from_wire, to_wire
 from pfs.wire.protocol import FrameHead, Kind, Limits
-from pfs.wire.transport import Connection, ConnectionClosed, open_connection, tune_socket
+from pfs.wire.transport import (Connection, ConnectionClosed, Payload, open_connection,
+                                tune_socket)
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ DEFAULT_CALL_TIMEOUT = 60.0
 # ---------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Call:
-    into: memoryview | None
+    into: memoryview | list[memoryview] | None
     done: trio.Event = field(default_factory=trio.Event)
     fields: dict[str, Any] | None = None
     payload: bytearray | None = None
@@ -104,7 +105,9 @@ class RpcClient:
         elif head.kind != Kind.REPLY:
             raise ProtocolError(f"{conn.name} sent a frame of kind {head.kind} as a reply")
         else:
-            if n and call.into is not None:
+            if n and isinstance(call.into, list):
+                await conn.recv_payload_into_vec(call.into, n)
+            elif n and call.into is not None:
                 if n > len(call.into):
                     raise ProtocolError(
                         f"{conn.name} replied with {n} bytes into a {len(call.into)}-byte buffer")
@@ -125,8 +128,11 @@ class RpcClient:
         self.conn.close()
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
-                   payload: bytes | bytearray | memoryview | None = None,
-                   into: memoryview | None = None, timeout: float | None = None) -> Result:
+                   payload: Payload | None = None,
+                   into: memoryview | list[memoryview] | None = None,
+                   timeout: float | None = None) -> Result:
+        """One request; the reply's payload lands in ``into`` (a buffer, or a list of
+        buffers filled in order) when given."""
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)

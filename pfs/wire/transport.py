@@ -25,6 +25,19 @@ SMALL_PAYLOAD = 64 * 1024
 SOCK_BUF = 4 << 20
 
 
+IOV_MAX = 1024
+Payload = bytes | bytearray | memoryview | list[memoryview]
+
+
+def _views(payload: Payload | None) -> list[memoryview]:
+    if payload is None:
+        return []
+    if isinstance(payload, list):
+        return [v for v in payload if len(v)]
+    v = memoryview(payload).cast("B")
+    return [v] if len(v) else []
+
+
 class ConnectionClosed(OSError):
     def __init__(self, what: str = "connection closed by peer") -> None:
         super().__init__(errno.ECONNRESET, what)
@@ -55,16 +68,17 @@ class Connection:
 
     # -- sending -------------------------------------------------------------
     async def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
-                         payload: bytes | bytearray | memoryview | None = None) -> None:
-        n = len(payload) if payload is not None else 0
+                         payload: Payload | None = None) -> None:
+        """Send one frame; ``payload`` may be one buffer or a list of buffers (gathered
+        with ``sendmsg``, so the pieces of a stripe are never copied together)."""
+        views = _views(payload)
+        n = sum(len(v) for v in views)
         head = encode_head(kind, rid, fields, n, self.limits)
         async with self._send_lock:
-            if n and n <= SMALL_PAYLOAD:
-                await self._sendall(head + bytes(payload))  # type: ignore[arg-type]
+            if n <= SMALL_PAYLOAD:
+                await self._sendall(b"".join([head, *views]) if n else head)
             else:
-                await self._sendall(head)
-                if n:
-                    await self._sendall(payload)  # type: ignore[arg-type]
+                await self._sendmsg_all([memoryview(head), *views])
 
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
                                    fd: int, offset: int, count: int) -> None:
@@ -95,6 +109,21 @@ class Connection:
                     break
                 sent += n
                 await trio.lowlevel.checkpoint_if_cancelled()
+
+    async def _sendmsg_all(self, views: list[memoryview]) -> None:
+        try:
+            while views:
+                sent = await self.sock.sendmsg(views[:IOV_MAX])
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if sent:
+                    views[0] = views[0][sent:]
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.closed = True
+            raise ConnectionClosed(f"connection to {self.name} lost: {exc.strerror}") from exc
+        except trio.ClosedResourceError:
+            raise ConnectionClosed(f"connection to {self.name} was closed") from None
 
     async def _sendall(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -146,6 +175,41 @@ class Connection:
                 raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
             dec.payload_received(n)
             got += n
+
+    async def recv_payload_into_vec(self, dests: list[memoryview], n: int) -> None:
+        """Receive ``n`` payload bytes scattered over ``dests`` in order (``recvmsg_into``);
+        ``n`` may be less than their total (a short read)."""
+        dec = self.decoder
+        todo: list[memoryview] = []
+        left = n
+        for d in dests:
+            if left <= 0:
+                break
+            todo.append(d[:left])
+            left -= len(todo[-1])
+        if left > 0:
+            raise RemoteProtocolError(f"{self.name} sent {n} bytes for a smaller buffer")
+        while todo and dec.buffered:
+            k = dec.take_payload_into(todo[0])
+            todo[0] = todo[0][k:]
+            if not todo[0]:
+                todo.pop(0)
+        while todo:
+            try:
+                k, _, _, _ = await self.sock.recvmsg_into(todo[:IOV_MAX])
+            except ConnectionResetError:
+                k = 0
+            except trio.ClosedResourceError:
+                raise ConnectionClosed(f"connection to {self.name} was closed") from None
+            if k == 0:
+                self.closed = True
+                raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
+            dec.payload_received(k)
+            while todo and k >= len(todo[0]):
+                k -= len(todo[0])
+                todo.pop(0)
+            if k:
+                todo[0] = todo[0][k:]
 
     async def recv_payload(self, n: int) -> bytearray:
         buf = bytearray(n)
