@@ -162,6 +162,15 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
     except MountError as exc:
         report(str(exc))
         raise
+    except BaseExceptionGroup as group:  # raised inside the nursery
+        matched, rest = group.split(MountError)
+        if matched is None or rest is not None:
+            raise
+        exc = matched.exceptions[0]
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        report(str(exc))
+        raise exc from None
     finally:
         if mounted:
             pyfuse3.close(unmount=True)

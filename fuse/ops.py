@@ -222,6 +222,11 @@ class PfsOperations(pyfuse3.Operations):
         cred = self.cred(ctx)
         result: StatResult | None = None
         with fs_errors():
+            if fields.update_mtime:
+                # sizes and times written here reach the metaserver before the new
+                # time does, so a later close cannot overwrite it (cp -a, tar, rsync)
+                for h in self._handles_of(inode):
+                    await h.commit()
             if fields.update_size:
                 result = await self._truncate(inode, attr.st_size, fh, cred)
             changes: dict[str, Any] = {}

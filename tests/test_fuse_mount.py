@@ -1,0 +1,135 @@
+"""The mount's life: options, readiness, clean unmount on signals and ``pfs umount``, and
+a metaserver that goes away (errors, never a hang) and comes back (the mount recovers)."""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fuse.mount import mount_entry
+from fuse.options import MountError, parse_options
+from pfs import cluster
+from tests.fuse_fixtures import *  # noqa: F403
+from tests.fuse_fixtures import PY, fuse_usable, mounted, pfs_cli
+
+
+def test_parse_options() -> None:
+    o = parse_options(["allow_other,ro,entry_timeout=5,attr_timeout=0.5", "timeout=3,_netdev",
+                       "x-systemd.automount,noatime,fsname=pfs0,defaults"])
+    assert o.tuning.read_only and o.tuning.entry_timeout == 5 and o.tuning.attr_timeout == 0.5
+    assert o.timeout == 3
+    assert sorted(o.fuse) == ["allow_other", "fsname=pfs0", "noatime"]
+    assert "ro" in o.fuse_options("h:1") and "default_permissions" in o.fuse_options("h:1")
+    assert "default_permissions" not in parse_options(["nodefault_permissions"]).fuse_options("h:1")
+    for bad in ("bogus", "entry_timeout=x", "timeout=-1", "max_tasks=0", "attr_timeout="):
+        with pytest.raises(MountError):
+            parse_options([bad])
+
+
+@pytest.fixture
+def mountpoint() -> Iterator[Path]:
+    if (why := fuse_usable()) is not None:
+        pytest.skip(why)
+    d = Path(tempfile.mkdtemp(prefix="pfs-test-mnt-"))
+    try:
+        yield d
+    finally:
+        if mount_entry(str(d)) is not None:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+        os.rmdir(d)
+
+
+def test_mount_errors(client_toml: Path, mountpoint: Path, tmp_path: Path) -> None:
+    r = pfs_cli("mount", "--config", str(client_toml), str(mountpoint), "-o", "bogus")
+    assert r.returncode != 0 and "unknown mount option" in r.stderr
+    r = pfs_cli("mount", "--config", str(client_toml), str(tmp_path / "missing"))
+    assert r.returncode != 0 and "not a directory" in r.stderr
+    # nothing listens on port 1: the mount fails fast and leaves nothing mounted
+    r = pfs_cli("mount", "--meta", "127.0.0.1:1", str(mountpoint))
+    assert r.returncode != 0 and "127.0.0.1:1" in r.stderr
+    assert mount_entry(str(mountpoint)) is None
+    r = pfs_cli("umount", str(mountpoint))
+    assert r.returncode != 0 and "not mounted" in r.stderr
+
+
+def test_background_mount_and_umount(client_toml: Path) -> None:
+    with mounted(client_toml) as m:
+        e = mount_entry(str(m))
+        assert e is not None and e["fstype"] == "fuse.pfs"
+        assert os.stat(m).st_ino == 1
+        r = pfs_cli("mount", "--config", str(client_toml), str(m))
+        assert r.returncode != 0 and "already" in r.stderr
+    assert not m.exists() or mount_entry(str(m)) is None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_foreground_signal_unmounts(client_toml: Path, mountpoint: Path, sig: int) -> None:
+    rfd, wfd = os.pipe()
+    proc = subprocess.Popen([PY, "-m", "pfs.cli", "mount", "-f", "--config", str(client_toml),
+                             str(mountpoint), "--ready-fd", str(wfd)], pass_fds=(wfd,),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.close(wfd)
+    try:
+        assert select.select([rfd], [], [], 60)[0], "no readiness report"
+        assert os.read(rfd, 100) == b"ok\n"
+        (mountpoint / f"sig-{sig}").write_bytes(b"x")
+        fd = os.open(mountpoint / f"sig-{sig}", os.O_RDONLY)  # open files do not block it
+        os.close(fd)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        assert mount_entry(str(mountpoint)) is None
+        assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+    finally:
+        os.close(rfd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _errno_of(fn, *args) -> int:  # type: ignore[no-untyped-def]
+    try:
+        fn(*args)
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
+
+
+def test_metaserver_gone_and_back(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=1)
+    with mounted(toml, "timeout=2,entry_timeout=0,attr_timeout=0") as m:
+        (m / "f").write_bytes(b"before")
+        meta_pid = cluster.running(private_cluster)["meta"]
+        # a metaserver that hangs: calls time out, nothing waits forever
+        os.kill(meta_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert _errno_of(os.stat, m / "f") in (errno.ETIMEDOUT, errno.EIO)
+            assert time.monotonic() - t0 < 20
+        finally:
+            os.kill(meta_pid, signal.SIGCONT)
+        # a metaserver that is gone: ENOTCONN (or EIO) at once
+        os.kill(meta_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while cluster._pid_alive(meta_pid) and time.monotonic() < deadline:
+            try:
+                os.waitpid(meta_pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.02)
+        assert _errno_of(os.stat, m / "f") in (errno.ENOTCONN, errno.EIO)
+        assert _errno_of(os.listdir, m) in (errno.ENOTCONN, errno.EIO)
+        # back on the same port: the mount answers again, data intact
+        cluster.up(private_cluster)
+        assert (m / "f").read_bytes() == b"before"
+        (m / "g").write_bytes(b"after")
+        assert sorted(os.listdir(m)) == ["f", "g"]
