@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
     p.add_argument("--host", help="address to listen on")
     p.add_argument("--port", type=int, help="port to listen on (0: any free port)")
     p.add_argument("--meta", help="metaserver HOST:PORT ('' runs without one)")
-    p.add_argument("--engine", help="I/O engine (posix)")
+    p.add_argument("--engine", help="I/O engine: auto (uring where available), posix, uring")
     p.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
     p.add_argument("--ready-fd", type=int, metavar="N",
                    help="write the bound port to fd N when ready, then close it")

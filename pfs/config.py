@@ -111,7 +111,7 @@ class DataConfig:
     host: str = "127.0.0.1"
     port: int = 0
     meta: str = "127.0.0.1:9400"
-    engine: str = "posix"
+    engine: str = "auto"  # auto (io_uring where the kernel has it, else posix), posix, uring
     heartbeat: float = 2.0  # seconds between heartbeats
 
 

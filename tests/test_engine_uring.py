@@ -257,3 +257,12 @@ def test_aligned_buffer() -> None:
         assert engine_mod.buffer_address(b) % align == 0
     with pytest.raises(ValueError):
         aligned_buffer(10, 3000)
+
+
+def test_auto_is_uring_where_available() -> None:
+    eng = get_engine("auto")
+    try:
+        assert isinstance(eng, UringEngine)
+        assert engine_mod.default_engine() == "uring"
+    finally:
+        eng.close()
