@@ -19,6 +19,8 @@ timeout=S              seconds before a metaserver/data server call fails with E
                        (default 30): a server that is gone never hangs a process
 read_ahead_kb=N        kernel readahead of the mount (default 4096; 0 keeps the kernel's)
 max_tasks=N            requests served concurrently at most (default 64)
+write_behind=N         writes in flight per open file, answered before they land; errors
+                       come back from the next write, close or fsync (default 16; 0: off)
 logfile=PATH           where the background daemon logs (default: nowhere)
 debug                  log every error reply
 ro / rw                read-only mount: writes fail with EROFS
@@ -129,7 +131,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
                     await client.meta.call("hello", client=f"pfs-fuse-{os.getpid()}")
                 except OSError as exc:
                     raise MountError(f"metaserver {cfg.meta}: {exc.strerror or exc}") from None
-                ops = PfsOperations(client, opts.tuning)
+                ops = PfsOperations(client, opts.tuning, nursery)
                 try:
                     pyfuse3.init(ops, mountpoint, opts.fuse_options(cfg.meta))
                 except RuntimeError as exc:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyfuse3
+import trio
 
 from fuse.options import MountTuning
 from pfs.client.aio import AsyncClient, FileHandle
@@ -101,6 +102,22 @@ class _GroupCache:
         return groups
 
 
+class _InFlight:
+    """Writes of one inode accepted from the kernel and still on their way to the data
+    servers (write-behind): their ranges, for ordering overlapping writes and reads."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, tuple[int, int, trio.Event]] = {}
+        self.end = 0  # the file is at least this long once they land
+
+    def overlapping(self, start: int, end: int) -> list[trio.Event]:
+        return [ev for s, e, ev in self.ranges.values() if s < end and start < e]
+
+    async def wait(self, start: int = 0, end: int = 1 << 63) -> None:
+        for ev in self.overlapping(start, end):
+            await ev.wait()
+
+
 @dataclass
 class _DirHandle:
     ino: int
@@ -117,8 +134,10 @@ class PfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, client: AsyncClient, tuning: MountTuning | None = None) -> None:
+    def __init__(self, client: AsyncClient, tuning: MountTuning | None = None,
+                 nursery: trio.Nursery | None = None) -> None:
         super().__init__()
+        self._nursery = nursery  # runs write-behind; None: every write waits
         self.client = client
         self.meta = client.meta
         self.tuning = tuning or MountTuning()
@@ -131,6 +150,10 @@ class PfsOperations(pyfuse3.Operations):
         # next open means the kernel's cached pages are still good (keep_cache)
         self._seen: dict[int, tuple[int, int]] = {}
         self._wrote: set[int] = set()  # handles that wrote (their inode's pages changed)
+        self._inflight: dict[int, _InFlight] = {}  # by inode
+        self._slots: dict[int, trio.Semaphore] = {}  # by handle: bounds its write-behind
+        self._write_errors: dict[int, OSError] = {}  # by handle: reported at flush/fsync
+        self._ids = 0
 
     # -- helpers ---------------------------------------------------------------
     def cred(self, ctx: pyfuse3.RequestContext) -> Cred:
@@ -142,6 +165,9 @@ class PfsOperations(pyfuse3.Operations):
 
     def entry(self, attr: StatResult) -> pyfuse3.EntryAttributes:
         a = self.client.merged_attr(attr)
+        fl = self._inflight.get(a.st_ino)
+        if fl is not None and fl.end > a.st_size:
+            a = a.with_size(fl.end)
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.st_ino
         e.generation = 0
@@ -222,9 +248,10 @@ class PfsOperations(pyfuse3.Operations):
         cred = self.cred(ctx)
         result: StatResult | None = None
         with fs_errors():
-            if fields.update_mtime:
+            if fields.update_mtime or fields.update_size:
                 # sizes and times written here reach the metaserver before the new
-                # time does, so a later close cannot overwrite it (cp -a, tar, rsync)
+                # ones do, so a later close cannot overwrite them (cp -a, tar, rsync)
+                await self._drain(inode)
                 for h in self._handles_of(inode):
                     await h.commit()
             if fields.update_size:
@@ -370,29 +397,88 @@ class PfsOperations(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._file(fh)
+        fl = self._inflight.get(h.ino)
+        if fl is not None:  # bytes written here, still on their way, are read back
+            await fl.wait(off, off + size)
         buf = bytearray(size)
         with fs_errors():
             n = await h.pread_into(buf, off)
         return memoryview(buf)[:n] if n < size else buf
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        """Write-behind: the kernel gets its reply once the write is under way, so one
+        writer keeps several requests in flight; an error is reported by the next
+        write, flush (close) or fsync of the handle. Overlapping writes keep their
+        order; O_APPEND writes (offset decided by the client) wait."""
         h = self._file(fh)
-        with fs_errors():
-            n = await h.pwrite(buf, off)
         self._wrote.add(fh)
-        return n
+        self._raise_write_error(fh)
+        limit = self.tuning.write_behind
+        if self._nursery is None or limit <= 0 or h.flags & os.O_APPEND:
+            await self._drain(h.ino)
+            with fs_errors():
+                return await h.pwrite(buf, off)
+        end = off + len(buf)
+        while (fl := self._inflight.get(h.ino)) is not None and fl.overlapping(off, end):
+            await fl.wait(off, end)
+        slots = self._slots.setdefault(fh, trio.Semaphore(limit))
+        await slots.acquire()
+        fl = self._inflight.setdefault(h.ino, _InFlight())
+        self._ids += 1
+        key, done = self._ids, trio.Event()
+        fl.ranges[key] = (off, end, done)
+        fl.end = max(fl.end, end)
+        self._nursery.start_soon(self._write_behind, fh, h, key, buf, off, slots)
+        return len(buf)
+
+    async def _write_behind(self, fh: int, h: FileHandle, key: int, buf: bytes, off: int,
+                            slots: trio.Semaphore) -> None:
+        try:
+            await h.pwrite(buf, off)
+        except (OSError, BaseExceptionGroup) as exc:
+            err = _os_error_of(exc)
+            if err is None:
+                raise
+            log.debug("write-behind of inode %d at %d failed: %s", h.ino, off, err)
+            self._write_errors.setdefault(fh, err)
+        finally:
+            fl = self._inflight.get(h.ino)
+            if fl is not None:
+                fl.ranges.pop(key)[2].set()
+                if not fl.ranges:
+                    del self._inflight[h.ino]
+            slots.release()
+
+    async def _drain(self, ino: int) -> None:
+        """Wait until every write of ``ino`` accepted so far has landed."""
+        while (fl := self._inflight.get(ino)) is not None:
+            await fl.wait()
+
+    def _raise_write_error(self, fh: int) -> None:
+        err = self._write_errors.pop(fh, None)
+        if err is not None:
+            code = err.errno if isinstance(err.errno, int) and err.errno > 0 else errno.EIO
+            raise pyfuse3.FUSEError(code)
 
     async def flush(self, fh: int) -> None:
         h = self._file(fh)
+        await self._drain(h.ino)
         with fs_errors():
             await h.commit()
         if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
             self._invalidate_attrs(h.ino)
+        self._raise_write_error(fh)
 
     async def release(self, fh: int) -> None:
-        h = self._files.pop(fh, None)
+        h = self._files.get(fh)
         if h is None:
             return
+        await self._drain(h.ino)
+        del self._files[fh]
+        self._slots.pop(fh, None)
+        err = self._write_errors.pop(fh, None)
+        if err is not None:
+            log.warning("inode %d: a write failed and was not reported: %s", h.ino, err)
         if fh in self._wrote:
             self._wrote.discard(fh)
             self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
@@ -401,6 +487,8 @@ class PfsOperations(pyfuse3.Operations):
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)
+        await self._drain(h.ino)
+        self._raise_write_error(fh)
         with fs_errors():
             await h.fsync()
 
@@ -518,6 +606,8 @@ class PfsOperations(pyfuse3.Operations):
     # -- shutdown --------------------------------------------------------------
     async def close_all(self) -> None:
         """Close the handles the kernel left open (unmount): sizes reach the metaserver."""
+        for ino in list(self._inflight):
+            await self._drain(ino)
         files, self._files = self._files, {}
         for h in files.values():
             try:

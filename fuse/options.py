@@ -20,6 +20,7 @@ class MountTuning:
     negative_timeout: float = 0.0  # 0: a missing name is not cached
     read_only: bool = False
     kernel_permissions: bool = True  # mounted with default_permissions
+    write_behind: int = 16  # writes in flight per open file (0: each write waits)
 
 
 # passed to libfuse / the kernel as they are (libfuse 3 fuse_mount_opts and mount flags)
@@ -85,6 +86,8 @@ def parse_options(items: list[str]) -> MountOptions:
                 setattr(o.tuning, key, _number(key, value, float))
             elif key == "timeout" and eq:
                 o.timeout = _number(key, value, float)
+            elif key == "write_behind" and eq:
+                o.tuning.write_behind = _number(key, value, int)
             elif key in ("read_ahead_kb", "max_tasks") and eq:
                 setattr(o, key, _number(key, value, int))
             elif key == "logfile" and eq:

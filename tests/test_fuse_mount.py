@@ -133,3 +133,19 @@ def test_metaserver_gone_and_back(private_cluster: Path) -> None:
         assert (m / "f").read_bytes() == b"before"
         (m / "g").write_bytes(b"after")
         assert sorted(os.listdir(m)) == ["f", "g"]
+        # a data server that is gone: writes behind fail at close (or fsync), not silently
+        data_pid = cluster.running(private_cluster)["data0"]
+        os.kill(data_pid, signal.SIGKILL)
+        while cluster._pid_alive(data_pid):
+            try:
+                os.waitpid(data_pid, 0)
+            except ChildProcessError:
+                break
+        fd = os.open(m / "h", os.O_CREAT | os.O_WRONLY, 0o644)
+        codes = []
+        try:
+            for _ in range(4):
+                codes.append(_errno_of(os.write, fd, b"y" * (1 << 20)))
+        finally:
+            codes.append(_errno_of(os.close, fd))
+        assert any(codes), codes

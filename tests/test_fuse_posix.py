@@ -524,7 +524,7 @@ def test_statfs(mnt: Path) -> None:
 
 
 def test_large_directory(mdir: Path) -> None:
-    names = {f"file-{i:05d}-{'x' * (i % 40)}" for i in range(1500)}
+    names = {f"file-{i:05d}-{'x' * (i % 40)}" for i in range(700)}
     for n in names:
         os.close(os.open(mdir / n, os.O_CREAT | os.O_WRONLY, 0o644))
     assert set(os.listdir(mdir)) == names
