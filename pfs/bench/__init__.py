@@ -1,4 +1,4 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket (issue 2)
   meta        creates/stats/unlinks per second, 1 and N client processes, vs raw LMDB (issue 2)
   fuse        dd write / cold read and create/stat/unlink on a pfs mount, the native client,
               a local dir and a MooseFS mount, in one run (issue 3)
+  io500       the twelve IO500 phases and score on a directory or the native client (issue 6)
 """
 
 
@@ -29,6 +30,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.meta import main as run
     elif cmd == "fuse":
         from pfs.bench.fusebench import main as run
+    elif cmd == "io500":
+        from pfs.bench.io500 import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
