@@ -51,7 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="cluster directory: use (or start) the cluster there")
     p.add_argument("--config", help="client.toml of a running cluster to use")
     p.add_argument("--mb", type=int, default=1024, help="MiB per file (default 1024)")
-    p.add_argument("--nfiles", type=int, default=2000, help="files for create/stat/unlink (default 2000)")
+    p.add_argument("--nfiles", type=int, default=1000,
+                   help="files for create/stat/unlink (default 1000)")
     p.add_argument("--reps", type=int, default=3, help="repetitions; medians (default 3)")
     p.add_argument("--targets", default="local,mount,native,moosefs",
                    help="which to measure (default local,mount,native,moosefs)")
@@ -97,11 +98,14 @@ def _port_free(port: int) -> bool:
 
 
 def mount_available() -> bool:
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
     from pfs import cli
 
     try:
-        parser = cli.build_parser()
-        parser.parse_args(["mount", "--help"])
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            cli.build_parser().parse_args(["mount", "--help"])
     except SystemExit as exc:
         return exc.code == 0
     return False
