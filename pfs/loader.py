@@ -636,10 +636,53 @@ def _framework(framework: str | None, device: str) -> _Numpy | _Torch:
 
 
 # -- the load -----------------------------------------------------------------------
+async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
+                    sliced: list[_Sliced]) -> None:
+    """Regions and slices of local shards read by kvikio into device buffers."""
+    from pfs.gpu import GDS_TASK_SIZE, require_gds
+
+    kvikio = require_gds()
+    torch = fw.torch
+    jobs: list[tuple[str, int, int, Any]] = []  # path, offset, length, device view
+    for r in regions:
+        r.buf = torch.empty(r.end - r.start, dtype=torch.uint8, device=device)
+        if r.end > r.start:
+            jobs.append((r.shard.path, r.start, r.end - r.start, r.buf))
+    for s in sliced:
+        s.buf = torch.empty(math.prod(s.shape) * s.info.itemsize, dtype=torch.uint8,
+                            device=device)
+        pos = 0
+        for off, length in s.ranges:
+            jobs.append((s.shard.path, off, length, s.buf[pos:pos + length]))
+            pos += length
+
+    def run() -> None:
+        files: dict[str, Any] = {}
+        try:
+            futures = []
+            for path, off, length, view in jobs:
+                f = files.get(path)
+                if f is None:
+                    f = files[path] = kvikio.CuFile(path, "r")
+                futures.append((path, length, f.pread(view, length, off,
+                                                      task_size=GDS_TASK_SIZE)))
+            for path, length, fu in futures:
+                got = int(fu.get())
+                if got < length:
+                    raise CheckpointError(path, f"truncated: read {got} of {length} bytes")
+        finally:
+            for f in files.values():
+                f.close()
+
+    await trio.to_thread.run_sync(run)
+
+
 async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
-                merge_gap: int, stats: LoadStats) -> dict[str, Any]:
+                merge_gap: int, stats: LoadStats, gds_ok: bool = False) -> dict[str, Any]:
     paths, _index = await _shard_paths(reader, source)
+    gds = gds_ok and isinstance(reader, _LocalReader) and isinstance(fw, _Torch)
+    regions_on_device = False
     shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
     try:
         async def head(i: int, p: str) -> None:
@@ -651,12 +694,16 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
-        for r in regions:
+        if gds:  # local files straight into device memory (kvikio), no host copy
+            assert isinstance(fw, _Torch)
+            await _read_gds(fw, device, regions, sliced)
+            regions_on_device = True
+        for r in regions if not gds else []:
             r.buf, view = fw.alloc(r.end - r.start)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
                 owners.append((r.shard.name, len(view)))
-        for s in sliced:
+        for s in sliced if not gds else []:
             s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
             pos = 0
             for off, length in s.ranges:
@@ -676,14 +723,15 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
     stats.files = len(paths)
     stats.requests = len(ops)
     stats.read_bytes = sum(len(v) for _h, _o, v in ops)
-    stats.engine = reader.engine_name
+    stats.engine = "gds" if gds else reader.engine_name
     out: dict[str, Any] = {}
+    host = device == "cpu" or regions_on_device
     for r in regions:
-        buf = r.buf if device == "cpu" else fw.to_device(r.buf, device)
+        buf = r.buf if host else fw.to_device(r.buf, device)
         for t in r.members:
             out[t.name] = fw.view(buf, t.begin - r.start, t, t.shape)
     for s in sliced:
-        buf = s.buf if device == "cpu" else fw.to_device(s.buf, device)
+        buf = s.buf if host else fw.to_device(s.buf, device)
         out[s.info.name] = fw.view(buf, 0, s.info, s.shape)
     stats.tensors = len(out)
     stats.bytes = sum(t.nbytes for r in regions for t in r.members) + sum(
@@ -715,10 +763,15 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
     st = stats if stats is not None else LoadStats()
     wanted = set(names) if names is not None else None
     reader: _Reader = _PfsReader(client) if client is not None else _LocalReader(settings)
+    gds_ok = False
+    if device.startswith("cuda") and settings.gds and client is None:
+        from pfs.gpu import kvikio_missing
+
+        gds_ok = kvikio_missing() is None  # else: pinned host buffers + copy
     t0 = time.perf_counter()
     try:
         out = await _load(reader, os.fspath(source), fw, device, wanted, split, rank, size,
-                          gap, st)
+                          gap, st, gds_ok)
     except BaseExceptionGroup as group:  # parallel reads: report the (first) error itself
         leaf: BaseException = group
         while isinstance(leaf, BaseExceptionGroup):
@@ -746,8 +799,9 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     ``client`` (from :func:`pfs.connect`), or as ``pfs:///path`` (connecting with
     ``config``/``meta``/``$PFS_CONFIG``).
 
-    ``device``: ``"cpu"`` or ``"cuda:N"`` (torch; bytes land in pinned host buffers and
-    are copied region by region). ``tp_rank``/``tp_size``/``split``: tensor-parallel
+    ``device``: ``"cpu"`` or ``"cuda:N"`` (torch; local files with kvikio installed are
+    read by GDS straight into device buffers, anything else lands in pinned host buffers
+    and is copied region by region). ``tp_rank``/``tp_size``/``split``: tensor-parallel
     slices, see :func:`slice_of`; tensors no rule matches are loaded whole.
     ``names``: load only these. ``framework``: ``"torch"`` or ``"numpy"`` (default: torch
     if installed). ``merge_gap``: bytes of unwanted data worth reading to merge two ranges

@@ -264,3 +264,56 @@ def test_gpu_loader_cuda(tmp_path: Path) -> None:
     part = load_safetensors(tmp_path / "m.safetensors", device="cuda:0", tp_rank=1,
                             tp_size=2, split={"a": 1})
     assert torch.equal(part["a"].cpu(), torch.tensor_split(t["a"], 2, 1)[1])
+
+
+def test_loader_gds_plan_with_fake_kvikio(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's GDS path (kvikio reads into device buffers), run on CPU tensors with a
+    stand-in kvikio that reads with preadv: same bytes as the host path, TP too."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    import pfs.loader as L
+
+    class FakeCuFile:
+        def __init__(self, path: str, flags: str) -> None:
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def pread(self, buf: Any, size: int, off: int, task_size: int = 0) -> Any:
+            n = os.preadv(self.fd, [memoryview(buf.numpy())[:size]], off)
+
+            class Done:
+                def get(self) -> int:
+                    return n
+            return Done()
+
+        def close(self) -> None:
+            os.close(self.fd)
+
+    class FakeKvikio:
+        CuFile = FakeCuFile
+
+    monkeypatch.setattr(gpu, "require_gds", lambda: FakeKvikio)
+    t = {"a": torch.randn(300, 70).to(torch.bfloat16), "b": torch.arange(11),
+         "e": torch.empty(0, 3)}
+    path = tmp_path / "m.safetensors"
+    save_file(t, str(path))
+
+    async def load(**kw: Any) -> dict[str, Any]:
+        st = L.LoadStats()
+        reader = L._LocalReader(L.profile_settings("load"))
+        try:
+            out = await L._load(reader, str(path), L._Torch("cpu"), "cpu", None,
+                                kw.get("split"), kw.get("rank", 0), kw.get("size", 1),
+                                1 << 20, st, gds_ok=True)
+        finally:
+            reader.aclose()
+        assert st.engine == "gds"
+        return out
+
+    out = trio.run(load)
+    for k, v in t.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k].view(-1).view(torch.uint8),
+                                                       v.view(-1).view(torch.uint8))
+    part = trio.run(lambda: load(split={"a": 1}, rank=1, size=2))
+    assert torch.equal(part["a"].view(torch.int16), torch.tensor_split(t["a"], 2, 1)[1]
+                       .contiguous().view(torch.int16))
