@@ -1,4 +1,4 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse | io500``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket (issue 2)
@@ -16,6 +16,7 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500} [options]   (-h after a
   fuse        dd write / cold read and create/stat/unlink on a pfs mount, the native client,
               a local dir and a MooseFS mount, in one run (issue 3)
   io500       the twelve IO500 phases and score on a directory or the native client (issue 6)
+  sweep       data paths: engines x block sizes x patterns x threads, local/native/mount (issue 6)
 """
 
 
@@ -32,6 +33,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.fusebench import main as run
     elif cmd == "io500":
         from pfs.bench.io500 import main as run
+    elif cmd == "sweep":
+        from pfs.bench.sweep import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
