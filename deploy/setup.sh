@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what pfs needs on a fresh Debian/Ubuntu machine, idempotently:
-# system packages (FUSE 3 and the headers pyfuse3 builds against), a virtualenv in
-# .venv, and the project with its fuse and dev extras.
+# system packages (FUSE 3 and the headers pyfuse3 builds against; Open MPI for the
+# multi-rank `pfs bench io500`), a virtualenv in .venv, and the project with its fuse, dev
+# and mpi extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,8 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 dpkg -s python3-venv >/dev/null 2>&1 || python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v rsync >/dev/null || need_apt+=(rsync)
 command -v git >/dev/null || need_apt+=(git)
+command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
+dpkg -s libopenmpi-dev >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
   echo "setup: installing ${need_apt[*]} with apt-get" >&2
@@ -26,6 +29,6 @@ fi
 stamp=.venv/.pfs-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/pip install -q -e '.[fuse,dev]'
+  .venv/bin/pip install -q -e '.[fuse,dev,mpi]'
   touch "$stamp"
 fi

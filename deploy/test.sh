@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./deploy/setup.sh
+# setup.sh installed Open MPI and mpi4py: the two-rank io500 test must run, not skip
+export PFS_REQUIRE_MPI=1
 exec .venv/bin/python -m pytest "$@"
