@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from pfs.config import ConfigError, DataConfig, load, parse_addr
 log = logging.getLogger("dataserver")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, str]:
+def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, str, bool]:
     p = argparse.ArgumentParser(prog="python -m dataserver", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="TOML file with DataConfig keys")
     p.add_argument("--dir", action="append", dest="dirs", metavar="DIR",
@@ -38,24 +39,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
     p.add_argument("--ready-fd", type=int, metavar="N",
                    help="write the bound port to fd N when ready, then close it")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
+    p.add_argument("--key-file", help="the cluster key (docs/security.md)")
+    p.add_argument("--insecure-skip-caps", action="store_true",
+                   help="TEST ONLY: do not check capabilities (the benchmark's off switch)")
     args = p.parse_args(argv)
     cfg = load(DataConfig, args.config) if args.config else DataConfig()
     overrides = {k: v for k, v in (("dirs", args.dirs), ("host", args.host),
                                    ("port", args.port), ("meta", args.meta),
-                                   ("engine", args.engine), ("heartbeat", args.heartbeat))
+                                   ("engine", args.engine), ("heartbeat", args.heartbeat),
+                                   ("key_file", args.key_file))
                  if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.meta:
         parse_addr(cfg.meta)
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
-    return cfg, args.ready_fd, args.log_level
+    return cfg, args.ready_fd, args.log_level, args.insecure_skip_caps
 
 
-async def run(cfg: DataConfig, ready_fd: int | None) -> None:
+async def run(cfg: DataConfig, ready_fd: int | None, skip_caps: bool = False) -> None:
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            port = await nursery.start(serve_data, cfg)
+            port = await nursery.start(
+                functools.partial(serve_data, cfg, verify_caps=False if skip_caps else None))
             log.info("data server ready on %s:%d (dirs %s)", cfg.host, port, ", ".join(cfg.dirs))
             if ready_fd is not None:
                 try:
@@ -70,7 +76,7 @@ async def run(cfg: DataConfig, ready_fd: int | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, ready_fd, level = parse_args(argv)
+        cfg, ready_fd, level, skip_caps = parse_args(argv)
     except ConfigError as exc:
         print(f"dataserver: {exc}", file=sys.stderr)
         return 2
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     failed: list[BaseException] = []
     try:
-        trio.run(run, cfg, ready_fd)
+        trio.run(run, cfg, ready_fd, skip_caps)
     except* (OSError, ConfigError) as group:  # a port in use, an unusable directory...
         failed.extend(group.exceptions)
     for err in failed:

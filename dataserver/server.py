@@ -11,11 +11,15 @@ import errno
 import logging
 import os
 import random
+import time
 from typing import Any
 
 import trio
 
 from dataserver.objects import MAX_ID, ObjectStore, check_obj
+from pfs import auth, caps
+from pfs.auth import ClientAuth, ServerAuth
+from pfs.caps import Capability, CapCache, CapVerifier
 from pfs.config import DataConfig, parse_addr
 from pfs.engine import Engine, get_engine
 from pfs.wire.protocol import Limits
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MAX_DELETE = 1 << 16  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
+MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
 
 
 def _offset(req: Request, key: str) -> int:
@@ -40,17 +45,78 @@ class DataService(RpcService):
     name = "dataserver"
 
     def __init__(self, store: ObjectStore, engine: Engine, limits: Limits | None = None,
-                 *, use_sendfile: bool = True) -> None:
-        super().__init__(limits)
+                 *, use_sendfile: bool = True, auth: ServerAuth | None = None,
+                 own_auth: ClientAuth | None = None, verify_caps: bool | None = None) -> None:
+        super().__init__(limits, auth)
         self.store = store
         self.engine = engine
         self.use_sendfile = use_sendfile
         self.sid: str | None = store.load_sid()
         self.registrations = 0  # successful registrations so far
+        self.own_auth = own_auth or ClientAuth()
+        secured = auth is not None and auth.mode != "open"
+        # capabilities are checked on a secured server; ``verify_caps=False`` is the
+        # test-only switch of the benchmark (``--insecure-skip-caps``)
+        self.verify_caps = secured if verify_caps is None else verify_caps
+        self.verifier: CapVerifier | None = None
+        self.floor = 0  # generation at the last registration
+        self.cap_ttl = 300.0
+        self.fences: dict[int, tuple[int, float]] = {}  # ino -> (generation, monotonic)
+
+    # -- capabilities ----------------------------------------------------------
+    def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
+                     data_keys: dict[str, bytes] | None = None) -> None:
+        """What registration taught: the metaserver's public key, the generation floor,
+        and the data-plane keys clients authenticate with."""
+        if self.verifier is None or self.verifier.public_bytes != cap_key:
+            self.verifier = CapVerifier(cap_key)
+        self.floor = max(self.floor, floor)
+        self.cap_ttl = cap_ttl
+        if data_keys and self.auth is not None and self.auth.mode == "key":
+            for name, key in data_keys.items():
+                if name != auth.CLUSTER:
+                    self.auth.keys[name] = (key, auth.Identity(name, "client"))
+
+    def _cap(self, ctx: ConnContext, req: Request, need: int, obj: tuple[int, int],
+             writes: bool = False) -> Capability | None:
+        """The request's verified capability for ``obj`` with one of the ``need`` rights;
+        EACCES if it has none, ESTALE if it is too old to write."""
+        if not self.verify_caps:
+            return None
+        cache: CapCache | None = ctx.state.get("caps")
+        if cache is None or cache.verifier is not self.verifier:
+            if self.verifier is None:
+                raise OSError(errno.EACCES, "capability refused: this data server is not "
+                                            "registered with a metaserver yet")
+            cache = ctx.state["caps"] = CapCache(self.verifier)
+        cap = cache.get(req.fields.get("cap"))
+        if not cap.rights & need:
+            raise OSError(errno.EACCES, f"capability refused: it does not allow {req.method}")
+        if not cap.covers(*obj):
+            raise OSError(errno.EACCES, f"capability refused: not for object {list(obj)}")
+        if cap.expiry < time.time():
+            raise OSError(errno.EACCES, "capability refused: expired")
+        if cap.sid and cap.sid != self.sid:
+            raise OSError(errno.EACCES, "capability refused: meant for another data server")
+        if writes:
+            fence = self.fences.get(obj[0])
+            if cap.gen < self.floor or (fence is not None and cap.gen < fence[0]):
+                raise OSError(errno.ESTALE, "capability stale: the file was truncated or "
+                                            "removed since (or this server restarted); renew it")
+        return cap
+
+    def _fence(self, ino: int, gen: int) -> None:
+        old = self.fences.get(ino)
+        if old is None or old[0] < gen:
+            self.fences[ino] = (gen, time.monotonic())
+        if len(self.fences) > MAX_FENCES:  # capabilities older than a lifetime are dead
+            limit = time.monotonic() - 2 * self.cap_ttl - 60
+            self.fences = {k: v for k, v in self.fences.items() if v[1] >= limit}
 
     # -- data methods ----------------------------------------------------------
     async def rpc_read(self, ctx: ConnContext, req: Request) -> Reply:
         obj = check_obj(req.any("obj"))
+        self._cap(ctx, req, caps.READ, obj)
         off = _offset(req, "off")
         length: int = req.int("len")
         if not 0 <= length <= self.limits.max_payload:
@@ -78,6 +144,7 @@ class DataService(RpcService):
 
     async def rpc_write(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         obj = check_obj(req.any("obj"))
+        self._cap(ctx, req, caps.WRITE, obj, writes=True)
         off = _offset(req, "off")
         data = req.payload
         if not data:
@@ -96,6 +163,9 @@ class DataService(RpcService):
     async def rpc_truncate(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         obj = check_obj(req.any("obj"))
         size = _offset(req, "size")
+        cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True)
+        if cap is not None:
+            self._fence(obj[0], cap.gen)
         self.store.truncate(obj, size)
         return {}
 
@@ -104,11 +174,16 @@ class DataService(RpcService):
         if len(raw) > MAX_DELETE:
             raise OSError(errno.EINVAL, f"delete: {len(raw)} objects, at most {MAX_DELETE}")
         objs = [check_obj(o) for o in raw]  # all valid before any is deleted
+        for o in objs:
+            cap = self._cap(ctx, req, caps.ADMIN, o, writes=True)
+            if cap is not None:
+                self._fence(o[0], cap.gen)
         deleted = sum(1 for o in objs if self.store.delete(o))
         return {"deleted": deleted}
 
     async def rpc_fsync(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         obj = check_obj(req.any("obj"))
+        self._cap(ctx, req, caps.READ | caps.WRITE, obj)
         got = self.store.acquire(obj)
         if got is None:
             return {}
@@ -123,6 +198,7 @@ class DataService(RpcService):
 
     async def rpc_stat_obj(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         obj = check_obj(req.any("obj"))
+        self._cap(ctx, req, caps.READ | caps.WRITE, obj)
         return {"size": self.store.size(obj)}
 
     async def rpc_statfs(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -146,8 +222,8 @@ class DataService(RpcService):
         while True:
             try:
                 async with trio.open_nursery() as nursery:
-                    client = await RpcClient.open(nursery, meta_host, meta_port,
-                                                  timeout=max(5.0, 2 * heartbeat))
+                    client = await self.own_auth.open_rpc(nursery, meta_host, meta_port,
+                                                          timeout=max(5.0, 2 * heartbeat))
                     try:
                         await self._register(client, host, port)
                         if failures:
@@ -185,6 +261,14 @@ class DataService(RpcService):
         sid = res.fields.get("sid")
         if not isinstance(sid, str) or not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
+        key, gen, ttl = (res.fields.get(k) for k in ("cap_key", "gen", "cap_ttl"))
+        data_keys = res.fields.get("data_keys") or {}
+        if isinstance(key, bytes) and isinstance(gen, int) and isinstance(data_keys, dict):
+            self.set_security(key, gen, float(ttl) if isinstance(ttl, (int, float)) else 300.0,
+                              {k: v for k, v in data_keys.items()
+                               if isinstance(k, str) and isinstance(v, bytes)})
+        elif self.verify_caps:
+            raise OSError(errno.EPROTO, "register: the metaserver sent no capability key")
         if sid != self.sid:
             if self.sid is not None:
                 log.warning("the metaserver renamed this data server from %s to %s",
@@ -210,7 +294,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-async def serve_data(config: DataConfig, *,
+def data_security(config: DataConfig) -> tuple[ServerAuth, ClientAuth]:
+    """How peers authenticate to this data server and how it authenticates to the
+    metaserver, from the config (no key and no TLS: unsecured)."""
+    tls = auth.server_tls_from(config.tls_cert, config.tls_key, config.tls_ca)
+    if tls is not None:
+        return ServerAuth(tls=tls), auth.client_auth(
+            tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca)
+    if config.key_file:
+        key = auth.read_secret_file(config.key_file)
+        return (ServerAuth(keys={auth.CLUSTER: (key, auth.Identity(auth.CLUSTER, "server"))}),
+                auth.client_auth(key_file=config.key_file))
+    return ServerAuth(), ClientAuth()
+
+
+async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                      task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a data server until cancelled; ``nursery.start`` returns the bound port.
 
@@ -218,13 +316,20 @@ async def serve_data(config: DataConfig, *,
     cannot be reached, once listening; registration keeps retrying in the background).
     An empty ``config.meta`` runs without a metaserver.
     """
+    server_auth, own_auth = data_security(config)
+    if server_auth.mode == "open":
+        log.warning("data server: no cluster key or TLS configured: UNSECURED, every peer "
+                    "is trusted and no capability is checked (see docs/security.md)")
+    if verify_caps is False:
+        log.warning("data server: capability checks are OFF (a test-only switch)")
     store = ObjectStore(config.dirs)
     try:
         engine = get_engine(config.engine)
     except BaseException:
         store.close()
         raise
-    service = DataService(store, engine)
+    service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
+                          verify_caps=verify_caps)
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

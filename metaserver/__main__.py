@@ -33,13 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--map-size", type=int, help="LMDB map size in bytes")
     p.add_argument("--ready-fd", type=int, help="write the bound port to this fd when ready")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--key-file", help="the cluster key (docs/security.md)")
     return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> MetaConfig:
     config = load(MetaConfig, args.config) if args.config else MetaConfig()
     overrides = {k: v for k, v in (("db", args.db), ("host", args.host), ("port", args.port),
-                                   ("map_size", args.map_size)) if v is not None}
+                                   ("map_size", args.map_size), ("key_file", args.key_file))
+                 if v is not None}
     return dataclasses.replace(config, **overrides)
 
 
@@ -68,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"metaserver: {exc}", file=sys.stderr)
         return 2
-    trio.run(run, config, args.ready_fd)
-    return 0
+    failed: list[BaseException] = []
+    try:
+        trio.run(run, config, args.ready_fd)
+    except* ConfigError as group:  # a key file others can read, a missing certificate...
+        failed.extend(group.exceptions)
+    for err in failed:
+        log.error("metaserver: %s", err)
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

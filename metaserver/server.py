@@ -35,7 +35,9 @@ import trio
 from metaserver import keys as K
 from metaserver.namespace import NOW, Cred, Namespace
 from metaserver.store import LmdbStore, Store, WriteTxn
-from pfs.config import MetaConfig
+from pfs import auth, caps
+from pfs.auth import ClientAuth, ServerAuth
+from pfs.config import ConfigError, MetaConfig
 from pfs.layout import object_size
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
@@ -67,10 +69,38 @@ class _Live:
     seen: float  # time.monotonic() of the last register/heartbeat
 
 
-def _cred(req: Request) -> Cred:
-    if "cred" not in req.fields:
-        raise OSError(errno.EINVAL, f"{req.method}: missing field 'cred'")
-    return Cred.from_wire(req.fields["cred"])
+# Methods a peer with the "server" role (a data server) may call; every other one
+# needs a client (or, on an unsecured cluster, anyone).
+SERVER_METHODS = frozenset({"hello", "register", "heartbeat", "servers", "statfs"})
+
+
+def rights_of(flags: int) -> int:
+    acc = flags & os.O_ACCMODE
+    return {os.O_RDONLY: caps.READ, os.O_WRONLY: caps.WRITE}.get(acc, caps.READ | caps.WRITE)
+
+
+def meta_security(config: MetaConfig) -> tuple[ServerAuth, ClientAuth, dict[str, bytes]]:
+    """From the config: how peers authenticate to the metaserver, how it authenticates
+    to data servers, and the data-plane keys it hands to registered data servers."""
+    tls = auth.server_tls_from(config.tls_cert, config.tls_key, config.tls_ca)
+    keys: dict[str, tuple[bytes, auth.Identity]] = {}
+    data_keys: dict[str, bytes] = {}
+    if config.key_file:
+        keys[auth.CLUSTER] = (auth.read_secret_file(config.key_file),
+                              auth.Identity(auth.CLUSTER, "server"))
+    elif config.node_keys and tls is None:
+        raise ConfigError("node_keys need key_file (the cluster key) as well")
+    for nk in config.node_keys:
+        k = auth.read_secret_file(nk.file)
+        keys[nk.name] = (k, auth.Identity(nk.name, "client", (nk.uids[0], nk.uids[1]),
+                                          (nk.gids[0], nk.gids[1])))
+        data_keys[nk.name] = auth.data_plane_key(k)
+    if tls is not None:
+        own = auth.client_auth(tls_cert=config.tls_cert, tls_key=config.tls_key,
+                               tls_ca=config.tls_ca)
+        return ServerAuth(tls=tls), own, {}
+    own = auth.client_auth(key_file=config.key_file)
+    return ServerAuth(keys=keys), own, data_keys
 
 
 def _time(req: Request, key: str) -> int | str | None:
@@ -86,10 +116,18 @@ class MetaService(RpcService):
     name = "meta"
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
-                 limits: Limits | None = None) -> None:
-        super().__init__(limits)
+                 limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
+                 security: tuple[ServerAuth, ClientAuth, dict[str, bytes]] | None = None
+                 ) -> None:
+        cfg = config or MetaConfig()
+        server_auth, self._own_auth, self._data_keys = security or meta_security(cfg)
+        if server_auth.mode == "open":
+            log.warning("metaserver: no cluster key or TLS configured: UNSECURED, every peer "
+                        "is trusted (development only; see docs/security.md)")
+        super().__init__(limits, server_auth)
         self.store = store
-        self.config = config or MetaConfig()
+        self.config = cfg
+        self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
         self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened)
         # shared with the writer thread: open counts, inodes being deleted, live servers
         self._lock = threading.Lock()
@@ -216,12 +254,51 @@ class MetaService(RpcService):
     def _reclaim(self, ino: int, txn: WriteTxn) -> bool:
         return self.ns.reclaim(txn, ino)
 
-    def _new_fh(self, ctx: ConnContext, ino: int) -> int:
+    def _new_fh(self, ctx: ConnContext, ino: int, flags: int = os.O_RDONLY) -> int:
         fhs = ctx.state.setdefault("fhs", {})
         fh = ctx.state.get("next_fh", 1)
         ctx.state["next_fh"] = fh + 1
         fhs[fh] = ino
+        ctx.state.setdefault("rights", {})[fh] = rights_of(flags)
         return fh
+
+    def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
+                      flags: int) -> dict[str, Any]:
+        """An open/create reply: the handle, and a capability for its data."""
+        ino = attr["ino"]
+        fh = self._new_fh(ctx, ino, flags)
+        cap, ttl = self.signer.issue(ino, rights_of(flags))
+        return {"attr": attr, "fh": fh, "layout": layout, "cap": cap, "cap_ttl": ttl}
+
+    # ------------------------------------------------------------------ who may do what
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Any:
+        ident = ctx.identity
+        if ident is not None and ident.role == "server" and req.method not in SERVER_METHODS:
+            raise OSError(errno.EACCES, f"{req.method}: data server credentials give no "
+                                        "access to the namespace")
+        return await super().dispatch(ctx, req)
+
+    def _cred(self, ctx: ConnContext, req: Request) -> Cred:
+        """The caller's credentials, squashed and checked against what its key allows."""
+        if "cred" not in req.fields:
+            raise OSError(errno.EINVAL, f"{req.method}: missing field 'cred'")
+        cred = Cred.from_wire(req.fields["cred"])
+        cfg = self.config
+        if cfg.root_squash and cred.uid == 0:
+            cred = Cred(cfg.squash_uid, cfg.squash_gid, ())
+        ident = ctx.identity
+        if ident is not None and ident.role == "client":
+            squashed = cfg.root_squash and cred.uid == cfg.squash_uid
+            lo, hi = ident.uids
+            if not squashed and not lo <= cred.uid <= hi:
+                raise OSError(errno.EPERM, f"{ident.name!r} may not act as uid {cred.uid} "
+                                           f"(allowed {lo}-{hi})")
+            glo, ghi = ident.gids
+            for g in (cred.gid, *cred.groups):
+                if not glo <= g <= ghi and not (squashed and g == cfg.squash_gid):
+                    raise OSError(errno.EPERM, f"{ident.name!r} may not act as gid {g} "
+                                               f"(allowed {glo}-{ghi})")
+        return cred
 
     def connection_lost(self, ctx: ConnContext) -> None:
         fhs: dict[int, int] = ctx.state.pop("fhs", {})
@@ -252,8 +329,8 @@ class MetaService(RpcService):
             if s is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
             assert self._nursery is not None
-            client = await RpcClient.open(self._nursery, s.host, s.port, self.limits,
-                                          timeout=DATA_TIMEOUT)
+            client = await self._own_auth.open_rpc(self._nursery, s.host, s.port,
+                                                   limits=self.limits, timeout=DATA_TIMEOUT)
             self._dclients[sid] = client
             return client
 
@@ -266,7 +343,11 @@ class MetaService(RpcService):
             try:
                 client = await self._dclient(sid)
                 for method, fields in todo:
-                    await client.call(method, fields)
+                    # an admin capability for this server only; its generation fences
+                    # the inode (every capability issued before is stale for writing)
+                    ino = fields["obj"][0] if "obj" in fields else 0
+                    cap, _ = self.signer.issue(ino, caps.ADMIN, ttl=DATA_TIMEOUT * 2, sid=sid)
+                    await client.call(method, {**fields, "cap": cap})
             except OSError as exc:
                 errors[sid] = exc
 
@@ -333,12 +414,12 @@ class MetaService(RpcService):
         return {"root": K.ROOT_INO, "version": PROTOCOL_VERSION}
 
     async def rpc_resolve(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, path, follow = _cred(req), req.bytes("path"), req.bool("follow", True)
+        cred, path, follow = self._cred(ctx, req), req.bytes("path"), req.bool("follow", True)
         with self.store.read() as txn:
             return self.ns.resolve(txn, cred, path, follow)
 
     async def rpc_lookup(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         with self.store.read() as txn:
             return {"attr": self.ns.lookup(txn, cred, parent, name)}
 
@@ -348,7 +429,7 @@ class MetaService(RpcService):
             return {"attr": self.ns.getattr(txn, ino)}
 
     async def rpc_setattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = _cred(req), req.int("ino")
+        cred, ino = self._cred(ctx, req), req.int("ino")
         kw: dict[str, Any] = {k: req.opt_int(k) for k in ("mode", "uid", "gid", "size")}
         kw["atime"], kw["mtime"] = _time(req, "atime"), _time(req, "mtime")
         size = kw["size"]
@@ -361,23 +442,23 @@ class MetaService(RpcService):
         return {"attr": attr}
 
     async def rpc_access(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, mask = _cred(req), req.int("ino"), req.int("mask")
+        cred, ino, mask = self._cred(ctx, req), req.int("ino"), req.int("mask")
         with self.store.read() as txn:
             self.ns.access(txn, cred, ino, mask)
         return {}
 
     async def rpc_mkdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name, mode = _cred(req), req.int("parent"), req.bytes("name"), req.int("mode")
+        cred, parent, name, mode = self._cred(ctx, req), req.int("parent"), req.bytes("name"), req.int("mode")
         return {"attr": await self._mutate(lambda t: self.ns.mkdir(t, cred, parent, name, mode))}
 
     async def rpc_mknod(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         mode, rdev = req.int("mode"), req.int("rdev", 0)
         return {"attr": await self._mutate(
             lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))}
 
     async def rpc_create(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         mode, flags = req.int("mode"), req.int("flags", os.O_WRONLY)
         if flags & os.O_TRUNC:
             with self.store.read() as txn:
@@ -398,10 +479,10 @@ class MetaService(RpcService):
             for ino in opened:  # the op ran but the batch did not commit
                 await self._release(ino)
             raise
-        return {"attr": attr, "fh": self._new_fh(ctx, attr["ino"]), "layout": layout}
+        return self._opened_reply(ctx, attr, layout, flags)
 
     async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, flags = _cred(req), req.int("ino"), req.int("flags", os.O_RDONLY)
+        cred, ino, flags = self._cred(ctx, req), req.int("ino"), req.int("flags", os.O_RDONLY)
         if not flags & os.O_TRUNC:
             self._ref(ino)
             try:
@@ -410,7 +491,7 @@ class MetaService(RpcService):
             except BaseException:
                 await self._release(ino)
                 raise
-            return {"attr": attr, "fh": self._new_fh(ctx, ino), "layout": layout}
+            return self._opened_reply(ctx, attr, layout, flags)
         with self.store.read() as txn:
             self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
             plan = self.ns.truncate_plan(txn, cred, ino, 0)
@@ -430,7 +511,7 @@ class MetaService(RpcService):
             for i in opened:
                 await self._release(i)
             raise
-        return {"attr": attr, "fh": self._new_fh(ctx, ino), "layout": layout}
+        return self._opened_reply(ctx, attr, layout, flags)
 
     async def _release(self, ino: int) -> None:
         if self._unref(ino):
@@ -442,7 +523,16 @@ class MetaService(RpcService):
         ino = fhs.pop(fh, None) if pop else fhs.get(fh)
         if ino is None:
             raise OSError(errno.EBADF, f"no open file handle {fh}")
+        if pop:
+            ctx.state.get("rights", {}).pop(fh, None)
         return ino
+
+    async def rpc_renew(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        """A fresh capability for an open handle (before the old one expires, or after
+        a truncation made it stale)."""
+        ino = self._fh(ctx, req)
+        cap, ttl = self.signer.issue(ino, ctx.state["rights"][req.int("fh")])
+        return {"cap": cap, "cap_ttl": ttl}
 
     async def rpc_close(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
@@ -464,30 +554,30 @@ class MetaService(RpcService):
             lambda t: self.ns.commit_size(t, ino, written_end, mtime))}
 
     async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         await self._mutate(lambda t: self.ns.unlink(t, cred, parent, name))
         return {}
 
     async def rpc_rmdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         await self._mutate(lambda t: self.ns.rmdir(t, cred, parent, name))
         return {}
 
     async def rpc_rename(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = _cred(req), req.int("parent"), req.bytes("name")
+        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
         newparent, newname, flags = req.int("newparent"), req.bytes("newname"), req.int("flags", 0)
         await self._mutate(
             lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
         return {}
 
     async def rpc_link(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = _cred(req), req.int("ino")
+        cred, ino = self._cred(ctx, req), req.int("ino")
         newparent, newname = req.int("newparent"), req.bytes("newname")
         return {"attr": await self._mutate(
             lambda t: self.ns.link(t, cred, ino, newparent, newname))}
 
     async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name, target = (_cred(req), req.int("parent"), req.bytes("name"),
+        cred, parent, name, target = (self._cred(ctx, req), req.int("parent"), req.bytes("name"),
                                       req.bytes("target"))
         return {"attr": await self._mutate(
             lambda t: self.ns.symlink(t, cred, parent, name, target))}
@@ -498,7 +588,7 @@ class MetaService(RpcService):
             return {"target": self.ns.readlink(txn, ino)}
 
     async def rpc_readdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = _cred(req), req.int("ino")
+        cred, ino = self._cred(ctx, req), req.int("ino")
         cookie, limit, plus = req.int("cookie", 0), req.int("limit", 1024), req.bool("plus")
         with self.store.read() as txn:
             entries, eof = self.ns.readdir(txn, cred, ino, cookie, limit, plus)
@@ -513,23 +603,23 @@ class MetaService(RpcService):
             return self.ns.statfs(txn, total, free)
 
     async def rpc_getxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
         with self.store.read() as txn:
             return {"value": self.ns.getxattr(txn, cred, ino, name)}
 
     async def rpc_setxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
         value, flags = req.bytes("value"), req.int("flags", 0)
         await self._mutate(lambda t: self.ns.setxattr(t, cred, ino, name, value, flags))
         return {}
 
     async def rpc_listxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = _cred(req), req.int("ino")
+        cred, ino = self._cred(ctx, req), req.int("ino")
         with self.store.read() as txn:
             return {"names": self.ns.listxattr(txn, cred, ino)}
 
     async def rpc_removexattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = _cred(req), req.int("ino"), req.bytes("name")
+        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
         await self._mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
         return {}
 
@@ -539,7 +629,7 @@ class MetaService(RpcService):
             return {"layout": self.ns.get_layout(txn, ino)}
 
     async def rpc_set_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = _cred(req), req.int("ino")
+        cred, ino = self._cred(ctx, req), req.int("ino")
         unit, count, replicas = req.int("unit", 0), req.int("count", 0), req.int("replicas", 0)
         return {"layout": await self._mutate(
             lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas))}
@@ -559,6 +649,9 @@ class MetaService(RpcService):
         return {"servers": out}
 
     async def rpc_register(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        if ctx.identity is None or not ctx.identity.may_serve:
+            raise OSError(errno.EACCES, "register: only a data server (cluster key or server "
+                                        "certificate) may register")
         sid = req.str("sid", None) or uuid.uuid4().hex
         host, port = req.str("host"), req.int("port")
         total, free = req.int("total"), req.int("free")
@@ -573,9 +666,15 @@ class MetaService(RpcService):
             old.close()
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
                  sid, host, port, free, total)
-        return {"sid": sid}
+        # what it needs to check clients: the capability key, the generation floor
+        # (capabilities from before this registration are stale for writing: it may have
+        # restarted and lost its fences) and the node keys' data-plane keys
+        return {"sid": sid, "cap_key": self.signer.public_bytes, "gen": self.signer.next_gen(),
+                "cap_ttl": self.config.cap_ttl, "data_keys": self._data_keys}
 
     async def rpc_heartbeat(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        if ctx.identity is None or not ctx.identity.may_serve:
+            raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.str("sid"), req.int("total"), req.int("free")
         with self._lock:
             live = self._live.get(sid)
@@ -596,9 +695,13 @@ async def serve_meta(config: MetaConfig, *, store: Store | None = None,
     """Open the store named by ``config.db`` (or use ``store``) and serve until
     cancelled; ``await nursery.start(serve_meta, config)`` returns the bound port."""
     owned = store is None
+    security = meta_security(config)  # key files are checked before anything starts
     st: Store = LmdbStore(config.db, config.map_size) if store is None else store
     try:
-        service = MetaService(st, config)
+        signer = (caps.CapSigner.load_or_create(os.path.join(config.db, caps.KEY_FILE),
+                                                config.cap_ttl)
+                  if owned else caps.CapSigner.generate(config.cap_ttl))
+        service = MetaService(st, config, signer=signer, security=security)
         await service.serve_all(config.host, config.port, task_status=task_status)
     finally:
         if owned:

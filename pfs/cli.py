@@ -254,10 +254,29 @@ def cmd_cluster_up(args: argparse.Namespace) -> None:
     from pfs import cluster
 
     try:
-        path = cluster.up(Path(args.dir), args.data_servers, args.meta_port)
+        path = cluster.up(Path(args.dir), args.data_servers, args.meta_port,
+                          tls=True if args.tls else None)
     except cluster.ClusterError as exc:
         raise SystemExit(f"pfs cluster up: {exc}") from None
     print(path)
+
+
+def cmd_cluster_init(args: argparse.Namespace) -> None:
+    from pfs import cluster
+
+    for p in cluster.init(Path(args.dir), args.tls):
+        print(p)
+
+
+def cmd_certs(args: argparse.Namespace) -> None:
+    from pfs.certs import generate
+    from pfs.config import ConfigError
+
+    try:
+        for p in generate(Path(args.dir), args.host, args.client, args.uids, args.gids):
+            print(p)
+    except (ConfigError, ValueError) as exc:
+        raise SystemExit(f"pfs certs: {exc}") from None
 
 
 def cmd_cluster_down(args: argparse.Namespace) -> None:
@@ -278,7 +297,7 @@ def cmd_cluster_status(args: argparse.Namespace) -> None:
     if "meta" in st["processes"]:  # type: ignore[operator]
         import pfs
 
-        with pfs.connect(meta=str(st["meta"])) as c:
+        with pfs.connect(config=Path(args.dir) / "client.toml") as c:
             servers = c._run(c.aio.meta.servers)
             for sid, s in sorted(servers.items()):
                 print(f"data server {sid} {s['host']}:{s['port']} "
@@ -370,7 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dir", required=True)
     sp.add_argument("--data-servers", type=int, default=None, help="default 4")
     sp.add_argument("--meta-port", type=int, default=None)
+    sp.add_argument("--tls", action="store_true",
+                    help="mutual TLS instead of keys (on the first start)")
     sp.set_defaults(fn=cmd_cluster_up)
+    sp = cl.add_parser("init", help="create DIR's keys (or --tls certificates), mode 0600")
+    sp.add_argument("--dir", required=True)
+    sp.add_argument("--tls", action="store_true")
+    sp.set_defaults(fn=cmd_cluster_init)
     sp = cl.add_parser("down", help="stop the cluster in DIR")
     sp.add_argument("--dir", required=True)
     sp.set_defaults(fn=cmd_cluster_down)
@@ -384,6 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
                             add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(fn=fn)
+
+    sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
+                                      "certificates for mutual TLS")
+    sp.add_argument("--dir", required=True, help="where (an existing CA there is reused)")
+    sp.add_argument("--host", action="append", default=[], help="server name or address "
+                    "(repeatable; localhost and 127.0.0.1 are always in)")
+    sp.add_argument("--client", action="append", default=[], metavar="NAME",
+                    help="make NAME.pem/NAME.key (repeatable)")
+    sp.add_argument("--uids", default="0-4294967295", help="uids the clients may claim, LO-HI")
+    sp.add_argument("--gids", default="0-4294967295", help="gids the clients may claim, LO-HI")
+    sp.set_defaults(fn=cmd_certs)
 
     sp = sub.add_parser("demo", help="start a local cluster, write and read back a workload")
     sp.add_argument("--dir", default="/tmp/pfs-demo")

@@ -4,7 +4,10 @@ processes under one directory.
 Layout of DIR::
 
     cluster.toml      what was started (metaserver port, number of data servers)
-    client.toml       everything a client needs to connect
+    client.toml       everything a client needs to connect (metaserver, key or certificates)
+    meta.toml         the metaserver's config (keys, node keys)
+    keys/             cluster.key (servers), client.key (the node key "local"), mode 0600;
+                      or certs/ (``--tls``: a CA, the server and the client certificates)
     meta/             the metaserver's LMDB
     data/dsN/         data server N's objects
     run/*.pid         process ids
@@ -39,6 +42,50 @@ class ClusterSpec:
     meta_port: int = 0
     data_servers: int = 4
     host: str = "127.0.0.1"
+    tls: bool = False  # mutual TLS instead of keys (fixed at the first start)
+
+
+CLIENT_KEY_NAME = "local"
+
+
+def init(d: Path, tls: bool = False) -> list[Path]:
+    """Create what a secured cluster in ``d`` needs (kept if present): the cluster key
+    and the node key of local clients, or (``tls``) a CA and certificates."""
+    d = d.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    if tls:
+        from pfs.certs import generate
+
+        return generate(d / "certs", clients=["client"])
+    from pfs.auth import create_key
+
+    keys = d / "keys"
+    keys.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(keys, 0o700)
+    out = []
+    for name in ("cluster.key", "client.key"):
+        create_key(keys / name)
+        out.append(keys / name)
+    return out
+
+
+def _security(d: Path, spec: ClusterSpec) -> tuple[dict[str, object], dict[str, object],
+                                                    list[str]]:
+    """Security settings: of the metaserver, of clients, and data server arguments."""
+    if spec.tls:
+        c = d / "certs"
+        server = {"tls_cert": str(c / "server.pem"), "tls_key": str(c / "server.key"),
+                  "tls_ca": str(c / "ca.pem")}
+        client = {"tls_cert": str(c / "client.pem"), "tls_key": str(c / "client.key"),
+                  "tls_ca": str(c / "ca.pem")}
+        dcfg = d / "data.toml"
+        _write(dcfg, "".join(f'{k} = "{v}"\n' for k, v in server.items()))
+        return server, client, ["--config", str(dcfg)]
+    k = d / "keys"
+    meta = {"key_file": str(k / "cluster.key"),
+            "node_keys": [cfgmod.NodeKey(CLIENT_KEY_NAME, str(k / "client.key"))]}
+    client = {"key_file": str(k / "client.key"), "key_name": CLIENT_KEY_NAME}
+    return meta, client, ["--key-file", str(k / "cluster.key")]
 
 
 class ClusterError(RuntimeError):
@@ -142,12 +189,24 @@ def _start(d: Path, name: str, argv: list[str]) -> int:
     return int(line.strip())
 
 
-def up(d: Path, data_servers: int | None = None, meta_port: int | None = None) -> Path:
-    """Start (or restart on its existing data) the cluster in ``d``; return client.toml."""
+def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *,
+       tls: bool | None = None, data_args: list[str] | None = None) -> Path:
+    """Start (or restart on its existing data) the cluster in ``d``; return client.toml.
+
+    The cluster is always secured: keys (or, with ``tls``, certificates) are made by
+    :func:`init` on the first start. ``data_args`` are extra data server arguments
+    (the benchmark's test-only ``--insecure-skip-caps``)."""
     d = d.resolve()
     for sub in ("run", "logs", "data"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     spec = load_spec(d) or ClusterSpec()
+    if tls is not None and load_spec(d) is None:
+        spec.tls = tls
+    init(d, spec.tls)
+    meta_sec, client_sec, data_sec = _security(d, spec)
+    meta_cfg = d / "meta.toml"
+    _write(meta_cfg, cfgmod.dump(cfgmod.MetaConfig(db=str(d / "meta"), host=spec.host,
+                                                   **meta_sec)))  # type: ignore[arg-type]
     if data_servers is not None:
         if load_spec(d) is not None and data_servers < spec.data_servers:
             raise ClusterError(f"{d} already holds {spec.data_servers} data servers; "
@@ -159,14 +218,14 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None) -
     if "meta" not in alive:
         port = spec.meta_port
         try:
-            spec.meta_port = _start(d, "meta", ["metaserver", "--db", str(d / "meta"),
-                                                "--host", spec.host, "--port", str(port)])
+            spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                                                "--port", str(port)])
         except ClusterError:
             if not port:
                 raise
             log.warning("metaserver port %d unavailable; taking a new one", port)
-            spec.meta_port = _start(d, "meta", ["metaserver", "--db", str(d / "meta"),
-                                                "--host", spec.host, "--port", "0"])
+            spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                                                "--port", "0"])
     _write(_spec_path(d), cfgmod.dump(spec))
     meta = f"{spec.host}:{spec.meta_port}"
     for i in range(spec.data_servers):
@@ -175,20 +234,20 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None) -
             continue
         ddir = d / "data" / f"ds{i}"
         ddir.mkdir(parents=True, exist_ok=True)
-        _start(d, name, ["dataserver", "--dir", str(ddir), "--host", spec.host,
-                         "--port", "0", "--meta", meta])
+        _start(d, name, ["dataserver", *data_sec, "--dir", str(ddir), "--host", spec.host,
+                         "--port", "0", "--meta", meta, *(data_args or [])])
     client_path = d / "client.toml"
-    _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta)))
-    _wait_registered(meta, spec.data_servers)
+    _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta, **client_sec)))  # type: ignore[arg-type]
+    _wait_registered(client_path, spec.data_servers)
     return client_path
 
 
-def _wait_registered(meta: str, n: int) -> None:
+def _wait_registered(client_toml: Path, n: int) -> None:
     """Return once the metaserver counts ``n`` live data servers."""
     import pfs
 
     deadline = time.monotonic() + READY_TIMEOUT
-    with pfs.connect(meta=meta) as client:
+    with pfs.connect(config=client_toml) as client:
         while True:
             alive = sum(1 for s in client._run(client.aio.meta.servers).values() if s["alive"])
             if alive >= n:

@@ -79,6 +79,13 @@ class ClientConfig:
     uid: int = -1  # credentials sent with requests; -1: this process's
     gid: int = -1
     profile: str = "auto"  # data path by workload phase: inference, load or auto (above)
+    # authentication (docs/security.md): a key file (mode 0600) and the name the
+    # metaserver knows it by, or TLS files from `pfs certs`; none: an unsecured cluster
+    key_file: str = ""
+    key_name: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
@@ -96,6 +103,23 @@ class LayoutDefaults:
 
 
 @dataclass
+class NodeKey:
+    """A client key the metaserver accepts, and the ids its holder may claim."""
+
+    name: str
+    file: str
+    uids: list[int] = field(default_factory=lambda: [0, (1 << 32) - 1])  # [lo, hi]
+    gids: list[int] = field(default_factory=lambda: [0, (1 << 32) - 1])
+
+    def __post_init__(self) -> None:
+        for label, r in (("uids", self.uids), ("gids", self.gids)):
+            if len(r) != 2 or not 0 <= r[0] <= r[1] < 1 << 32:
+                raise ConfigError(f"node key {self.name!r}: {label} must be [lo, hi]")
+        if not self.name or self.name == "cluster":
+            raise ConfigError(f"node key name {self.name!r} is empty or reserved")
+
+
+@dataclass
 class MetaConfig:
     db: str = "meta.lmdb"  # LMDB directory
     host: str = "127.0.0.1"
@@ -103,6 +127,16 @@ class MetaConfig:
     map_size: int = 8 << 30  # LMDB map size in bytes
     heartbeat_timeout: float = 15.0  # a data server silent this long is down
     layout: LayoutDefaults = field(default_factory=LayoutDefaults)
+    # security (docs/security.md)
+    key_file: str = ""  # the cluster key; with node_keys: key mode
+    node_keys: list[NodeKey] = field(default_factory=list)
+    tls_cert: str = ""  # TLS mode: this server's certificate, key and the CA
+    tls_key: str = ""
+    tls_ca: str = ""
+    root_squash: bool = False  # uid 0 of client peers becomes squash_uid/squash_gid
+    squash_uid: int = 65534
+    squash_gid: int = 65534
+    cap_ttl: float = 300.0  # seconds a capability lives; clients renew before
 
 
 @dataclass
@@ -113,6 +147,10 @@ class DataConfig:
     meta: str = "127.0.0.1:9400"
     engine: str = "auto"  # auto (io_uring where the kernel has it, else posix), posix, uring
     heartbeat: float = 2.0  # seconds between heartbeats
+    key_file: str = ""  # the cluster key (docs/security.md)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -149,6 +187,10 @@ def _coerce(hint: Any, value: Any, label: str) -> Any:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise ConfigError(f"{label} must be a list")
+        if dataclasses.is_dataclass(item):
+            if not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"{label} must be a list of tables")
+            return [from_dict(item, v, label) for v in value]  # type: ignore[arg-type]
         return [_coerce(item, v, label) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -173,14 +215,21 @@ def dump(obj: Any) -> str:
     """TOML text for a config dataclass (flat values and one level of tables)."""
     lines: list[str] = []
     tables: list[tuple[str, Any]] = []
+    arrays: list[tuple[str, Any]] = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             tables.append((f.name, value))
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            arrays.extend((f.name, v) for v in value)
         else:
             lines.append(f"{f.name} = {_toml_value(value)}")
     for name, table in tables:
         lines.append(f"\n[{name}]")
+        lines.extend(f"{f.name} = {_toml_value(getattr(table, f.name))}"
+                     for f in dataclasses.fields(table))
+    for name, table in arrays:
+        lines.append(f"\n[[{name}]]")
         lines.extend(f"{f.name} = {_toml_value(getattr(table, f.name))}"
                      for f in dataclasses.fields(table))
     return "\n".join(lines) + "\n"

@@ -133,8 +133,11 @@ def test_cli_round_trip(private_cluster: Path, tmp_path: Path) -> None:
     assert b"g" in r.stdout and b"300000" in r.stdout
     r = _pfs("getstripe", "/a/g", env_config=toml)
     assert b'"count": 2' in r.stdout and b'"unit": 65536' in r.stdout
-    r = _pfs("cat", "/a/g", "--meta", load(ClientConfig, toml).meta)
+    r = _pfs("cat", "/a/g", "--config", str(toml), "--meta", load(ClientConfig, toml).meta)
     assert r.stdout == local.read_bytes()
+    # a secured cluster: an address alone (no key) is refused, with what to do
+    r = _pfs("cat", "/a/g", "--meta", load(ClientConfig, toml).meta)
+    assert r.returncode == 1 and b"EACCES" in r.stderr and b"key_file" in r.stderr
     r = _pfs("df", env_config=toml)
     assert r.returncode == 0 and b"avail" in r.stdout
     r = _pfs("stat", "/nope", env_config=toml)

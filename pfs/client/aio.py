@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import posixpath
 import stat as statmod
@@ -17,6 +18,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
+from pfs.auth import client_auth
 from pfs.client.data import DataClient
 from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
@@ -81,8 +83,13 @@ class FileHandle:
 
     def __init__(self, client: AsyncClient, ino: int, fh: int, flags: int,
                  layout: Layout, state: _InodeState, path: str = "",
-                 attr: StatResult | None = None) -> None:
+                 attr: StatResult | None = None, cap: bytes | None = None,
+                 cap_ttl: float = 0.0, cred: Cred | None = None) -> None:
         self.client = client
+        self.cred = cred  # who opened it (a reopen after a lost handle uses it again)
+        self.cap = cap  # the data capability (docs/rpc.md); renewed before it expires
+        self._renew_at = math.inf
+        self._set_cap(cap, cap_ttl)
         self.attr = attr  # the metaserver's attributes at open (FUSE replies with them)
         self.ino = ino
         self.fh = fh
@@ -92,6 +99,39 @@ class FileHandle:
         self.path = path
         self.closed = False
         self._dirty = False
+
+    # -- capabilities ------------------------------------------------------------
+    def _set_cap(self, cap: bytes | None, ttl: float) -> None:
+        self.cap = cap
+        # renewed at 3/4 of its life, by this host's clock (no skew with the metaserver's)
+        self._renew_at = trio.current_time() + 0.75 * ttl if cap is not None else math.inf
+
+    async def renew(self) -> None:
+        """Get a fresh capability; if the metaserver lost the handle (it restarted, or
+        the connection broke), open the inode again (permissions are checked again)."""
+        try:
+            r = await self.client.meta.renew(self.fh)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+            r = await self.client.meta.open(
+                self.ino, self.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
+                self.cred or self.client.cred)
+            self.fh = r["fh"]
+        self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
+
+    async def _data(self, fn: Any, *args: Any) -> Any:
+        """A data-path call with this handle's capability; renewed when due, and once
+        more when a data server refuses it (expired, or stale after a truncation)."""
+        if trio.current_time() >= self._renew_at:
+            await self.renew()
+        try:
+            return await fn(*args, cap=self.cap)
+        except OSError as exc:
+            if self.cap is None or exc.errno not in (errno.EACCES, errno.ESTALE):
+                raise
+        await self.renew()
+        return await fn(*args, cap=self.cap)
 
     @property
     def readable(self) -> bool:
@@ -127,7 +167,7 @@ class FileHandle:
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n:
-            await self.client.data.read_into(self.ino, self.layout, off, view[:n])
+            await self._data(self.client.data.read_into, self.ino, self.layout, off, view[:n])
         return n
 
     async def pread(self, length: int, off: int) -> bytes:
@@ -143,7 +183,7 @@ class FileHandle:
             off = self.state.known_size
         view = memoryview(data).cast("B")
         if view:
-            await self.client.data.write(self.ino, self.layout, off, view)
+            await self._data(self.client.data.write, self.ino, self.layout, off, view)
             self.state.written_end = max(self.state.written_end, off + len(view))
             self._dirty = True
         return len(view)
@@ -167,7 +207,7 @@ class FileHandle:
         if self.closed:
             raise ValueError("I/O operation on closed file")
         if self.writable:
-            await self.client.data.fsync(self.ino, self.layout)
+            await self._data(self.client.data.fsync, self.ino, self.layout)
         await self.commit()
 
     async def getattr(self) -> StatResult:
@@ -195,10 +235,13 @@ class AsyncClient:
         self.cred = cred or _config_cred(config)
         self.umask = _current_umask()
         host, port = config.meta_addr
-        self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred)
+        creds = client_auth(config.key_file, config.key_name, config.tls_cert,
+                            config.tls_key, config.tls_ca)
+        self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred,
+                               auth=creds)
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
-                               timeout=config.timeout)
+                               timeout=config.timeout, auth=creds.for_data())
         self._inodes: dict[int, _InodeState] = {}
 
     @classmethod
@@ -244,19 +287,21 @@ class AsyncClient:
         return attr
 
     # -- handles by inode (FUSE) -------------------------------------------------
-    def _handle(self, r: dict[str, Any], flags: int, path: str = "") -> FileHandle:
+    def _handle(self, r: dict[str, Any], flags: int, path: str = "",
+                cred: Cred | None = None) -> FileHandle:
         attr = StatResult.from_wire(r["attr"])
         state = self._acquire_state(attr.st_ino, attr.st_size)
         return FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
-                          state, path, attr)
+                          state, path, attr, r.get("cap"), float(r.get("cap_ttl") or 0.0),
+                          cred)
 
     async def open_ino(self, ino: int, flags: int, cred: Cred | None = None) -> FileHandle:
-        return self._handle(await self.meta.open(ino, flags, cred), flags)
+        return self._handle(await self.meta.open(ino, flags, cred), flags, cred=cred)
 
     async def create_in(self, parent: int, name: str | bytes, mode: int, flags: int,
                         cred: Cred | None = None) -> FileHandle:
         r = await self.meta.create(parent, name, mode, flags | os.O_CREAT, cred)
-        return self._handle(r, flags)
+        return self._handle(r, flags, cred=cred)
 
     async def getattr(self, ino: int) -> StatResult:
         return self.merged_attr(await self.meta.getattr(ino))

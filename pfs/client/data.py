@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from pfs.auth import ClientAuth
 from pfs.layout import Layout, Piece, stripe_extents
 from pfs.wire.rpc import RpcClient
 
@@ -52,8 +53,10 @@ class DataClient:
 
     def __init__(self, nursery: trio.Nursery,
                  lookup_servers: Callable[[], Awaitable[dict[str, dict[str, Any]]]], *,
-                 connections_per_server: int = 2, timeout: float = 60.0) -> None:
+                 connections_per_server: int = 2, timeout: float = 60.0,
+                 auth: ClientAuth | None = None) -> None:
         self._nursery = nursery
+        self._auth = auth or ClientAuth()
         self._lookup_servers = lookup_servers
         self._per_server = max(1, connections_per_server)
         self.timeout = timeout
@@ -83,8 +86,8 @@ class DataClient:
             if len(conns) < self._per_server:
                 host, port = await self._address(sid)
                 try:
-                    conns.append(await RpcClient.open(self._nursery, host, port,
-                                                      timeout=self.timeout))
+                    conns.append(await self._auth.open_rpc(self._nursery, host, port,
+                                                           timeout=self.timeout))
                 except OSError as exc:
                     self._addrs.pop(sid, None)  # it may have moved: ask again next time
                     if not conns:
@@ -106,7 +109,7 @@ class DataClient:
             try:
                 return await self.call(sid, method, fields, **kw)
             except OSError as exc:
-                if exc.errno in (errno.EACCES, errno.EINVAL, errno.ENOSPC):
+                if exc.errno in (errno.EACCES, errno.ESTALE, errno.EINVAL, errno.ENOSPC):
                     raise
                 err = exc
         assert err is not None
@@ -116,18 +119,21 @@ class DataClient:
     # A range is cut into per-stripe runs that are contiguous in the object (the pieces
     # of one stripe inside the range follow each other in it); each run is one request
     # whose payload is scattered into / gathered from the caller's buffer piece by piece.
-    async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview) -> None:
+    # ``cap`` is the capability the metaserver gave with the open (docs/rpc.md); it
+    # rides on every request.
+    async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview,
+                        cap: bytes | None = None) -> None:
         """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros."""
-        await run_all([partial(self._read_run, ino, layout, off, buf, run)
+        await run_all([partial(self._read_run, ino, layout, off, buf, run, cap)
                        for run in _runs(layout, off, len(buf))])
 
     async def _read_run(self, ino: int, layout: Layout, base: int, buf: memoryview,
-                        run: list[Piece]) -> None:
+                        run: list[Piece], cap: bytes | None = None) -> None:
         dests = [buf[p.file_off - base:p.file_off - base + p.length] for p in run]
         total = sum(p.length for p in run)
         r = await self.call_replicas(
             layout.servers[run[0].stripe], "read",
-            {"obj": [ino, run[0].stripe], "off": run[0].obj_off, "len": total},
+            {"obj": [ino, run[0].stripe], "off": run[0].obj_off, "len": total, "cap": cap},
             into=dests[0] if len(dests) == 1 else dests)
         if r.nbytes < total:  # past the object's end: a hole up to the file size
             skip = r.nbytes
@@ -138,22 +144,23 @@ class DataClient:
                 d[skip:] = bytes(len(d) - skip)
                 skip = 0
 
-    async def write(self, ino: int, layout: Layout, off: int, data: memoryview) -> None:
-        await run_all([partial(self._write_run, ino, layout, off, data, run)
+    async def write(self, ino: int, layout: Layout, off: int, data: memoryview,
+                    cap: bytes | None = None) -> None:
+        await run_all([partial(self._write_run, ino, layout, off, data, run, cap)
                        for run in _runs(layout, off, len(data))])
 
     async def _write_run(self, ino: int, layout: Layout, base: int, data: memoryview,
-                         run: list[Piece]) -> None:
+                         run: list[Piece], cap: bytes | None = None) -> None:
         srcs = [data[p.file_off - base:p.file_off - base + p.length] for p in run]
         payload = srcs[0] if len(srcs) == 1 else srcs
-        fields = {"obj": [ino, run[0].stripe], "off": run[0].obj_off}
+        fields = {"obj": [ino, run[0].stripe], "off": run[0].obj_off, "cap": cap}
         replicas = layout.servers[run[0].stripe]
         # every replica must hold an acknowledged write
         await run_all([partial(self.call, sid, "write", fields, payload=payload)
                        for sid in replicas])
 
-    async def fsync(self, ino: int, layout: Layout) -> None:
-        await run_all([partial(self.call, sid, "fsync", {"obj": [ino, stripe]})
+    async def fsync(self, ino: int, layout: Layout, cap: bytes | None = None) -> None:
+        await run_all([partial(self.call, sid, "fsync", {"obj": [ino, stripe], "cap": cap})
                        for stripe, replicas in enumerate(layout.servers) for sid in replicas])
 
     def close(self) -> None:

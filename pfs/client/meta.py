@@ -13,6 +13,8 @@ from typing import Any
 
 import trio
 
+from pfs import auth
+from pfs.auth import ClientAuth
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.wire.rpc import RpcClient
 
@@ -28,8 +30,10 @@ def fsname(name: str | bytes) -> bytes:
 
 class MetaClient:
     def __init__(self, nursery: trio.Nursery, host: str, port: int, *,
-                 timeout: float = 60.0, cred: Cred | None = None) -> None:
+                 timeout: float = 60.0, cred: Cred | None = None,
+                 auth: ClientAuth | None = None) -> None:
         self._nursery = nursery
+        self._auth = auth or ClientAuth()
         self.host, self.port = host, port
         self.timeout = timeout
         self.cred = cred or Cred.current()
@@ -43,8 +47,10 @@ class MetaClient:
         async with self._connect_lock:
             if self._rpc is None or not self._rpc.alive:
                 try:
-                    self._rpc = await RpcClient.open(self._nursery, self.host, self.port,
-                                                     timeout=self.timeout)
+                    self._rpc = await self._auth.open_rpc(self._nursery, self.host, self.port,
+                                                          timeout=self.timeout)
+                except auth.AuthError:
+                    raise
                 except OSError as exc:
                     raise OSError(errno.ENOTCONN,
                                   f"metaserver {self.host}:{self.port} unreachable: "
@@ -108,6 +114,10 @@ class MetaClient:
     async def close(self, fh: int, written_end: int | None = None,
                     mtime: int | None = None) -> None:
         await self.call("close", fh=fh, written_end=written_end, mtime=mtime)
+
+    async def renew(self, fh: int) -> dict[str, Any]:
+        """A fresh capability for open handle ``fh``: ``{"cap", "cap_ttl"}``."""
+        return await self.call("renew", fh=fh)
 
     async def commit_size(self, fh: int, written_end: int | None,
                           mtime: int | None = None) -> StatResult:

@@ -12,15 +12,25 @@ import itertools
 import logging
 import math
 import socket
+import ssl
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
 from pfs.errors import ProtocolError, from_wire, to_wire
 from pfs.wire.protocol import FrameHead, Kind, Limits
-from pfs.wire.transport import (Connection, ConnectionClosed, Payload, open_connection,
-                                tune_socket)
+from pfs.wire.transport import (
+    Connection,
+    ConnectionClosed,
+    Payload,
+    open_connection,
+    tls_connection,
+    tune_socket,
+)
+
+if TYPE_CHECKING:
+    from pfs.auth import Identity, ServerAuth
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +71,15 @@ class RpcClient:
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
                    limits: Limits | None = None, timeout: float = DEFAULT_CALL_TIMEOUT,
-                   hello: Callable[[Connection], Awaitable[None]] | None = None) -> RpcClient:
-        conn = await open_connection(host, port, limits)
+                   hello: Callable[[Connection], Awaitable[None]] | None = None,
+                   tls: ssl.SSLContext | None = None) -> RpcClient:
+        conn = await open_connection(host, port, limits, tls=tls)
         if hello is not None:
-            await hello(conn)
+            try:
+                await hello(conn)
+            except BaseException:
+                conn.close()
+                raise
         client = cls(conn, timeout)
         nursery.start_soon(client.run, name=f"rpc-reader {host}:{port}")
         return client
@@ -232,21 +247,57 @@ class ConnContext:
     conn: Connection
     peer: str
     state: dict[str, Any] = field(default_factory=dict)
+    identity: Identity | None = None  # who authenticated (None: not yet)
+    inflight: set[int] = field(default_factory=set)  # request ids being handled
+
+
+class ByteBudget:
+    """Payload bytes held by requests in flight; a reader waits while it is spent."""
+
+    def __init__(self, total: int) -> None:
+        self.total = self.free = total
+        self._freed = trio.Event()
+
+    async def acquire(self, n: int) -> None:
+        n = min(n, self.total)
+        while n > self.free:
+            await self._freed.wait()
+        self.free -= n
+
+    def release(self, n: int) -> None:
+        self.free += min(n, self.total)
+        self._freed.set()
+        self._freed = trio.Event()
 
 
 class RpcService:
     """Base for servers: dispatches ``rpc_<method>`` handlers."""
 
     name = "rpc"
-    max_in_flight = 256
+    max_in_flight = 256  # requests per connection
+    max_connections = 4096  # connections served at once; accept waits beyond
+    frame_timeout = 30.0  # seconds a started frame (head, then payload) may take to arrive
+    auth_timeout = 10.0  # seconds a new connection has to authenticate
+    conn_payload_budget = 256 << 20  # payload bytes in flight per connection
+    payload_budget = 1 << 30  # ... and across all connections
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, auth: ServerAuth | None = None) -> None:
         self.limits = limits or Limits()
+        self.auth = auth
         self._methods: dict[str, Callable[[ConnContext, Request], Awaitable[Any]]] = {
             attr[4:]: getattr(self, attr) for attr in dir(self) if attr.startswith("rpc_")}
+        self._budget: ByteBudget | None = None
+        self._conn_slots: trio.Semaphore | None = None
 
     async def connection_made(self, ctx: ConnContext) -> None:
-        """Hook: authenticate or set up per-connection state."""
+        """Hook: authenticate or set up per-connection state. The base authenticates
+        the peer with ``self.auth`` (nothing is served before) and sets ``ctx.identity``."""
+        if self.auth is None:
+            from pfs.auth import OPEN
+
+            ctx.identity = OPEN
+            return
+        ctx.identity = await self.auth.authenticate(ctx.conn)
 
     def connection_lost(self, ctx: ConnContext) -> None:
         """Hook: release what the connection held (open files...)."""
@@ -271,36 +322,97 @@ class RpcService:
         sock.listen(512)
         bound = sock.getsockname()[1]
         log.info("%s listening on %s:%d", self.name, host, bound)
+        if self._conn_slots is None:
+            self._conn_slots = trio.Semaphore(self.max_connections)
+        tls = self.auth.tls if self.auth is not None else None
         async with trio.open_nursery() as nursery:
             task_status.started(bound)
             with sock:
                 while True:
-                    client, _addr = await sock.accept()
+                    await self._conn_slots.acquire()
+                    try:
+                        client, _addr = await sock.accept()
+                    except BaseException:
+                        self._conn_slots.release()
+                        raise
                     tune_socket(client)
-                    nursery.start_soon(self.serve_connection, Connection(client, self.limits),
-                                       name=f"{self.name}-conn")
+                    nursery.start_soon(self._accepted, client, tls, name=f"{self.name}-conn")
+
+    async def _accepted(self, sock: trio.socket.SocketType, tls: ssl.SSLContext | None) -> None:
+        try:
+            if tls is None:
+                conn = Connection(sock, self.limits)
+            else:
+                try:
+                    conn = await tls_connection(sock, tls, True, self.limits, self.auth_timeout)
+                except OSError as exc:
+                    log.info("%s: TLS handshake failed: %s", self.name, exc)
+                    return
+            await self.serve_connection(conn)
+        finally:
+            if self._conn_slots is not None:
+                self._conn_slots.release()
 
     async def serve_connection(self, conn: Connection) -> None:
         ctx = ConnContext(conn, conn.name)
+        if self._budget is None:
+            self._budget = ByteBudget(self.payload_budget)
+        budget = self._budget
+        mine = ByteBudget(self.conn_payload_budget)
+        authed = False
         try:
-            await self.connection_made(ctx)
+            try:
+                with trio.fail_after(self.auth_timeout):
+                    await self.connection_made(ctx)
+            except trio.TooSlowError:
+                log.info("%s: %s did not authenticate in %g s", self.name, conn.name,
+                         self.auth_timeout)
+                return
+            except (OSError, ProtocolError) as exc:
+                log.info("%s: %s not authenticated: %s", self.name, conn.name, exc)
+                return
+            authed = True
             async with trio.open_nursery() as handlers:
-                slots = trio.Semaphore(self.max_in_flight)
-                while True:
-                    head = await conn.recv_head()
-                    if head is None:
-                        break
-                    if head.kind != Kind.REQUEST:
-                        raise ProtocolError(f"expected a request, got frame kind {head.kind}")
-                    payload = await conn.recv_payload(head.payload_len) if head.payload_len else None
-                    method = head.fields.get("m")
-                    if not isinstance(method, str):
-                        await self._send_error(conn, head.rid, OSError(
-                            errno.EINVAL, "request has no method name ('m')"))
-                        continue
-                    await slots.acquire()
-                    handlers.start_soon(self._handle, ctx, head.rid,
-                                        Request(method, head.fields, payload), slots)
+                try:
+                    slots = trio.Semaphore(self.max_in_flight)
+                    inflight = ctx.inflight
+                    while True:
+                        head = await conn.recv_head(self.frame_timeout)
+                        if head is None:
+                            break
+                        if head.kind != Kind.REQUEST:
+                            raise ProtocolError(f"expected a request, got frame kind {head.kind}")
+                        if head.rid in inflight:
+                            raise ProtocolError(f"request id {head.rid} reused while in flight")
+                        n = head.payload_len
+                        payload = None
+                        if n:
+                            await mine.acquire(n)
+                            await budget.acquire(n)
+                            with trio.move_on_after(self.frame_timeout) as scope:
+                                payload = await conn.recv_payload(n)
+                            if scope.cancelled_caught:
+                                raise ProtocolError(f"payload of {n} bytes not received in "
+                                                    f"{self.frame_timeout:g} s")
+                        method = head.fields.get("m")
+                        if not isinstance(method, str):
+                            self._release_payload(mine, budget, n)
+                            await self._send_error(conn, head.rid, OSError(
+                                errno.EINVAL, "request has no method name ('m')"))
+                            continue
+                        await slots.acquire()
+                        inflight.add(head.rid)
+                        handlers.start_soon(self._handle, ctx, head.rid,
+                                            Request(method, head.fields, payload), slots,
+                                            (mine, budget, n))
+                except (ProtocolError, OSError) as exc:
+                    # caught here, not outside: the nursery would wrap it in a group
+                    handlers.cancel_scope.cancel()
+                    if isinstance(exc, ProtocolError):
+                        log.warning("%s: dropping %s: %s", self.name, conn.name, exc)
+                    else:
+                        log.debug("%s: connection %s ended: %s", self.name, conn.name, exc)
+                    return
                 handlers.cancel_scope.deadline = trio.current_time() + 30
         except ProtocolError as exc:
             log.warning("%s: dropping %s: %s", self.name, conn.name, exc)
@@ -308,10 +420,19 @@ class RpcService:
             log.debug("%s: connection %s ended: %s", self.name, conn.name, exc)
         finally:
             conn.close()
-            self.connection_lost(ctx)
+            budget.release(self.conn_payload_budget - mine.free)  # what its handlers held
+            if authed:
+                self.connection_lost(ctx)
+
+    @staticmethod
+    def _release_payload(mine: ByteBudget, budget: ByteBudget, n: int) -> None:
+        if n:
+            mine.release(n)
+            budget.release(n)
 
     async def _handle(self, ctx: ConnContext, rid: int, req: Request,
-                      slots: trio.Semaphore) -> None:
+                      slots: trio.Semaphore,
+                      held: tuple[ByteBudget, ByteBudget, int] | None = None) -> None:
         try:
             try:
                 reply = await self.dispatch(ctx, req)
@@ -336,6 +457,10 @@ class RpcService:
             pass
         finally:
             slots.release()
+            ctx.inflight.discard(rid)
+            if held is not None and held[2]:
+                req.payload = None
+                self._release_payload(*held)
 
     @staticmethod
     async def _send_error(conn: Connection, rid: int, exc: OSError) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
+import ssl
 from typing import Any
 
 import trio
@@ -138,15 +140,30 @@ class Connection:
             raise ConnectionClosed(f"connection to {self.name} was closed") from None
 
     # -- receiving -----------------------------------------------------------
-    async def recv_head(self) -> FrameHead | None:
-        """The next frame's header and map; None on a clean end of stream."""
+    async def recv_head(self, stall: float | None = None) -> FrameHead | None:
+        """The next frame's header and map; None on a clean end of stream.
+
+        With ``stall``, once part of a frame has arrived the rest of its header and map
+        must arrive within ``stall`` seconds, else ``RemoteProtocolError`` (a peer that
+        sends a header and stops is dropped); waiting between frames is not limited."""
         dec = self.decoder
+        deadline = math.inf
         while True:
             head = dec.next_head()
             if head is not None:
                 return head
+            if stall is not None and dec.buffered and deadline == math.inf:
+                deadline = trio.current_time() + stall
             try:
-                n = await self.sock.recv_into(self._rbuf)
+                if deadline == math.inf:
+                    n = await self.sock.recv_into(self._rbuf)
+                else:
+                    n = -1
+                    with trio.move_on_at(deadline):
+                        n = await self.sock.recv_into(self._rbuf)
+                    if n < 0:
+                        raise RemoteProtocolError(
+                            f"{self.name} stalled for {stall:g} s in the middle of a frame")
             except ConnectionResetError:
                 n = 0
             except trio.ClosedResourceError:
@@ -240,8 +257,9 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
 
 
 async def open_connection(host: str, port: int, limits: Limits | None = None,
-                          timeout: float = 10.0) -> Connection:
-    """Connect over TCP; a refused or unreachable server is an OSError naming it."""
+                          timeout: float = 10.0, tls: ssl.SSLContext | None = None) -> Connection:
+    """Connect over TCP (and TLS with ``tls``); a refused or unreachable server is an
+    OSError naming it."""
     try:
         with trio.fail_after(timeout):
             stream_infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -258,4 +276,100 @@ async def open_connection(host: str, port: int, limits: Limits | None = None,
         raise OSError(exc.errno or errno.EIO,
                       f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
     tune_socket(sock)
-    return Connection(sock, limits, name=f"{host}:{port}")
+    if tls is None:
+        return Connection(sock, limits, name=f"{host}:{port}")
+    try:
+        return await tls_connection(sock, tls, False, limits, timeout, f"{host}:{port}")
+    except OSError as exc:
+        raise OSError(exc.errno or errno.EACCES, f"{host}:{port}: {exc.strerror or exc}") from None
+
+
+class TlsSocket:
+    """Just enough of a trio socket over a ``trio.SSLStream`` for :class:`Connection`."""
+
+    def __init__(self, stream: trio.SSLStream, raw: trio.socket.SocketType) -> None:
+        self.stream = stream
+        self.raw = raw
+        self.family = raw.family
+        self.peer_cert: dict[str, Any] | None = None
+
+    async def recv_into(self, buf: Any) -> int:
+        try:
+            data = await self.stream.receive_some(len(buf))
+        except trio.BrokenResourceError as exc:
+            raise ConnectionResetError(errno.ECONNRESET, f"TLS stream broken: {exc}") from None
+        n = len(data)
+        if n:
+            buf[:n] = data
+        return n
+
+    async def send(self, view: Any) -> int:
+        try:
+            await self.stream.send_all(view)
+        except trio.BrokenResourceError as exc:
+            raise BrokenPipeError(errno.EPIPE, f"TLS stream broken: {exc}") from None
+        return len(view)
+
+    async def sendmsg(self, views: list[Any]) -> int:
+        total = 0
+        for v in views:
+            total += await self.send(v)
+        return total
+
+    async def recvmsg_into(self, bufs: list[Any]) -> tuple[int, list[Any], int, Any]:
+        n = await self.recv_into(bufs[0])
+        return n, [], 0, None
+
+    def getpeername(self) -> Any:
+        return self.raw.getpeername()
+
+    def getsockname(self) -> Any:
+        return self.raw.getsockname()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class TlsConnection(Connection):
+    """A :class:`Connection` over TLS: the same framing; payloads from files are read
+    and encrypted (no ``sendfile``)."""
+
+    async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
+                                   fd: int, offset: int, count: int) -> None:
+        head = encode_head(kind, rid, fields, count, self.limits)
+        async with self._send_lock:
+            await self._sendall(head)
+            sent = 0
+            while sent < count:
+                chunk = os.pread(fd, min(RECV_CHUNK * 4, count - sent), offset + sent)
+                if not chunk:
+                    await self._sendall(bytes(count - sent))
+                    break
+                await self._sendall(chunk)
+                sent += len(chunk)
+
+
+async def tls_connection(sock: trio.socket.SocketType, ctx: ssl.SSLContext, server_side: bool,
+                         limits: Limits | None, timeout: float, name: str = "") -> TlsConnection:
+    """Run the TLS handshake on a connected socket (closed on failure)."""
+    stream = trio.SSLStream(trio.SocketStream(sock), ctx, server_side=server_side,
+                            server_hostname=None if server_side else "pfs")
+    wrapped = TlsSocket(stream, sock)
+    try:
+        with trio.fail_after(timeout):
+            await stream.do_handshake()
+        wrapped.peer_cert = stream.getpeercert()
+    except trio.TooSlowError:
+        sock.close()
+        raise OSError(errno.ETIMEDOUT, "TLS handshake timed out") from None
+    except (trio.BrokenResourceError, ssl.SSLError) as exc:
+        sock.close()
+        cause = exc.__cause__ or exc
+        raise OSError(errno.EACCES, f"TLS handshake failed: {cause}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return TlsConnection(wrapped, limits, name)  # type: ignore[arg-type]

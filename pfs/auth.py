@@ -1,0 +1,338 @@
+"""Peer authentication: cluster and node keys with HMAC challenge-response, or mutual TLS.
+
+Nothing is served before the peer authenticates. Three modes, chosen by configuration:
+
+- **key** (default of ``pfs cluster up``): a key is 32 random bytes in a file of mode
+  0600 (a file that group or others can read is refused). Both sides prove knowledge of
+  the key with HMAC-SHA256 over fresh nonces; the key never crosses the wire::
+
+      client -> server  request {"m": "auth", "v": 1, "key": NAME, "nonce": Nc}
+      server -> client  reply   {"nonce": Ns, "proof": HMAC(K, "server" | NAME | Nc | Ns)}
+      client -> server  request {"m": "auth_proof", "proof": HMAC(K, "client" | NAME | Nc | Ns)}
+      server -> client  reply   {"name": ..., "role": ...}     (or an EACCES error, then close)
+
+  The client checks the server's proof first, so a client with a key never talks to a
+  server that does not hold it.
+- **tls**: mutual TLS with certificates from ``pfs certs`` (one CA); a certificate's
+  ``OU`` says its role and, for clients, the uid and gid ranges it may claim.
+- **open**: no key and no TLS configured anywhere: every peer is trusted, data servers
+  check no capabilities, and servers log a warning. For unit tests and one-user
+  development only; ``pfs cluster up`` never makes such a cluster.
+
+Keys and roles: the *cluster key* (``cluster.key``) is held by the metaserver and the data
+servers and gives the role ``server`` (register and heartbeat, nothing in the namespace).
+*Node keys* are listed in the metaserver's config with the uid and gid ranges their holder
+may claim and give the role ``client``. A client authenticates to data servers with its
+node key's *data-plane key* ``HMAC(K, "pfs data-plane v1")``, which the metaserver hands to
+data servers when they register; so a data server never learns a key that works at the
+metaserver.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import ssl
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pfs.config import ConfigError
+from pfs.errors import ProtocolError
+from pfs.wire.protocol import Kind
+from pfs.wire.transport import Connection
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 32
+NONCE_BYTES = 32
+AUTH_TIMEOUT = 10.0  # seconds a peer has to authenticate
+CLUSTER = "cluster"  # the name of the cluster key
+UID_MAX = (1 << 32) - 1
+FULL = (0, UID_MAX)
+
+
+class AuthError(OSError):
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.EACCES, msg)
+
+
+# ---------------------------------------------------------------------------
+# key files
+# ---------------------------------------------------------------------------
+def read_secret_file(path: str | os.PathLike[str], size: int | None = KEY_BYTES) -> bytes:
+    """The bytes of a secret file; refused if group or others may read it."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"key file {p} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"key file {p}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"key file {p} is not a regular file")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"key file {p} is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"refusing to use it. Run: chmod 600 {p}")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"key file {p}: {exc.strerror}") from None
+    if size is not None and len(data) != size:
+        raise ConfigError(f"key file {p} holds {len(data)} bytes, want {size}")
+    return data
+
+
+def create_key(path: str | os.PathLike[str]) -> bool:
+    """Write 32 random bytes to ``path`` (mode 0600) unless it exists; True if created."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, os.urandom(KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def data_plane_key(key: bytes) -> bytes:
+    """What a node key's holder proves to data servers (one-way from the node key)."""
+    return hmac.new(key, b"pfs data-plane v1", hashlib.sha256).digest()
+
+
+def _proof(key: bytes, who: bytes, name: str, nc: bytes, ns: bytes) -> bytes:
+    n = name.encode()
+    msg = b"pfs-auth-1|" + who + b"|" + len(n).to_bytes(2, "big") + n + nc + ns
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+# ---------------------------------------------------------------------------
+# identities
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who is at the other end of a connection."""
+
+    name: str
+    role: str  # "server", "client" or "open"
+    uids: tuple[int, int] = FULL
+    gids: tuple[int, int] = FULL
+
+    @property
+    def may_serve(self) -> bool:
+        """May register as a data server."""
+        return self.role in ("server", "open")
+
+
+OPEN = Identity("open", "open")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ConfigError(f"bad id range {text!r}: want LO-HI") from None
+    if not 0 <= a <= b <= UID_MAX:
+        raise ConfigError(f"bad id range {text!r}")
+    return a, b
+
+
+# ---------------------------------------------------------------------------
+# TLS
+# ---------------------------------------------------------------------------
+def server_tls(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    read_secret_file(key, None)  # mode check
+    ctx.load_cert_chain(cert, key)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_tls(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False  # servers share one certificate; its role is checked
+    read_secret_file(key, None)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def cert_identity(cert: dict[str, Any] | None) -> Identity:
+    """The identity in a verified peer certificate: ``OU=pfs:server`` or
+    ``OU=pfs:client:uids=LO-HI:gids=LO-HI``."""
+    if not cert:
+        raise AuthError("the peer sent no certificate")
+    cn, ou = "", ""
+    for rdn in cert.get("subject", ()):
+        for k, v in rdn:
+            if k == "commonName":
+                cn = v
+            elif k == "organizationalUnitName":
+                ou = v
+    parts = ou.split(":")
+    if parts[:2] == ["pfs", "server"]:
+        return Identity(cn, "server")
+    if parts[:2] == ["pfs", "client"]:
+        uids, gids = FULL, FULL
+        for p in parts[2:]:
+            k, _, v = p.partition("=")
+            if k == "uids":
+                uids = parse_range(v)
+            elif k == "gids":
+                gids = parse_range(v)
+        return Identity(cn, "client", uids, gids)
+    raise AuthError(f"certificate {cn!r} names no pfs role (OU {ou!r})")
+
+
+# ---------------------------------------------------------------------------
+# the two halves of the handshake
+# ---------------------------------------------------------------------------
+async def _expect(conn: Connection, kind: Kind, what: str) -> tuple[int, dict[str, Any]]:
+    head = await conn.recv_head()
+    if head is None:
+        raise AuthError(f"{conn.name} closed the connection during authentication")
+    if head.payload_len:
+        raise ProtocolError(f"{what} carries a payload")
+    if head.kind == Kind.ERROR and kind == Kind.REPLY:
+        msg = head.fields.get("msg")
+        raise AuthError(f"{conn.name} refused authentication: {msg}")
+    if head.kind != kind:
+        raise ProtocolError(f"expected {what}, got a frame of kind {head.kind}")
+    return head.rid, head.fields
+
+
+@dataclass
+class ServerAuth:
+    """How a server authenticates its peers."""
+
+    keys: dict[str, tuple[bytes, Identity]] = field(default_factory=dict)
+    tls: ssl.SSLContext | None = None
+
+    @property
+    def mode(self) -> str:
+        return "tls" if self.tls is not None else "key" if self.keys else "open"
+
+    async def authenticate(self, conn: Connection) -> Identity:
+        if self.tls is not None:
+            return cert_identity(getattr(conn.sock, "peer_cert", None))
+        if not self.keys:
+            return OPEN
+        rid, fields = await _expect(conn, Kind.REQUEST, "an auth request")
+        name, nc = fields.get("key"), fields.get("nonce")
+        if fields.get("m") != "auth":
+            await _refuse(conn, rid, "authentication required: this cluster needs a key "
+                                "(key_file in the client config) or TLS certificates")
+        if not isinstance(name, str) or not isinstance(nc, bytes) or len(nc) != NONCE_BYTES:
+            await _refuse(conn, rid, "malformed auth request")
+        entry = self.keys.get(name)  # type: ignore[arg-type]
+        if entry is None:
+            await _refuse(conn, rid, f"unknown key {name!r}")
+        assert entry is not None and isinstance(name, str) and isinstance(nc, bytes)
+        key, ident = entry
+        ns = os.urandom(NONCE_BYTES)
+        await conn.send_frame(Kind.REPLY, rid, {"nonce": ns,
+                                                "proof": _proof(key, b"server", name, nc, ns)})
+        rid, fields = await _expect(conn, Kind.REQUEST, "an auth proof")
+        proof = fields.get("proof")
+        if (fields.get("m") != "auth_proof" or not isinstance(proof, bytes)
+                or not hmac.compare_digest(proof, _proof(key, b"client", name, nc, ns))):
+            await _refuse(conn, rid, f"authentication with key {name!r} failed")
+        await conn.send_frame(Kind.REPLY, rid, {"name": ident.name, "role": ident.role})
+        return ident
+
+
+async def _refuse(conn: Connection, rid: int, msg: str) -> None:
+    try:
+        await conn.send_frame(Kind.ERROR, rid, {"errno": errno.EACCES, "msg": msg})
+    except OSError:
+        pass
+    raise AuthError(msg)
+
+
+@dataclass
+class ClientAuth:
+    """How this process proves itself: a named key, TLS, or nothing (open clusters)."""
+
+    name: str = ""
+    key: bytes | None = None
+    tls: ssl.SSLContext | None = None
+    data_key: bytes | None = None  # what it proves to data servers
+
+    @property
+    def mode(self) -> str:
+        return "tls" if self.tls is not None else "key" if self.key is not None else "open"
+
+    def for_data(self) -> ClientAuth:
+        """The credentials to present to data servers."""
+        if self.key is None or self.data_key is None:
+            return self
+        return ClientAuth(self.name, self.data_key, self.tls, None)
+
+    async def hello(self, conn: Connection) -> None:
+        if self.tls is not None:
+            ident = cert_identity(getattr(conn.sock, "peer_cert", None))
+            if ident.role != "server":
+                raise AuthError(f"{conn.name} presented a {ident.role} certificate, "
+                                "not a server's")
+            return
+        if self.key is None:
+            return
+        with trio.fail_after(AUTH_TIMEOUT):
+            await self._hello(conn, self.key)
+
+    async def _hello(self, conn: Connection, key: bytes) -> None:
+        nc = os.urandom(NONCE_BYTES)
+        await conn.send_frame(Kind.REQUEST, 0, {"m": "auth", "v": 1, "key": self.name,
+                                                "nonce": nc})
+        _, fields = await _expect(conn, Kind.REPLY, "the server's auth reply")
+        ns, proof = fields.get("nonce"), fields.get("proof")
+        if (not isinstance(ns, bytes) or len(ns) != NONCE_BYTES or not isinstance(proof, bytes)
+                or not hmac.compare_digest(proof, _proof(key, b"server", self.name, nc, ns))):
+            raise AuthError(f"{conn.name} could not prove it holds key {self.name!r}; "
+                            "not a server of this cluster")
+        await conn.send_frame(Kind.REQUEST, 0, {"m": "auth_proof",
+                                                "proof": _proof(key, b"client", self.name, nc, ns)})
+        await _expect(conn, Kind.REPLY, "the server's auth verdict")
+
+    async def open_rpc(self, nursery: trio.Nursery, host: str, port: int, **kw: Any) -> Any:
+        from pfs.wire.rpc import RpcClient
+
+        try:
+            return await RpcClient.open(nursery, host, port, tls=self.tls, hello=self.hello, **kw)
+        except trio.TooSlowError:
+            raise OSError(errno.ETIMEDOUT, f"{host}:{port}: authentication timed out") from None
+        except ProtocolError as exc:
+            raise OSError(errno.EPROTO, f"{host}:{port}: {exc}") from None
+
+
+def client_auth(key_file: str = "", key_name: str = "", tls_cert: str = "", tls_key: str = "",
+                tls_ca: str = "") -> ClientAuth:
+    """Credentials from config values (a client's, or a server's own as a client)."""
+    if tls_cert or tls_key or tls_ca:
+        if not (tls_cert and tls_key and tls_ca):
+            raise ConfigError("TLS needs tls_cert, tls_key and tls_ca together")
+        return ClientAuth(tls=client_tls(tls_cert, tls_key, tls_ca))
+    if key_file:
+        key = read_secret_file(key_file)
+        name = key_name or CLUSTER
+        return ClientAuth(name, key, None, key if name == CLUSTER else data_plane_key(key))
+    return ClientAuth()
+
+
+def server_tls_from(cert: str, key: str, ca: str) -> ssl.SSLContext | None:
+    if not (cert or key or ca):
+        return None
+    if not (cert and key and ca):
+        raise ConfigError("TLS needs tls_cert, tls_key and tls_ca together")
+    return server_tls(cert, key, ca)
