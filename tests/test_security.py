@@ -514,6 +514,19 @@ def test_seeded_fuzz_against_live_servers(tmp_path: Path) -> None:
         cluster.down(d)
 
 
+def test_bench_caps_runs(tmp_path: Path) -> None:
+    import argparse
+
+    from pfs.bench import caps as bench
+
+    out = bench.run(argparse.Namespace(size=4 << 20, seconds=0.2, rounds=1, concurrency=2,
+                                       data_servers=1, dir=str(tmp_path / "b"), keep=False))
+    for label in ("1MiB", "4KiB"):
+        r = out["reads_per_s"][label]
+        assert r["caps_on"] > 0 and r["caps_off"] > 0
+    assert 0 < out["check_us"]["cached_us"] < out["check_us"]["first_us"]
+
+
 # ---------------------------------------------------------------------------
 # property-based fuzzing of the sans-IO decoder
 # ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket (issue 2)
@@ -17,6 +17,7 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep} [options]   (-h a
               a local dir and a MooseFS mount, in one run (issue 3)
   io500       the twelve IO500 phases and score on a directory or the native client (issue 6)
   sweep       data paths: engines x block sizes x patterns x threads, local/native/mount (issue 6)
+  caps        1 MiB and 4 KiB reads/s with capability checks on and off (issue 5)
 """
 
 
@@ -31,6 +32,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.meta import main as run
     elif cmd == "fuse":
         from pfs.bench.fusebench import main as run
+    elif cmd == "caps":
+        from pfs.bench.caps import main as run
     elif cmd == "io500":
         from pfs.bench.io500 import main as run
     elif cmd == "sweep":
