@@ -393,7 +393,11 @@ class PfsOperations(pyfuse3.Operations):
             h = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
                                             self.cred(ctx))
         assert h.attr is not None
-        return self._file_info(h, self._key(h)), self._looked_up(h.attr)
+        key = self._key(h)
+        # the kernel sends CREATE only for a name it holds nothing for, so it has no
+        # stale attributes or pages of this inode: no invalidation (and no GETATTR after)
+        self._seen[h.ino] = key
+        return self._file_info(h, key), self._looked_up(h.attr)
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._file(fh)

@@ -115,6 +115,14 @@ def _is_dot(name: bytes) -> bool:
 Rec = dict[str, Any]
 
 
+def kill_priv(mode: int) -> int:
+    """``mode`` without the privilege bits a write or truncate by a non-root caller drops."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
+
+
 class Namespace:
     def __init__(self, layout: LayoutDefaults | None = None, *,
                  servers: Callable[[], dict[str, int]] = dict,
@@ -552,6 +560,8 @@ class Namespace:
             self.check_perm(cred, rec, W_OK)
             rec["size"] = size
             rec["mtime"] = now
+            if not cred.root:
+                rec["mode"] = kill_priv(rec["mode"])
             changed = True
         for field, value in (("atime", atime), ("mtime", mtime)):
             if value is None:
@@ -586,9 +596,16 @@ class Namespace:
         return None
 
     def commit_size(self, txn: Txn, ino: int, written_end: int | None,
-                    mtime: int | None) -> dict[str, Any]:
+                    mtime: int | None, writer_is_root: bool = True) -> dict[str, Any]:
+        """Record data a client wrote: size = max(size, written_end), its mtime; a write
+        by anyone but root drops setuid (and setgid of a group-executable file), as the
+        kernel does for local filesystems."""
         rec = self._rec(txn, ino)
         changed = False
+        if (written_end is not None or mtime is not None) and not writer_is_root:
+            m = kill_priv(rec["mode"])
+            changed = m != rec["mode"]
+            rec["mode"] = m
         if written_end is not None and written_end > rec["size"]:
             rec["size"] = written_end
             changed = True

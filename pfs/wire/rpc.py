@@ -274,6 +274,10 @@ class RpcService:
     """Base for servers: dispatches ``rpc_<method>`` handlers."""
 
     name = "rpc"
+    # Methods answered in the connection's reader task, without a task of their own:
+    # quick ones that never wait (a task spawn and its scheduling are a third of a
+    # small request's cost). Everything else runs concurrently.
+    inline_methods: frozenset[str] = frozenset()
     max_in_flight = 256  # requests per connection
     max_connections = 4096  # connections served at once; accept waits beyond
     frame_timeout = 30.0  # seconds a started frame (head, then payload) may take to arrive
@@ -402,9 +406,12 @@ class RpcService:
                             continue
                         await slots.acquire()
                         inflight.add(head.rid)
-                        handlers.start_soon(self._handle, ctx, head.rid,
-                                            Request(method, head.fields, payload), slots,
-                                            (mine, budget, n))
+                        req = Request(method, head.fields, payload)
+                        if method in self.inline_methods and ctx.identity is not None:
+                            await self._handle(ctx, head.rid, req, slots, (mine, budget, n))
+                        else:
+                            handlers.start_soon(self._handle, ctx, head.rid, req, slots,
+                                                (mine, budget, n))
                 except (ProtocolError, OSError) as exc:
                     # caught here, not outside: the nursery would wrap it in a group
                     handlers.cancel_scope.cancel()
