@@ -272,10 +272,12 @@ class MetaService(RpcService):
         return fh
 
     def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
-                      flags: int) -> dict[str, Any]:
+                      flags: int, cred: Cred) -> dict[str, Any]:
         """An open/create reply: the handle, and a capability for its data."""
         ino = attr["ino"]
         fh = self._new_fh(ctx, ino, flags)
+        if not cred.root:  # its writes drop setuid/setgid (see Namespace.commit_size)
+            ctx.state.setdefault("fh_user", set()).add(fh)
         cap, ttl = self.signer.issue(ino, rights_of(flags))
         return {"attr": attr, "fh": fh, "layout": layout, "cap": cap, "cap_ttl": ttl}
 
@@ -491,7 +493,7 @@ class MetaService(RpcService):
             for ino in opened:  # the op ran but the batch did not commit
                 await self._release(ino)
             raise
-        return self._opened_reply(ctx, attr, layout, flags)
+        return self._opened_reply(ctx, attr, layout, flags, cred)
 
     async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, flags = self._cred(ctx, req), req.int("ino"), req.int("flags", os.O_RDONLY)
@@ -503,7 +505,7 @@ class MetaService(RpcService):
             except BaseException:
                 await self._release(ino)
                 raise
-            return self._opened_reply(ctx, attr, layout, flags)
+            return self._opened_reply(ctx, attr, layout, flags, cred)
         with self.store.read() as txn:
             self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
             plan = self.ns.truncate_plan(txn, cred, ino, 0)
@@ -523,7 +525,7 @@ class MetaService(RpcService):
             for i in opened:
                 await self._release(i)
             raise
-        return self._opened_reply(ctx, attr, layout, flags)
+        return self._opened_reply(ctx, attr, layout, flags, cred)
 
     async def _release(self, ino: int) -> None:
         if self._unref(ino):
@@ -548,11 +550,16 @@ class MetaService(RpcService):
 
     async def rpc_close(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
+        fh = req.int("fh")
         ino = self._fh(ctx, req, pop=True)
+        users: set[int] = ctx.state.get("fh_user", set())
+        root = fh not in users
+        users.discard(fh)
         try:
             if written_end is not None or mtime is not None:
                 try:
-                    await self._mutate(lambda t: self.ns.commit_size(t, ino, written_end, mtime))
+                    await self._mutate(
+                        lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))
                 except FileNotFoundError:
                     pass
         finally:
@@ -562,8 +569,9 @@ class MetaService(RpcService):
     async def rpc_commit_size(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
         ino = self._fh(ctx, req)
+        root = req.int("fh") not in ctx.state.get("fh_user", set())
         return {"attr": await self._mutate(
-            lambda t: self.ns.commit_size(t, ino, written_end, mtime))}
+            lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))}
 
     async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")

@@ -220,3 +220,22 @@ def test_unlinked_open_file_stays_readable(client, workdir) -> None:
         client.remove(path)
         assert not client.exists(path)
         assert f.read() == data
+
+
+def test_write_by_non_root_drops_setuid(client, client_toml, workdir) -> None:
+    """No kernel clears the bits on the native path: the metaserver does it on commit."""
+    from pfs.client.types import Cred
+
+    path = f"{workdir}/suid"
+    client.write_file(path, b"root")
+    client.chown(path, 4321, 4321)
+    client.chmod(path, 0o6755)
+    with client.open(path, "ab") as f:  # root writing keeps them
+        f.write(b"+root")
+    assert client.stat(path).st_mode & 0o7777 == 0o6755
+    client.chmod(workdir, 0o777)
+    with pfs.connect(config=client_toml, cred=Cred(4321, 4321)) as user:
+        with user.open(path, "ab") as f:
+            f.write(b"+user")
+    st = client.stat(path)
+    assert st.st_mode & 0o7777 == 0o755 and st.st_size == len(b"root+root+user")

@@ -321,6 +321,20 @@ def test_chmod_chown_rules(mdir: Path, user: AsUser) -> None:
     assert uerr(user, "os.chmod(p, 0o777)", p=f) == "EPERM"  # no longer the owner
 
 
+def test_write_by_non_root_drops_setuid(mdir: Path, user: AsUser) -> None:
+    f = mdir / "suid"
+    user("write(p)", p=f)
+    assert uerr(user, "os.chmod(p, 0o6755)", p=f) == "ok"
+    assert os.stat(f).st_mode & (stat.S_ISUID | stat.S_ISGID) == stat.S_ISUID | stat.S_ISGID
+    with open(f, "ab") as fh:  # root (CAP_FSETID) writing keeps them
+        fh.write(b"root")
+    assert os.stat(f).st_mode & stat.S_ISUID
+    # the owner, not root, writing (no truncation): both drop (the file is g+x)
+    user("write(p, 'user', flags=os.O_WRONLY | os.O_APPEND)", p=f)
+    s = os.stat(f)
+    assert not s.st_mode & (stat.S_ISUID | stat.S_ISGID) and stat.S_IMODE(s.st_mode) == 0o755
+
+
 def test_open_fd_keeps_its_access(mdir: Path, user: AsUser) -> None:
     f = mdir / "f"
     user("write(p, 'abc')", p=f)
