@@ -22,6 +22,7 @@ from pfs.auth import ClientAuth, ServerAuth
 from pfs.caps import Capability, CapCache, CapVerifier
 from pfs.config import DataConfig, parse_addr
 from pfs.engine import Engine, get_engine
+from pfs.shortcircuit import local_socket_name
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 
@@ -52,6 +53,9 @@ class DataService(RpcService):
         self.engine = engine
         self.use_sendfile = use_sendfile
         self.sid: str | None = store.load_sid()
+        self.sid_known = trio.Event()  # set once ``sid`` is (it names the local socket)
+        if self.sid is not None:
+            self.sid_known.set()
         self.registrations = 0  # successful registrations so far
         self.own_auth = own_auth or ClientAuth()
         secured = auth is not None and auth.mode != "open"
@@ -141,6 +145,41 @@ class DataService(RpcService):
             raise
         release()
         return Reply({"n": n}, payload=memoryview(buf)[:n])
+
+    async def rpc_open_fd(self, ctx: ConnContext, req: Request) -> Reply:
+        """Short-circuit reads: a read-only descriptor of the object, passed to a client
+        on this host over the local socket after the same capability check as a read."""
+        if not ctx.local:
+            raise OSError(errno.EPERM, "open_fd: descriptors are handed out only over the "
+                                       "data server's local socket")
+        obj = check_obj(req.any("obj"))
+        self._cap(ctx, req, caps.READ, obj)
+        got = self.store.acquire(obj)
+        if got is None:
+            raise OSError(errno.ENOENT, f"object {list(obj)} holds no data here")
+        fd, release = got
+        try:  # a new open file description, read-only: the client cannot write through it
+            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            release()
+        try:
+            size = os.fstat(ro).st_size
+        except OSError:
+            os.close(ro)
+            raise
+        return Reply({"size": size}, fds=[ro], release=lambda: os.close(ro))
+
+    async def serve_local(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+        """The local Unix socket for short-circuit reads; it is named after this server's
+        id, so it opens once the id is known (registration)."""
+        task_status.started()
+        await self.sid_known.wait()
+        assert self.sid is not None
+        try:
+            await self.serve_unix(local_socket_name(self.sid))
+        except OSError as exc:  # e.g. another process of this id on the host: no fast path
+            log.warning("no local socket for short-circuit reads: %s", exc)
 
     async def rpc_write(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         obj = check_obj(req.any("obj"))
@@ -275,6 +314,7 @@ class DataService(RpcService):
                             self.sid, sid)
             self.store.save_sid(sid)
             self.sid = sid
+            self.sid_known.set()
         log.info("registered with the metaserver as %s (%s:%d)", sid, host, port)
         self.registrations += 1
 
@@ -336,6 +376,8 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
             if config.meta:
                 await nursery.start(service.keep_registered, config.meta, config.host, port,
                                     config.heartbeat)
+            if config.local_socket:
+                await nursery.start(service.serve_local)
             task_status.started(port)
     finally:
         engine.close()

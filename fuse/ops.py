@@ -403,7 +403,12 @@ class PfsOperations(pyfuse3.Operations):
         h = self._file(fh)
         fl = self._inflight.get(h.ino)
         if fl is not None:  # bytes written here, still on their way, are read back
-            await fl.wait(off, off + size)
+            if off + size > h.size:
+                # a read past the size known so far: writes in flight may extend the
+                # file, and a short reply would make the kernel shrink its i_size
+                await self._drain(h.ino)
+            else:
+                await fl.wait(off, off + size)
         buf = bytearray(size)
         with fs_errors():
             n = await h.pread_into(buf, off)

@@ -79,6 +79,9 @@ class ClientConfig:
     uid: int = -1  # credentials sent with requests; -1: this process's
     gid: int = -1
     profile: str = "auto"  # data path by workload phase: inference, load or auto (above)
+    # read objects of data servers on this host through descriptors they hand over
+    # (after the capability check) instead of through TCP; falls back by itself
+    short_circuit: bool = True
     # authentication (docs/security.md): a key file (mode 0600) and the name the
     # metaserver knows it by, or TLS files from `pfs certs`; none: an unsecured cluster
     key_file: str = ""
@@ -147,6 +150,7 @@ class DataConfig:
     meta: str = "127.0.0.1:9400"
     engine: str = "auto"  # auto (io_uring where the kernel has it, else posix), posix, uring
     heartbeat: float = 2.0  # seconds between heartbeats
+    local_socket: bool = True  # serve short-circuit reads to clients on this host
     key_file: str = ""  # the cluster key (docs/security.md)
     tls_cert: str = ""
     tls_key: str = ""

@@ -13,6 +13,7 @@ import posixpath
 import stat as statmod
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -24,6 +25,7 @@ from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import ClientConfig, client_config
 from pfs.layout import Layout
+from pfs.shortcircuit import HandleObjects, LocalServers
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ class FileHandle:
         self.path = path
         self.closed = False
         self._dirty = False
+        # a read-only handle reads local objects through descriptors (short circuit)
+        self._objects = (HandleObjects(client.local) if client.local is not None
+                         and flags & os.O_ACCMODE == os.O_RDONLY else None)
 
     # -- capabilities ------------------------------------------------------------
     def _set_cap(self, cap: bytes | None, ttl: float) -> None:
@@ -167,7 +172,8 @@ class FileHandle:
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n:
-            await self._data(self.client.data.read_into, self.ino, self.layout, off, view[:n])
+            await self._data(partial(self.client.data.read_into, objects=self._objects),
+                             self.ino, self.layout, off, view[:n])
         return n
 
     async def pread(self, length: int, off: int) -> bytes:
@@ -225,6 +231,8 @@ class FileHandle:
             if end is not None:
                 self.state.size = max(self.state.size, end)
         finally:
+            if self._objects is not None:
+                self._objects.close()
             self.client._release_state(self.ino)
 
 
@@ -242,6 +250,8 @@ class AsyncClient:
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
                                timeout=config.timeout, auth=creds.for_data())
+        # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
+        self.local = LocalServers(creds.for_data()) if config.short_circuit else None
         self._inodes: dict[int, _InodeState] = {}
 
     @classmethod
@@ -261,6 +271,8 @@ class AsyncClient:
     def close(self) -> None:
         self.data.close()
         self.meta.disconnect()
+        if self.local is not None:
+            self.local.close()
 
     # -- inode state shared by this client's handles ---------------------------
     def _acquire_state(self, ino: int, size: int) -> _InodeState:

@@ -12,6 +12,7 @@ import trio
 
 from pfs.auth import ClientAuth
 from pfs.layout import Layout, Piece, stripe_extents
+from pfs.shortcircuit import HandleObjects
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,23 @@ class DataClient:
     # ``cap`` is the capability the metaserver gave with the open (docs/rpc.md); it
     # rides on every request.
     async def read_into(self, ino: int, layout: Layout, off: int, buf: memoryview,
-                        cap: bytes | None = None) -> None:
-        """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros."""
-        await run_all([partial(self._read_run, ino, layout, off, buf, run, cap)
+                        cap: bytes | None = None, objects: HandleObjects | None = None) -> None:
+        """Fill ``buf`` with file bytes from ``off``; holes and short objects read zeros.
+        With ``objects`` (a read-only handle's short-circuit descriptors), stripes whose
+        server is on this host are read from the object file directly."""
+        await run_all([partial(self._read_run, ino, layout, off, buf, run, cap, objects)
                        for run in _runs(layout, off, len(buf))])
 
     async def _read_run(self, ino: int, layout: Layout, base: int, buf: memoryview,
-                        run: list[Piece], cap: bytes | None = None) -> None:
+                        run: list[Piece], cap: bytes | None = None,
+                        objects: HandleObjects | None = None) -> None:
         dests = [buf[p.file_off - base:p.file_off - base + p.length] for p in run]
+        if objects is not None:
+            stripe = run[0].stripe
+            fd = await objects.fd(layout.servers[stripe], ino, stripe, cap)
+            if fd is not None:
+                await objects.read(fd, run[0].obj_off, dests)
+                return
         total = sum(p.length for p in run)
         r = await self.call_replicas(
             layout.servers[run[0].stripe], "read",

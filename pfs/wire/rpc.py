@@ -238,6 +238,8 @@ class Reply:
     # (fd, offset, count): payload sent from a file with sendfile; closed by ``release``
     file: tuple[int, int, int] | None = None
     release: Callable[[], None] | None = None
+    # descriptors passed to the peer with the reply (local Unix connections only)
+    fds: list[int] | None = None
 
 
 @dataclass
@@ -249,6 +251,7 @@ class ConnContext:
     state: dict[str, Any] = field(default_factory=dict)
     identity: Identity | None = None  # who authenticated (None: not yet)
     inflight: set[int] = field(default_factory=set)  # request ids being handled
+    local: bool = False  # came through the local Unix socket (same host)
 
 
 class ByteBudget:
@@ -326,11 +329,25 @@ class RpcService:
         sock.listen(512)
         bound = sock.getsockname()[1]
         log.info("%s listening on %s:%d", self.name, host, bound)
+        tls = self.auth.tls if self.auth is not None else None
+        await self._accept_loop(sock, tls, False, lambda: task_status.started(bound))
+
+    async def serve_unix(self, name: str, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on a local Unix socket (a leading NUL: Linux's abstract namespace, no
+        file to clean up); its connections are marked ``local``. Same authentication."""
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(name)
+        sock.listen(128)
+        log.info("%s listening on local socket %r", self.name, name.lstrip("\0"))
+        await self._accept_loop(sock, None, True, task_status.started)
+
+    async def _accept_loop(self, sock: trio.socket.SocketType, tls: ssl.SSLContext | None,
+                           local: bool, started: Callable[[], None]) -> None:
         if self._conn_slots is None:
             self._conn_slots = trio.Semaphore(self.max_connections)
-        tls = self.auth.tls if self.auth is not None else None
         async with trio.open_nursery() as nursery:
-            task_status.started(bound)
+            started()
             with sock:
                 while True:
                     await self._conn_slots.acquire()
@@ -339,13 +356,17 @@ class RpcService:
                     except BaseException:
                         self._conn_slots.release()
                         raise
-                    tune_socket(client)
-                    nursery.start_soon(self._accepted, client, tls, name=f"{self.name}-conn")
+                    if not local:
+                        tune_socket(client)
+                    nursery.start_soon(self._accepted, client, tls, local,
+                                       name=f"{self.name}-conn")
 
-    async def _accepted(self, sock: trio.socket.SocketType, tls: ssl.SSLContext | None) -> None:
+    async def _accepted(self, sock: trio.socket.SocketType, tls: ssl.SSLContext | None,
+                        local: bool = False) -> None:
         try:
             if tls is None:
-                conn = Connection(sock, self.limits)
+                conn = Connection(sock, self.limits, name="local" if local else "")
+                conn.local = local
             else:
                 try:
                     conn = await tls_connection(sock, tls, True, self.limits, self.auth_timeout)
@@ -358,7 +379,7 @@ class RpcService:
                 self._conn_slots.release()
 
     async def serve_connection(self, conn: Connection) -> None:
-        ctx = ConnContext(conn, conn.name)
+        ctx = ConnContext(conn, conn.name, local=conn.local)
         if self._budget is None:
             self._budget = ByteBudget(self.payload_budget)
         budget = self._budget
@@ -452,7 +473,9 @@ class RpcService:
                     errno.EIO, f"internal error in {req.method}; see the server log"))
                 return
             try:
-                if reply.file is not None:
+                if reply.fds:
+                    await ctx.conn.send_frame_with_fds(Kind.REPLY, rid, reply.fields, reply.fds)
+                elif reply.file is not None:
                     fd, off, count = reply.file
                     await ctx.conn.send_frame_from_file(Kind.REPLY, rid, reply.fields, fd, off, count)
                 else:

@@ -6,6 +6,7 @@ destination buffer with ``recv_into``.
 """
 from __future__ import annotations
 
+import array
 import errno
 import logging
 import math
@@ -72,6 +73,7 @@ class Connection:
         self._send_lock = trio.Lock()
         self._rbuf = bytearray(RECV_CHUNK)  # reused: recv(n) would allocate n bytes per call
         self.closed = False
+        self.local = False  # accepted on a server's local Unix socket
         # The plain-socket fast path: non-blocking syscalls on the stdlib socket, waiting
         # with trio only when they would block. trio's socket methods add two scheduler
         # round trips per call, which is most of a small RPC's cost. (TLS has no ``_sock``.)
@@ -123,13 +125,15 @@ class Connection:
                 raise self._closed_error(exc) from None
             raise
 
-    async def _send_some(self, data: Any, vectored: bool) -> int:
+    async def _send_some(self, data: Any, vectored: bool | str) -> int:
         raw = self._raw
         try:
             if raw is None:
                 return await (self.sock.sendmsg(data) if vectored else self.sock.send(data))
             while True:
                 try:
+                    if vectored == "fds":
+                        return raw.sendmsg(*data)
                     return raw.sendmsg(data) if vectored else raw.send(data)
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(raw)
@@ -307,6 +311,51 @@ class Connection:
             await self.recv_payload_into(scratch[:k])
             n -= k
 
+    # -- descriptor passing (local Unix-socket connections only) ----------------
+    async def send_frame_with_fds(self, kind: Kind, rid: int, fields: dict[str, Any],
+                                  fds: list[int]) -> None:
+        """A payload-less frame carrying open descriptors (SCM_RIGHTS) with its first
+        byte, so the receiver finds them as soon as it reads the frame's header."""
+        if self._raw is None or self.sock.family != socket.AF_UNIX:
+            raise OSError(errno.EINVAL, "descriptors travel only over local Unix sockets")
+        data = memoryview(encode_head(kind, rid, fields, 0, self.limits))
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        await self._lock_send()
+        try:
+            sent = await self._send_some(([data], anc), "fds")
+            if sent < len(data):
+                await self._sendall(data[sent:])
+        finally:
+            self._send_lock.release()
+
+    async def recv_frame_with_fds(self) -> tuple[FrameHead, list[int]]:
+        """The next payload-less frame and the descriptors that came with it (the
+        caller owns them). For connections that carry nothing else concurrently."""
+        raw = self._raw
+        if raw is None:
+            raise OSError(errno.EINVAL, "descriptors travel only over local Unix sockets")
+        fds: list[int] = []
+        try:
+            while True:
+                head = self.decoder.next_head()
+                if head is not None:
+                    if head.payload_len:
+                        await self.skip_payload(head.payload_len)
+                    return head, fds
+                try:
+                    data, got, _flags, _addr = socket.recv_fds(raw, HEAD_RECV, 8)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(raw)
+                    continue
+                fds.extend(got)
+                if not data:
+                    raise self._closed_error()
+                self.decoder.feed(data)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
     def close(self) -> None:
         self.closed = True
         self.sock.close()
@@ -320,6 +369,22 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
     if isinstance(peer, tuple):
         return f"{peer[0]}:{peer[1]}"
     return str(peer) or "<unix>"
+
+
+async def open_unix_connection(name: str, limits: Limits | None = None,
+                               timeout: float = 5.0) -> Connection:
+    """Connect to a local Unix socket (a leading NUL names an abstract socket)."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with trio.fail_after(timeout):
+            await sock.connect(name)
+    except trio.TooSlowError:
+        sock.close()
+        raise OSError(errno.ETIMEDOUT, f"connecting to local socket {name!r} timed out") from None
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, limits, name=f"local:{name.lstrip(chr(0))}")
 
 
 async def open_connection(host: str, port: int, limits: Limits | None = None,

@@ -1,0 +1,113 @@
+"""Short-circuit reads: descriptors handed over a local socket, against real servers."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+
+import pytest
+
+import pfs
+from pfs.config import ClientConfig, load
+
+UNIT = 64 * 1024
+
+
+def _client(client_toml, short_circuit: bool):
+    cfg = load(ClientConfig, client_toml)
+    cfg.short_circuit = short_circuit
+    return pfs.connect(config=cfg)
+
+
+def test_on_and_off_read_the_same_bytes(client, client_toml, workdir) -> None:
+    client.set_layout(workdir, count=4, unit=UNIT)
+    data = os.urandom(37 * UNIT + 1234)
+    client.write_file(f"{workdir}/f", data)
+    with client.open(f"{workdir}/f", "r+b") as f:  # a hole, then data beyond it
+        f.pwrite(b"tail", len(data) + 5 * UNIT)
+    data = data + bytes(5 * UNIT) + b"tail"
+    rng = random.Random(4)
+    ranges = [(rng.randrange(0, len(data)), rng.randrange(0, 6 * UNIT)) for _ in range(40)]
+    ranges += [(0, len(data))]
+    got = {}
+    for sc in (True, False):
+        with _client(client_toml, sc) as c:
+            with c.open(f"{workdir}/f", "rb") as f:
+                got[sc] = [f.pread(n, off) for off, n in ranges]
+            stats = c.aio.local.stats if c.aio.local is not None else None
+        if sc:
+            assert stats is not None and stats["fds"] == 4 and stats["local_bytes"] > 0
+        else:
+            assert stats is None
+    assert got[True] == got[False] == [data[off:off + n] for off, n in ranges]
+
+
+def test_handles_open_for_writing_stay_on_the_network(client, workdir) -> None:
+    """Writes go through the servers; a read-write handle reads through them too, so it
+    always sees its own writes."""
+    path = f"{workdir}/rw"
+    before = dict(client.aio.local.stats)
+    with client.open(path, "w+b") as f:
+        f.write(b"x" * 1000)
+        assert f.pread(1000, 0) == b"x" * 1000
+    assert client.aio.local.stats == before
+
+
+def _local_channel(client, path: str):
+    """The local channel to the server of ``path``'s first stripe, and its ino."""
+    lay = client.get_layout(path)
+    sid = lay["servers"][0][0]
+    ino = client.stat(path).st_ino
+    ch = client._run(client.aio.local.channel, sid)
+    assert ch is not None, "the data server's local socket is not reachable"
+    return ch, ino
+
+
+def test_descriptor_needs_a_valid_capability(client, workdir) -> None:
+    path = f"{workdir}/capped"
+    client.write_file(path, b"secret" * 1000)
+    ch, ino = _local_channel(client, path)
+    for bad in (None, b"forged" * 20):
+        with pytest.raises(OSError) as ei:
+            client._run(ch.open_fd, ino, 0, bad)
+        assert ei.value.errno == errno.EACCES
+    # a real capability for another file is refused too
+    other = f"{workdir}/other"
+    client.write_file(other, b"o")
+    with client.open(other, "rb") as f:
+        cap = f.handle.cap
+    with pytest.raises(OSError) as ei:
+        client._run(ch.open_fd, ino, 0, cap)
+    assert ei.value.errno == errno.EACCES
+
+
+def test_descriptor_is_read_only(client, workdir) -> None:
+    path = f"{workdir}/ro"
+    client.write_file(path, b"abc" * 100)
+    ch, ino = _local_channel(client, path)
+    with client.open(path, "rb") as f:
+        fd = client._run(ch.open_fd, ino, 0, f.handle.cap)
+    try:
+        assert os.pread(fd, 3, 0) == b"abc"
+        with pytest.raises(OSError) as ei:
+            os.pwrite(fd, b"zzz", 0)
+        assert ei.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+    assert client.read_file(path) == b"abc" * 100
+
+
+def test_open_fd_is_refused_over_tcp(client, workdir) -> None:
+    path = f"{workdir}/tcp"
+    client.write_file(path, b"x")
+    sid = client.get_layout(path)["servers"][0][0]
+    with client.open(path, "rb") as f:
+        cap = f.handle.cap
+
+        async def ask():
+            return await client.aio.data.call(sid, "open_fd", {"obj": [f.handle.ino, 0],
+                                                              "cap": cap})
+
+        with pytest.raises(OSError) as ei:
+            client._run(ask)
+    assert ei.value.errno == errno.EPERM
