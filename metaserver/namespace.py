@@ -478,6 +478,16 @@ class Namespace:
             raise _err(errno.ENOENT, path.decode("utf-8", "replace"))
         return {"attr": self.getattr(txn, ino), "parent": parent, "name": name}
 
+    def entry_of(self, txn: Txn, cred: Cred, path: bytes) -> tuple[int, bytes]:
+        """The directory and name of ``path``'s last component (not followed), for
+        path-based calls; the directories on the way need search permission."""
+        if not path.startswith(b"/"):
+            raise _err(errno.EINVAL, "path must be absolute inside pfs")
+        parent, name, _ = self._walk(txn, cred, K.ROOT_INO, path, False)
+        if not name:
+            raise _err(errno.EBUSY, "the root directory has no parent entry")
+        return parent, name
+
     def readlink(self, txn: Txn, ino: int) -> bytes:
         rec = self._rec(txn, ino)
         if not stat.S_ISLNK(rec["mode"]):

@@ -289,6 +289,16 @@ class MetaService(RpcService):
                                         "access to the namespace")
         return await super().dispatch(ctx, req)
 
+    def _at(self, req: Request, cred: Cred, parent_key: str = "parent", name_key: str = "name",
+            path_key: str = "path") -> tuple[int, bytes]:
+        """Where a request's entry lives: ``parent`` + ``name``, or a ``path`` resolved here
+        (one round trip for path-based clients instead of a resolve, then the call)."""
+        if path_key in req.fields:
+            path = req.bytes(path_key)
+            with self.store.read() as txn:
+                return self.ns.entry_of(txn, cred, path)
+        return req.int(parent_key), req.bytes(name_key)
+
     def _cred(self, ctx: ConnContext, req: Request) -> Cred:
         """The caller's credentials, squashed and checked against what its key allows."""
         if "cred" not in req.fields:
@@ -462,17 +472,20 @@ class MetaService(RpcService):
         return {}
 
     async def rpc_mkdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name, mode = self._cred(ctx, req), req.int("parent"), req.bytes("name"), req.int("mode")
+        cred, mode = self._cred(ctx, req), req.int("mode")
+        parent, name = self._at(req, cred)
         return {"attr": await self._mutate(lambda t: self.ns.mkdir(t, cred, parent, name, mode))}
 
     async def rpc_mknod(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req, cred)
         mode, rdev = req.int("mode"), req.int("rdev", 0)
         return {"attr": await self._mutate(
             lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))}
 
     async def rpc_create(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req, cred)
         mode, flags = req.int("mode"), req.int("flags", os.O_WRONLY)
         if flags & os.O_TRUNC:
             with self.store.read() as txn:
@@ -574,31 +587,35 @@ class MetaService(RpcService):
             lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))}
 
     async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req, cred)
         await self._mutate(lambda t: self.ns.unlink(t, cred, parent, name))
         return {}
 
     async def rpc_rmdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req, cred)
         await self._mutate(lambda t: self.ns.rmdir(t, cred, parent, name))
         return {}
 
     async def rpc_rename(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
-        newparent, newname, flags = req.int("newparent"), req.bytes("newname"), req.int("flags", 0)
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req, cred)
+        newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
+        flags = req.int("flags", 0)
         await self._mutate(
             lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
         return {}
 
     async def rpc_link(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino = self._cred(ctx, req), req.int("ino")
-        newparent, newname = req.int("newparent"), req.bytes("newname")
+        newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
         return {"attr": await self._mutate(
             lambda t: self.ns.link(t, cred, ino, newparent, newname))}
 
     async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name, target = (self._cred(ctx, req), req.int("parent"), req.bytes("name"),
-                                      req.bytes("target"))
+        cred, target = self._cred(ctx, req), req.bytes("target")
+        parent, name = self._at(req, cred)
         return {"attr": await self._mutate(
             lambda t: self.ns.symlink(t, cred, parent, name, target))}
 

@@ -239,3 +239,22 @@ def test_write_by_non_root_drops_setuid(client, client_toml, workdir) -> None:
             f.write(b"+user")
     st = client.stat(path)
     assert st.st_mode & 0o7777 == 0o755 and st.st_size == len(b"root+root+user")
+
+
+def test_path_based_entry_calls_check_the_way(client, workdir) -> None:
+    """Entry calls send the path; the metaserver resolves it with POSIX errors."""
+    client.write_file(f"{workdir}/file", b"x")
+    for call, args, code in [
+        (client.mkdir, (f"{workdir}/file/sub",), errno.ENOTDIR),
+        (client.mkdir, (f"{workdir}/missing/sub",), errno.ENOENT),
+        (client.remove, ("/",), errno.EBUSY),
+        (client.rename, (f"{workdir}/file", f"{workdir}/nodir/file"), errno.ENOENT),
+        (client.symlink, ("t", f"{workdir}/file"), errno.EEXIST),
+        (client.link, (f"{workdir}/file", f"{workdir}/file/x"), errno.ENOTDIR),
+    ]:
+        with pytest.raises(OSError) as ei:
+            call(*args)
+        assert ei.value.errno == code, (call.__name__, args)
+    client.mkdir(f"{workdir}/d/")  # a trailing slash names a directory to make
+    client.rename(f"{workdir}/file", f"{workdir}/d/moved")
+    assert client.listdir(f"{workdir}/d") == ["moved"]

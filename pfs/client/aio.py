@@ -328,16 +328,6 @@ class AsyncClient:
             raise OSError(errno.EINVAL, "path contains a NUL byte")
         return posixpath.normpath("/" + p) if not p.startswith("/") else p
 
-    async def _parent_of(self, path: str | bytes) -> tuple[int, str]:
-        p = self._norm(path).rstrip("/") or "/"
-        if p == "/":
-            raise OSError(errno.EBUSY, "the root directory has no parent entry")
-        head, name = posixpath.split(p)
-        attr, _, _ = await self.meta.resolve(head or "/", True, self.cred)
-        if not attr.is_dir():
-            raise OSError(errno.ENOTDIR, f"{head}: not a directory")
-        return attr.st_ino, name
-
     async def stat(self, path: str | bytes, follow_symlinks: bool = True) -> StatResult:
         attr, _, _ = await self.meta.resolve(self._norm(path), follow_symlinks, self.cred)
         return self.merged_attr(attr)
@@ -371,9 +361,14 @@ class AsyncClient:
     async def listdir(self, path: str | bytes = "/") -> list[str]:
         return [e.name for e in await self.scandir(path)]
 
+    # Entry calls name their entry by path: the metaserver resolves it in the same
+    # round trip (docs/rpc.md, "path" beside "parent" + "name").
+    def _path(self, path: str | bytes) -> bytes:
+        return fsname(self._norm(path))
+
     async def mkdir(self, path: str | bytes, mode: int = 0o777) -> None:
-        parent, name = await self._parent_of(path)
-        await self.meta.mkdir(parent, name, mode & ~self.umask, self.cred)
+        await self.meta.call("mkdir", path=self._path(path), mode=mode & ~self.umask,
+                             cred=self.cred.to_wire())
 
     async def makedirs(self, path: str | bytes, mode: int = 0o777, exist_ok: bool = False) -> None:
         p = self._norm(path).rstrip("/")
@@ -391,30 +386,27 @@ class AsyncClient:
                 raise
 
     async def remove(self, path: str | bytes) -> None:
-        parent, name = await self._parent_of(path)
-        await self.meta.unlink(parent, name, self.cred)
+        await self.meta.call("unlink", path=self._path(path), cred=self.cred.to_wire())
 
     unlink = remove
 
     async def rmdir(self, path: str | bytes) -> None:
-        parent, name = await self._parent_of(path)
-        await self.meta.rmdir(parent, name, self.cred)
+        await self.meta.call("rmdir", path=self._path(path), cred=self.cred.to_wire())
 
     async def rename(self, src: str | bytes, dst: str | bytes, flags: int = 0) -> None:
-        sp, sn = await self._parent_of(src)
-        dp, dn = await self._parent_of(dst)
-        await self.meta.rename(sp, sn, dp, dn, flags, self.cred)
+        await self.meta.call("rename", path=self._path(src), newpath=self._path(dst),
+                             flags=flags, cred=self.cred.to_wire())
 
     replace = rename
 
     async def link(self, src: str | bytes, dst: str | bytes) -> None:
         attr = await self.lstat(src)
-        dp, dn = await self._parent_of(dst)
-        await self.meta.link(attr.st_ino, dp, dn, self.cred)
+        await self.meta.call("link", ino=attr.st_ino, newpath=self._path(dst),
+                             cred=self.cred.to_wire())
 
     async def symlink(self, target: str | bytes, path: str | bytes) -> None:
-        parent, name = await self._parent_of(path)
-        await self.meta.symlink(parent, name, target, self.cred)
+        await self.meta.call("symlink", path=self._path(path), target=fsname(target),
+                             cred=self.cred.to_wire())
 
     async def readlink(self, path: str | bytes) -> str:
         attr = await self.lstat(path)
@@ -478,9 +470,9 @@ class AsyncClient:
         flags = open_flags(mode) if isinstance(mode, str) else mode
         p = self._norm(path)
         if flags & os.O_CREAT:
-            parent, name = await self._parent_of(p)
             try:
-                r = await self.meta.create(parent, name, perm & ~self.umask, flags, self.cred)
+                r = await self.meta.call("create", path=self._path(p), mode=perm & ~self.umask,
+                                         flags=flags, cred=self.cred.to_wire())
                 return self._handle(r, flags, p)
             except FileExistsError:
                 if flags & os.O_EXCL:
