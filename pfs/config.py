@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 
 
 # -- client profiles: the data path by workload phase -------------------------------
-# Thresholds (bytes per request), from the engine micro-benchmark (tests/bench_engines.py;
+# Thresholds (bytes per request), from the engine micro-benchmark (now `pfs bench sweep/iops`;
 # page-cache reads, 2 cores): below SMALL_READ_MAX a read is latency-bound, and the cheapest
 # path wins (posix inline in the event loop: p50 ~15-20 us at queue depth 1, io_uring
 # ~20-28 us); from LARGE_READ_MIN up io_uring with IOSQE_ASYNC and 1 MiB SQEs moves 8-9 GB/s

@@ -602,7 +602,7 @@ ENGINES = ("posix", "uring", "gds")
 def default_engine() -> str:
     """The engine ``auto`` means: ``uring`` where the kernel has io_uring, else ``posix``.
 
-    Measured on the development machine (tests/bench_engines.py and data-server-shaped
+    Measured on the development machine (``pfs bench iops``/``sweep`` and data-server-shaped
     A/B runs, page cache, 2 cores, medians of 5-7 interleaved rounds): 1 MiB reads into
     fresh buffers 1.4-2.5 GB/s (uring) vs 0.9-1.8 (posix); 1 MiB writes 1.55 vs 1.07 GB/s
     from one task and a tie from 8 tasks on one file; large batched reads 8-9 vs 3-5 GB/s;

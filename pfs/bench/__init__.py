@@ -1,4 +1,4 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | loader | iops``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket (issue 2)
@@ -18,6 +18,10 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps} [options]   
   io500       the twelve IO500 phases and score on a directory or the native client (issue 6)
   sweep       data paths: engines x block sizes x patterns x threads, local/native/mount (issue 6)
   caps        1 MiB and 4 KiB reads/s with capability checks on and off (issue 5)
+  loader      sharded safetensors checkpoint into CPU tensors: pfs loader (short-circuit
+              on/off, local), safetensors local, FUSE; warm and cold (issue 4)
+  iops        4 KiB random reads: IOPS, p50/p99, posix/uring at queue depths 1/8/32,
+              local file, network path and short-circuit (issue 4)
 """
 
 
@@ -38,6 +42,10 @@ def main(argv: list[str]) -> int:
         from pfs.bench.io500 import main as run
     elif cmd == "sweep":
         from pfs.bench.sweep import main as run
+    elif cmd == "loader":
+        from pfs.bench.loader import main as run
+    elif cmd == "iops":
+        from pfs.bench.iops import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
