@@ -11,8 +11,11 @@ client, beside the references measured in the same run on the same machine:
 pfs write = open (create) + writes of ``--chunk`` bytes + fsync + close, so it is durable
 like the local write. pfs read = open + ``readinto`` of ``--chunk`` slices of a buffer
 allocated once + close; "warm" means the data servers' object files are in their page
-cache (just written), "cold" means every cache was dropped first. Every read is checked
-bit-exact against what was written (outside the timed span).
+cache (just written), "cold" means every cache was dropped first. ``pfs_read_*`` go over
+TCP (short-circuit off: what a node without a local data server gets); ``pfs_sc_read_*``
+are the same reads short-circuited (the data servers run on this host, so the client reads
+their objects through descriptors they hand over). Every read is checked bit-exact against
+what was written (outside the timed span).
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ from pfs.bench.common import (
 )
 
 PATHS = ("local_write", "local_read_warm", "local_read_cold",
-         "pfs_write", "pfs_read_warm", "pfs_read_cold", "socket")
+         "pfs_write", "pfs_read_warm", "pfs_read_cold", "pfs_sc_read_warm", "pfs_sc_read_cold",
+         "socket")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -210,7 +214,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "cluster": str(cut.dir) if cut.dir else None,
                        "local_file": str(local_path)},
         }
-        with pfs.connect(config=cut.client_toml) as c:
+        from pfs.config import ClientConfig, load
+
+        net_cfg = load(ClientConfig, cut.client_toml)
+        net_cfg.short_circuit = False  # pfs_read_*: every byte over TCP (a remote node)
+        with pfs.connect(config=cut.client_toml) as c, pfs.connect(config=net_cfg) as cn:
             bdir = f"/bench-tp-{os.getpid()}"
             c.makedirs(bdir, exist_ok=True)
             c.set_layout(bdir, count=args.count, unit=args.unit)
@@ -235,11 +243,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(f"rep {rep + 1}/{args.reps}: pfs write")
                     r["pfs_write"] = pfs_write(c, path, data, chunk, meter_pfs)
                     lay = lay or c.get_layout(path)
-                    r["pfs_read_warm"] = pfs_read(c, path, rbuf, chunk, meter_pfs)
+                    r["pfs_read_warm"] = pfs_read(cn, path, rbuf, chunk, meter_pfs)
                     _check(rbuf, data, "pfs warm read")
+                    # pfs_sc_read_*: the same reads short-circuited (the data servers are
+                    # on this host: the client reads their objects' descriptors itself)
+                    r["pfs_sc_read_warm"] = pfs_read(c, path, rbuf, chunk, meter_pfs)
+                    _check(rbuf, data, "pfs short-circuit warm read")
                     if cold_ok and drop_caches():
-                        r["pfs_read_cold"] = pfs_read(c, path, rbuf, chunk, meter_pfs)
+                        r["pfs_read_cold"] = pfs_read(cn, path, rbuf, chunk, meter_pfs)
                         _check(rbuf, data, "pfs cold read")
+                        drop_caches()
+                        r["pfs_sc_read_cold"] = pfs_read(c, path, rbuf, chunk, meter_pfs)
+                        _check(rbuf, data, "pfs short-circuit cold read")
                     c.remove(path)
 
                     log(f"rep {rep + 1}/{args.reps}: loopback socket")
@@ -273,8 +288,14 @@ def ratios(med: dict[str, Any]) -> dict[str, float]:
         "pfs_read_warm/local_read_warm per core": ratio(g("pfs_read_warm", "GBps_per_core"),
                                                         g("local_read_warm", "GBps_per_core")),
     }
+    if "pfs_sc_read_warm" in med:
+        out["pfs_sc_read_warm/local_read_warm"] = ratio(g("pfs_sc_read_warm"),
+                                                        g("local_read_warm"))
     if "pfs_read_cold" in med and "local_read_cold" in med:
         out["pfs_read_cold/local_read_cold"] = ratio(g("pfs_read_cold"), g("local_read_cold"))
+    if "pfs_sc_read_cold" in med and "local_read_cold" in med:
+        out["pfs_sc_read_cold/local_read_cold"] = ratio(g("pfs_sc_read_cold"),
+                                                        g("local_read_cold"))
     return {k: round(v, 3) for k, v in out.items()}
 
 
