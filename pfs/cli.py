@@ -433,7 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Subcommands that hand their whole argument list to another parser (argparse's
+# REMAINDER would swallow nothing when the first of them is an option such as --help).
+_PASSTHROUGH = {("meta", "serve"): cmd_meta_serve, ("data", "serve"): cmd_data_serve,
+                ("bench",): cmd_bench}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    for prefix, fn in _PASSTHROUGH.items():
+        if tuple(argv[:len(prefix)]) == prefix:
+            logging.basicConfig(level=logging.WARNING,
+                                format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            fn(argparse.Namespace(rest=argv[len(prefix):]))
+            return
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
