@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from pfs.client.sync import Client
 
 
-def connect(config: Any = None, meta: str | None = None, **kwargs: Any) -> "Client":
+def connect(config: Any = None, meta: str | None = None, **kwargs: Any) -> Client:
     """Connect to a cluster: ``config`` is a client.toml path or a ClientConfig,
     ``meta`` a ``HOST:PORT``; with neither, ``$PFS_CONFIG`` names the config file."""
     from pfs.client.sync import Client

@@ -8,8 +8,9 @@ single contiguous object range (the pieces of one stripe are contiguous in the o
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 MIN_UNIT = 4096
 MAX_UNIT = 1 << 30

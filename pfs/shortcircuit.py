@@ -165,7 +165,7 @@ class HandleObjects:
             off += len(d)
         counts = await self.servers.engine.submit(ops)
         total = 0
-        for d, n in zip(dests, counts):
+        for d, n in zip(dests, counts, strict=True):
             total += n
             if n < len(d):  # past the object's end: a hole up to the file size
                 d[n:] = bytes(len(d) - n)

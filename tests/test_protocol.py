@@ -10,8 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pfs.errors import LocalProtocolError, RemoteProtocolError
-from pfs.wire.protocol import (HEADER, HEADER_SIZE, MAGIC, VERSION, FrameDecoder, Kind,
-                               Limits, Peer, encode_frame)
+from pfs.wire.protocol import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    FrameDecoder,
+    Kind,
+    Limits,
+    Peer,
+    encode_frame,
+)
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20)

@@ -12,10 +12,11 @@ import os
 import posixpath
 import stat as statmod
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from functools import partial
+from typing import Any
 
 import trio
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import trio
 

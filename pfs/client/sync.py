@@ -8,7 +8,8 @@ from __future__ import annotations
 import io
 import os
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 

@@ -13,8 +13,9 @@ import logging
 import math
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
