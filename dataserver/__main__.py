@@ -14,14 +14,13 @@ import argparse
 import dataclasses
 import functools
 import logging
-import os
-import signal
 import sys
 
 import trio
 
 from dataserver.server import serve_data
 from pfs.config import ConfigError, DataConfig, load, parse_addr
+from pfs.daemon import serve_until_signalled
 
 log = logging.getLogger("dataserver")
 
@@ -58,20 +57,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
 
 
 async def run(cfg: DataConfig, ready_fd: int | None, skip_caps: bool = False) -> None:
-    async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            port = await nursery.start(
-                functools.partial(serve_data, cfg, verify_caps=False if skip_caps else None))
-            log.info("data server ready on %s:%d (dirs %s)", cfg.host, port, ", ".join(cfg.dirs))
-            if ready_fd is not None:
-                try:
-                    os.write(ready_fd, f"{port}\n".encode())
-                finally:
-                    os.close(ready_fd)
-            async for signum in signals:
-                log.info("%s: stopping", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+    serve = functools.partial(serve_data, cfg, verify_caps=False if skip_caps else None)
+    await serve_until_signalled(serve, f"data server (dirs {', '.join(cfg.dirs)})", ready_fd)
 
 
 def main(argv: list[str] | None = None) -> int:

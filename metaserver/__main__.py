@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
-import os
-import signal
 import sys
 
 import trio
 
 from metaserver.server import serve_meta
 from pfs.config import ConfigError, MetaConfig, load
+from pfs.daemon import serve_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +46,8 @@ def build_config(args: argparse.Namespace) -> MetaConfig:
 
 
 async def run(config: MetaConfig, ready_fd: int | None = None) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_meta, config)
-            log.info("metaserver ready on %s:%d, db %s", config.host, port, config.db)
-            if ready_fd is not None:
-                try:
-                    os.write(ready_fd, f"{port}\n".encode())
-                finally:
-                    os.close(ready_fd)
-            async for signum in signals:
-                log.info("metaserver stopping on %s", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+    await serve_until_signalled(functools.partial(serve_meta, config),
+                                f"metaserver (db {config.db})", ready_fd)
 
 
 def main(argv: list[str] | None = None) -> int:
