@@ -6,7 +6,8 @@ with ``--insecure-skip-caps``. Both are authenticated (key mode) and both client
 capabilities, so the difference is the check itself: the per-connection cache lookup,
 the rights/object/expiry/fence comparisons and, for a capability not seen before on the
 connection, one Ed25519 verification. Reads of 1 MiB and 4 KiB at random aligned offsets
-of one file, ``--concurrency`` reads in flight; the two clusters are measured in
+of one file over TCP (short-circuit reads off, so every read is a request a data server
+checks), ``--concurrency`` reads in flight; the two clusters are measured in
 alternating order for ``--rounds`` rounds and the medians compared (noisy machines).
 """
 from __future__ import annotations
@@ -31,8 +32,14 @@ from pfs.bench.common import fmt_size, parse_size
 async def _measure(toml: Path, path: str, size: int, block: int, seconds: float,
                    concurrency: int) -> float:
     from pfs.client.aio import AsyncClient
+    from pfs.config import ClientConfig, load
 
-    async with AsyncClient.connect(str(toml)) as c:
+    # Every read must reach a data server, which checks its capability: with short-circuit
+    # on (the default where the data servers are on this host) the client would read the
+    # objects itself after one check at descriptor hand-out, and nothing would be measured.
+    cfg = load(ClientConfig, toml)
+    cfg.short_circuit = False
+    async with AsyncClient.connect(cfg) as c:
         f = await c.open(path, "rb")
         blocks = size // block
         done = 0
