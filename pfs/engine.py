@@ -32,6 +32,8 @@ import itertools
 import logging
 import mmap
 import os
+import sys
+import tempfile
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
@@ -255,11 +257,43 @@ _READ, _WRITE, _FSYNC = 0, 1, 2
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 8)
 
 
+def import_liburing() -> Any:
+    """``import liburing``, safe when several processes start at once.
+
+    liburing 2024.5.3 loads its modules through ``dynamic_import``, which deletes and
+    rewrites a cache file in the installed package on import; two processes importing
+    together can race on it (one gets FileNotFoundError). An exclusive lock on a file
+    in the temp directory serialises the first import of each process."""
+    if "liburing" in sys.modules:
+        return sys.modules["liburing"]
+    lock_path = os.path.join(tempfile.gettempdir(), "pfs-liburing-import.lock")
+    try:
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:  # no writable temp directory: import unlocked, retry a lost race
+        lock_fd = -1
+    try:
+        if lock_fd >= 0:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        for attempt in range(3):
+            try:
+                import liburing
+
+                return liburing
+            except FileNotFoundError:  # another, unlocked importer removed the cache
+                sys.modules.pop("liburing", None)
+                if attempt == 2:
+                    raise
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+    raise AssertionError("unreachable")
+
+
 @functools.lru_cache(maxsize=1)
 def uring_unavailable() -> str | None:
     """Why io_uring cannot be used here, or ``None`` when it can (probed once)."""
     try:
-        import liburing
+        liburing = import_liburing()
     except ImportError as exc:  # pragma: no cover - liburing is a dependency
         return f"the liburing package is not installed ({exc}); pip install liburing==2024.5.3"
     ring = liburing.io_uring()
@@ -324,8 +358,7 @@ class UringEngine(Engine):
         if why is not None:
             raise OSError(errno.ENOTSUP, f"io_uring engine unavailable: {why}; "
                                          "use engine = \"posix\"")
-        import liburing
-
+        liburing = import_liburing()
         if chunk < 4096 or chunk > 0x7FFFF000:
             raise ValueError(f"chunk must be in [4096, 2 GiB), not {chunk}")
         self._L = liburing
