@@ -493,16 +493,19 @@ class MetaService(RpcService):
             if plan is not None:
                 await self._truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
+        abandoned = False  # the handler was cancelled: nobody will get or close a handle
 
         def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, bool]:
             attr, layout, created = self.ns.create(txn, cred, parent, name, mode, flags)
-            self._ref(attr["ino"])
-            opened.append(attr["ino"])
+            if not abandoned:
+                self._ref(attr["ino"])
+                opened.append(attr["ino"])
             return attr, layout, created
 
         try:
             attr, layout, _ = await self._mutate(op)
         except BaseException:
+            abandoned = True  # the op may still be queued
             for ino in opened:  # the op ran but the batch did not commit
                 await self._release(ino)
             raise
@@ -525,16 +528,19 @@ class MetaService(RpcService):
         if plan is not None:
             await self._truncate_objects(ino, plan[0], 0)
         opened: list[int] = []
+        abandoned = False
 
         def op(txn: WriteTxn) -> tuple[dict[str, Any], Any]:
             result = self.ns.open(txn, cred, ino, flags)
-            self._ref(ino)
-            opened.append(ino)
+            if not abandoned:
+                self._ref(ino)
+                opened.append(ino)
             return result
 
         try:
             attr, layout = await self._mutate(op)
         except BaseException:
+            abandoned = True
             for i in opened:
                 await self._release(i)
             raise

@@ -434,3 +434,40 @@ def test_service_on_memory_store() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_cancelled_open_handlers_leave_no_open_count() -> None:
+    """A create or O_TRUNC open whose handler is cancelled (its connection reset) while
+    the operation waits in the group-commit queue must not leave the inode counted as
+    open: unlinking it later deletes it instead of keeping an orphan forever."""
+    from metaserver.server import _Live
+    from metaserver.store import MemoryStore
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            svc = MetaService(MemoryStore(), MetaConfig(port=0))
+            await nursery.start(svc.run)
+            svc._live["s1"] = _Live("127.0.0.1", 1, 1 << 30, 1 << 29, 1e18)
+            ctx = ConnContext(None, "test")  # type: ignore[arg-type]
+            flags = os.O_CREAT | os.O_RDWR
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await svc.rpc_create(ctx, Request("create", {
+                    "parent": 1, "name": b"f", "mode": 0o644, "flags": flags, "cred": ROOTC}, None))
+            await svc._mutate(lambda t: None)  # the queued create has run
+            got = await svc.rpc_lookup(ctx, Request("lookup", {
+                "parent": 1, "name": b"f", "cred": ROOTC}, None))
+            ino = got["attr"]["ino"]
+            assert svc._open == {}
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await svc.rpc_open(ctx, Request("open", {
+                    "ino": ino, "flags": os.O_RDWR | os.O_TRUNC, "cred": ROOTC}, None))
+            await svc._mutate(lambda t: None)
+            assert svc._open == {}
+            await svc.rpc_unlink(ctx, Request("unlink", {"parent": 1, "name": b"f",
+                                                         "cred": ROOTC}, None))
+            await expect(errno.ENOENT, svc.rpc_getattr(ctx, Request("getattr", {"ino": ino}, None)))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
