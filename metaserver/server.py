@@ -400,6 +400,7 @@ class MetaService(RpcService):
             failed = await self._delete_round()
             if failed:
                 await trio.sleep(DELETE_RETRY)
+                self._wake_deleter.set()  # retry then, not when some change next wakes us
 
     async def _delete_round(self) -> bool:
         """Send one round of queued deletions; True if some must be retried."""

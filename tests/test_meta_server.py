@@ -471,3 +471,34 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class FlakyData(FakeData):
+    """Refuses its first delete request."""
+
+    refusals = 1
+
+    async def rpc_delete(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        if self.refusals:
+            self.refusals -= 1
+            self._poke()
+            raise OSError(errno.EIO, "disk hiccup")
+        return await super().rpc_delete(ctx, req)
+
+
+@trio_test
+async def test_failed_deletion_is_retried_soon(tmp_path: Path) -> None:
+    """A deletion a data server refused is sent again after DELETE_RETRY seconds, not
+    only when some later change happens to wake the deleter (or after 30 s)."""
+    async with running(tmp_path, servers=0) as env:
+        fake = FlakyData()
+        dport = await env.nursery.start(fake.serve, "127.0.0.1", 0)
+        sid = (await env.call("register", sid=None, host="127.0.0.1", port=dport,
+                              total=1 << 30, free=1 << 29))["sid"]
+        env.data[sid] = fake
+        r = await env.call("create", parent=1, name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        await env.call("close", fh=r["fh"], written_end=UNIT, mtime=None)
+        await env.call("unlink", parent=1, name=b"f", cred=ROOTC)
+        await env.wait_for(lambda: fake.refusals == 0)
+        await env.wait_for(lambda: fake.deleted != [])  # fails after 10 s
