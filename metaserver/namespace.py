@@ -1041,8 +1041,11 @@ class Namespace:
     def list_servers(self, txn: Txn) -> dict[str, dict[str, Any]]:
         return {k[1:].decode("utf-8"): unpack(v) for k, v in self._scan(txn, K.SERVER)}
 
-    def delq_entries(self, txn: Txn, limit: int = 256) -> list[tuple[int, dict[str, Any]]]:
-        return [(K.read_u64(k, 1), unpack(v)) for k, v in self._scan(txn, K.DELQ, limit=limit)]
+    def delq_entries(self, txn: Txn, limit: int = 256, start: int = 0
+                     ) -> list[tuple[int, dict[str, Any]]]:
+        """Up to ``limit`` queued deletions, in order, from sequence number ``start``."""
+        return [(K.read_u64(k, 1), unpack(v))
+                for k, v in self._scan(txn, K.DELQ, K.delq(start), limit)]
 
     @staticmethod
     def delq_done(txn: Txn, seq: int) -> None:

@@ -145,6 +145,7 @@ class MetaService(RpcService):
         self._dclients: dict[str, RpcClient] = {}
         self._dlocks: dict[str, trio.Lock] = {}
         self._closed = False
+        self._delq_from = 0  # deletion queue sequence number the next round starts at
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -405,9 +406,15 @@ class MetaService(RpcService):
     async def _delete_round(self) -> bool:
         """Send one round of queued deletions; True if some must be retried."""
         with self.store.read() as txn:
-            entries = self.ns.delq_entries(txn, DELETE_BATCH)
+            entries = self.ns.delq_entries(txn, DELETE_BATCH, self._delq_from)
+            if not entries and self._delq_from:
+                self._delq_from = 0
+                entries = self.ns.delq_entries(txn, DELETE_BATCH)
         if not entries:
             return False
+        # the next round goes on after this one's entries, so a round's worth that one
+        # server keeps refusing cannot hold back the ones behind them
+        self._delq_from = entries[-1][0] + 1 if len(entries) >= DELETE_BATCH else 0
         objs: dict[str, list[list[int]]] = {}
         needs: dict[int, set[str]] = {}
         for seq, ent in entries:
@@ -429,7 +436,7 @@ class MetaService(RpcService):
                 for seq in done:
                     self.ns.delq_done(txn, seq)
             await self._mutate(finish)
-        if len(entries) >= DELETE_BATCH and not errors:
+        if self._delq_from and not errors:
             self._wake_deleter.set()  # more queued than one round takes
         return bool(errors)
 

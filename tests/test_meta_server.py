@@ -502,3 +502,36 @@ async def test_failed_deletion_is_retried_soon(tmp_path: Path) -> None:
         await env.call("unlink", parent=1, name=b"f", cred=ROOTC)
         await env.wait_for(lambda: fake.refusals == 0)
         await env.wait_for(lambda: fake.deleted != [])  # fails after 10 s
+
+
+@trio_test
+async def test_deletions_stuck_on_one_server_do_not_block_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full round's worth of queued deletions that one data server keeps refusing
+    (a failed disk, a server gone for good) must not stop deletions on the others."""
+    import metaserver.server as srv
+    monkeypatch.setattr(srv, "DELETE_BATCH", 2)
+    async with running(tmp_path, servers=0) as env:
+        await env.call("set_layout", ino=1, unit=UNIT, count=1, replicas=1, cred=ROOTC)
+        bad = FlakyData()
+        bad.refusals = 1 << 30
+        good = FakeData()
+        sids = []
+        for fake in (bad, good):
+            dport = await env.nursery.start(fake.serve, "127.0.0.1", 0)
+            sid = (await env.call("register", sid=None, host="127.0.0.1", port=dport,
+                                  total=1 << 30, free=1 << 29))["sid"]
+            env.data[sid] = fake
+            sids.append(sid)
+            for i in range(3 if fake is bad else 1):
+                r = await env.call("create", parent=1, name=b"f%d" % len(env.data) + b"%d" % i,
+                                   mode=0o644, flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+                await env.call("close", fh=r["fh"], written_end=UNIT, mtime=None)
+                if fake is bad:
+                    assert r["layout"]["servers"] == [[sids[0]]]
+            if fake is bad:
+                await env.call("heartbeat", sid=sid, total=1 << 30, free=0)  # place on good
+        assert r["layout"]["servers"] == [[sids[1]]]
+        for name in (b"f10", b"f11", b"f12", b"f20"):
+            await env.call("unlink", parent=1, name=name, cred=ROOTC)
+        await env.wait_for(lambda: good.deleted != [])  # fails after 10 s
