@@ -1,6 +1,7 @@
 """The sans-IO frame protocol, in memory: round trips, limits, malformed input."""
 from __future__ import annotations
 
+import errno
 import struct
 
 import msgpack
@@ -166,6 +167,143 @@ def test_rpc_over_socketpair_many_in_flight() -> None:
             with pytest.raises(OSError) as ei:
                 await cli.call("echo", {"i": "not an int"})
             assert ei.value.errno == 22
+            cli.close()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _raw_pair():
+    """An ``RpcClient`` over one end of a socket pair; the test plays the server on the
+    other end with a bare ``Connection``."""
+    from pfs.wire.rpc import RpcClient
+    from pfs.wire.transport import Connection
+
+    a, b = trio.socket.socketpair()
+    return RpcClient(Connection(a)), Connection(b)
+
+
+def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
+    """A call that timed out while its reply's payload was arriving: the caller owns its
+    buffer again, so the rest of that payload must not be written into it."""
+    from pfs.wire.protocol import encode_head
+
+    async def main() -> None:
+        cli, srv = _raw_pair()
+        try:
+            await body(cli, srv)
+        finally:
+            cli.close()
+            srv.close()
+
+    async def body(cli, srv) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(cli.run)
+            buf = bytearray(1000)
+            calling = trio.Event()
+
+            async def server() -> None:
+                head = await srv.recv_head()
+                await srv._sendall(encode_head(Kind.REPLY, head.rid, {}, 1000) + b"a" * 10)
+                await calling.wait()  # the caller gave up and reused its buffer
+                try:
+                    await srv._sendall(b"y" * 990)
+                except OSError:  # the client may have dropped the connection
+                    pass
+
+            n.start_soon(server)
+            with pytest.raises(OSError) as ei:
+                await cli.call("read", into=memoryview(buf), timeout=0.3)
+            assert ei.value.errno == errno.ETIMEDOUT
+            buf[:] = b"x" * 1000  # reused for something else
+            calling.set()
+            await trio.sleep(0.3)
+            assert bytes(buf) == b"x" * 1000
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_connection_lost_mid_reply_fails_the_call_at_once() -> None:
+    """The reply's payload stops half-way because the peer went away: the call fails with
+    ECONNRESET now, not with ETIMEDOUT when its (long) timeout runs out."""
+    from pfs.wire.protocol import encode_head
+
+    async def main() -> None:
+        cli, srv = _raw_pair()
+        try:
+            await body(cli, srv)
+        finally:
+            cli.close()
+            srv.close()
+
+    async def body(cli, srv) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(cli.run)
+
+            async def server() -> None:
+                head = await srv.recv_head()
+                await srv._sendall(encode_head(Kind.REPLY, head.rid, {}, 1000) + b"a" * 10)
+                srv.close()
+
+            n.start_soon(server)
+            with trio.fail_after(5), pytest.raises(OSError) as ei:
+                await cli.call("read", into=memoryview(bytearray(1000)), timeout=30)
+            assert ei.value.errno == errno.ECONNRESET
+            assert not cli.alive
+            cli.close()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_request_cut_off_mid_frame_does_not_corrupt_the_stream() -> None:
+    """A call that times out (or is cancelled) half-way through sending its payload must
+    not leave half a frame on the connection for the next request to be read into."""
+    from pfs.wire.rpc import RpcService
+
+    got: list[str] = []
+
+    class Svc(RpcService):
+        async def rpc_ping(self, ctx, req):
+            got.append("ping")
+            return {"pong": True}
+
+        async def rpc_put(self, ctx, req):
+            got.append("put")
+            return {}
+
+    async def main() -> None:
+        cli, srv = _raw_pair()
+        try:
+            await body(cli, srv)
+        finally:
+            cli.close()
+            srv.close()
+
+    async def body(cli, srv) -> None:
+        release = trio.Event()
+
+        async def serve_later() -> None:
+            await release.wait()  # a stalled server: nothing is read until then
+            await Svc().serve_connection(srv)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(cli.run)
+            n.start_soon(serve_later)
+            with pytest.raises(OSError) as ei:
+                await cli.call("put", payload=b"p" * (32 << 20), timeout=0.5)
+            assert ei.value.errno == errno.ETIMEDOUT
+            release.set()
+            # the next call either goes through whole or fails as a broken connection;
+            # it must not hang (its frame read as the rest of the cut-off payload)
+            with trio.fail_after(5):
+                try:
+                    r = await cli.call("ping", timeout=3)
+                    assert r.fields == {"pong": True}
+                except OSError as exc:
+                    assert exc.errno in (errno.ECONNRESET, errno.ENOTCONN), exc
+            assert "ping" not in got or got[0] == "put"
             cli.close()
             n.cancel_scope.cancel()
 

@@ -110,7 +110,15 @@ class RpcClient:
             if call is None:  # cancelled or unknown: drop its payload
                 await conn.skip_payload(head.payload_len)
                 continue
-            await self._complete(call, head)
+            try:
+                await self._complete(call, head)
+            except BaseException as exc:
+                # out of ``_pending`` already: ``_fail`` would not wake its caller
+                if not call.done.is_set():
+                    call.error = OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
+                                         f"connection to {conn.name} failed: {exc}")
+                    call.done.set()
+                raise
 
     async def _complete(self, call: _Call, head: FrameHead) -> None:
         conn = self.conn
@@ -163,16 +171,27 @@ class RpcClient:
                 await self.conn.send_frame(Kind.REQUEST, rid, msg, payload)
                 await call.done.wait()
         except BaseException:
-            self._pending.pop(rid, None)
+            self._abandon(rid, call)
             raise
         if scope.cancelled_caught:
-            self._pending.pop(rid, None)
+            self._abandon(rid, call)
             raise OSError(errno.ETIMEDOUT,
                           f"{method} to {self.conn.name} got no reply in {limit:g} s")
         if call.error is not None:
             raise call.error
         assert call.fields is not None
         return Result(call.fields, call.payload, call.nbytes)
+
+    def _abandon(self, rid: int, call: _Call) -> None:
+        """The caller gives up on a call (timeout, cancellation)."""
+        if self._pending.pop(rid, None) is None and not call.done.is_set() \
+                and call.into is not None:
+            # Its reply is being received straight into the caller's buffer, which is
+            # the caller's again once we return: the rest must not land there. The
+            # reader cannot be stopped half-way through a payload, so the connection
+            # goes (the next call reconnects).
+            self._fail(OSError(errno.ECONNRESET, f"connection to {self.conn.name} "
+                               "dropped: a call gave up while its reply was arriving"))
 
     def close(self) -> None:
         self._cancel.cancel()

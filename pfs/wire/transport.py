@@ -79,6 +79,7 @@ class Connection:
         # round trips per call, which is most of a small RPC's cost. (TLS has no ``_sock``.)
         self._raw: socket.socket | None = getattr(sock, "_sock", None)
         self._ready_streak = 0
+        self._out = 0  # bytes sent: tells a frame cut off half-way from one never started
 
     # -- primitive I/O (fast path + trio fallback), errors mapped once -----------
     def _closed_error(self, exc: BaseException | None = None) -> ConnectionClosed:
@@ -162,11 +163,15 @@ class Connection:
         n = sum(len(v) for v in views)
         head = encode_head(kind, rid, fields, n, self.limits)
         await self._lock_send()
+        start = self._out
         try:
             if n <= SMALL_PAYLOAD:
                 await self._sendall(b"".join([head, *views]) if n else head)
             else:
                 await self._sendmsg_all([memoryview(head), *views])
+        except BaseException:
+            self._cut_off(start)
+            raise
         finally:
             self._send_lock.release()
 
@@ -179,10 +184,20 @@ class Connection:
         """
         head = encode_head(kind, rid, fields, count, self.limits)
         await self._lock_send()
+        start = self._out
         try:
             await self._sendfile(head, fd, offset, count)
+        except BaseException:
+            self._cut_off(start)
+            raise
         finally:
             self._send_lock.release()
+
+    def _cut_off(self, start: int) -> None:
+        """A frame send failed or was cancelled: if part of it went out, the peer would
+        read whatever we send next as the rest of it; this connection is done."""
+        if self._out != start:
+            self.close()
 
     async def _sendfile(self, head: bytes, fd: int, offset: int, count: int) -> None:
         await self._sendall(head)
@@ -203,10 +218,12 @@ class Connection:
                 await self._sendall(bytes(count - sent))
                 break
             sent += n
+            self._out += n
 
     async def _sendmsg_all(self, views: list[memoryview]) -> None:
         while views:
             sent = await self._send_some(views[:IOV_MAX], True)
+            self._out += sent
             while views and sent >= len(views[0]):
                 sent -= len(views[0])
                 views.pop(0)
@@ -217,6 +234,7 @@ class Connection:
         view = memoryview(data).cast("B")
         while view:
             n = await self._send_some(view, False)
+            self._out += n
             view = view[n:]
 
     # -- receiving -----------------------------------------------------------
@@ -321,10 +339,15 @@ class Connection:
         data = memoryview(encode_head(kind, rid, fields, 0, self.limits))
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         await self._lock_send()
+        start = self._out
         try:
             sent = await self._send_some(([data], anc), "fds")
+            self._out += sent
             if sent < len(data):
                 await self._sendall(data[sent:])
+        except BaseException:
+            self._cut_off(start)
+            raise
         finally:
             self._send_lock.release()
 
@@ -472,15 +495,20 @@ class TlsConnection(Connection):
                                    fd: int, offset: int, count: int) -> None:
         head = encode_head(kind, rid, fields, count, self.limits)
         async with self._send_lock:
-            await self._sendall(head)
-            sent = 0
-            while sent < count:
-                chunk = os.pread(fd, min(RECV_CHUNK * 4, count - sent), offset + sent)
-                if not chunk:
-                    await self._sendall(bytes(count - sent))
-                    break
-                await self._sendall(chunk)
-                sent += len(chunk)
+            start = self._out
+            try:
+                await self._sendall(head)
+                sent = 0
+                while sent < count:
+                    chunk = os.pread(fd, min(RECV_CHUNK * 4, count - sent), offset + sent)
+                    if not chunk:
+                        await self._sendall(bytes(count - sent))
+                        break
+                    await self._sendall(chunk)
+                    sent += len(chunk)
+            except BaseException:
+                self._cut_off(start)
+                raise
 
 
 async def tls_connection(sock: trio.socket.SocketType, ctx: ssl.SSLContext, server_side: bool,
