@@ -483,7 +483,14 @@ class Namespace:
         path-based calls; the directories on the way need search permission."""
         if not path.startswith(b"/"):
             raise _err(errno.EINVAL, "path must be absolute inside pfs")
-        parent, name, _ = self._walk(txn, cred, K.ROOT_INO, path, False)
+        # a trailing slash must not make the walk follow a symlink in the last component
+        # (rmdir "link/" would remove the directory it points to): it only asks for a
+        # directory
+        stripped = path.rstrip(b"/") or b"/"
+        parent, name, ino = self._walk(txn, cred, K.ROOT_INO, stripped, False)
+        if (ino is not None and name and stripped != path
+                and not stat.S_ISDIR(self._rec(txn, ino)["mode"])):
+            raise _err(errno.ENOTDIR, f"{name!r}")
         if not name:
             raise _err(errno.EBUSY, "the root directory has no parent entry")
         return parent, name

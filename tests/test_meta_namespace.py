@@ -278,6 +278,24 @@ def test_symlink_resolve(fs: FS) -> None:
     err(errno.ENAMETOOLONG, fs.resolve, ROOT, b"/" + b"a" * 300, True)
 
 
+def test_entry_of_trailing_slash_does_not_follow_a_symlink(fs: FS) -> None:
+    """A path-based rmdir/rename/unlink of 'link/' names the symlink, which is not a
+    directory (ENOTDIR, as Linux says), never the directory it points to."""
+    d = fs.mkdir(ROOT, 1, b"d", 0o755)["ino"]
+    fs.mkdir(ROOT, d, b"victim", 0o755)
+    fs.symlink(ROOT, 1, b"l", b"d/victim")
+    fs.file(1, b"f")
+    err(errno.ENOTDIR, fs.entry_of, ROOT, b"/l/")
+    err(errno.ENOTDIR, fs.entry_of, ROOT, b"/l//")
+    err(errno.ENOTDIR, fs.entry_of, ROOT, b"/f/")
+    assert fs.entry_of(ROOT, b"/l") == (1, b"l")
+    assert fs.entry_of(ROOT, b"/d/victim/") == (d, b"victim")
+    assert fs.entry_of(ROOT, b"/d/new/") == (d, b"new")
+    assert fs.entry_of(ROOT, b"/l/x") == (fs.ino(d, b"victim"), b"x")
+    err(errno.EBUSY, fs.entry_of, ROOT, b"/")
+    assert fs.names(d) == [b"victim"]
+
+
 def test_rename_rules(fs: FS) -> None:
     a = fs.mkdir(ROOT, 1, b"a", 0o755)["ino"]
     b = fs.mkdir(ROOT, 1, b"b", 0o755)["ino"]
