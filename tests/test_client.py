@@ -258,3 +258,30 @@ def test_path_based_entry_calls_check_the_way(client, workdir) -> None:
     client.mkdir(f"{workdir}/d/")  # a trailing slash names a directory to make
     client.rename(f"{workdir}/file", f"{workdir}/d/moved")
     assert client.listdir(f"{workdir}/d") == ["moved"]
+
+
+def _drop_meta_connection(c) -> None:
+    """Break the client's metaserver connection, as a network blip or a metaserver
+    restart does: the metaserver forgets the handles that connection held."""
+    async def drop() -> None:
+        c.aio.meta.disconnect()
+
+    c._run(drop)
+
+
+def test_written_size_survives_a_lost_metaserver_connection(client, workdir) -> None:
+    path = f"{workdir}/f"
+    f = client.open(path, "wb")
+    f.write(b"a" * 1000)
+    _drop_meta_connection(client)
+    f.write(b"b" * 1000)
+    f.flush()  # fsync/flush/close tell the metaserver the size: by a handle it lost
+    assert client.stat(path).st_size == 2000
+    _drop_meta_connection(client)
+    f.write(b"c" * 1000)
+    f.close()
+    assert client.stat(path).st_size == 3000
+    assert client.read_file(path) == b"a" * 1000 + b"b" * 1000 + b"c" * 1000
+    g = client.open(path, "rb")  # a handle with nothing to commit closes quietly
+    _drop_meta_connection(client)
+    g.close()

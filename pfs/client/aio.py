@@ -120,11 +120,17 @@ class FileHandle:
         except OSError as exc:
             if exc.errno != errno.EBADF:
                 raise
-            r = await self.client.meta.open(
-                self.ino, self.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
-                self.cred or self.client.cred)
-            self.fh = r["fh"]
+            r = await self._reopen()
         self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
+
+    async def _reopen(self) -> dict[str, Any]:
+        """Open the inode again for a handle the metaserver lost (EBADF)."""
+        r = await self.client.meta.open(
+            self.ino, self.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
+            self.cred or self.client.cred)
+        self.fh = r["fh"]
+        self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
+        return r
 
     async def _data(self, fn: Any, *args: Any) -> Any:
         """A data-path call with this handle's capability; renewed when due, and once
@@ -205,8 +211,15 @@ class FileHandle:
     async def commit(self) -> None:
         """Tell the metaserver how far this client wrote (fsync, flush, close)."""
         if self._dirty:
-            attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
-                                                      time.time_ns())
+            try:
+                attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
+                                                          time.time_ns())
+            except OSError as exc:
+                if exc.errno != errno.EBADF:
+                    raise
+                await self._reopen()  # the metaserver lost the handle: open it again
+                attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
+                                                          time.time_ns())
             self._dirty = False
             self.state.size = attr.st_size
 
@@ -228,7 +241,17 @@ class FileHandle:
         try:
             end = self.state.written_end if self._dirty else None
             self._dirty = False
-            await self.client.meta.close(self.fh, end, time.time_ns() if end is not None else None)
+            try:
+                await self.client.meta.close(self.fh, end,
+                                             time.time_ns() if end is not None else None)
+            except OSError as exc:
+                if exc.errno != errno.EBADF:
+                    raise
+                # the metaserver lost the handle (restart, lost connection): nothing left
+                # to release there, but what was written must still reach it
+                if end is not None:
+                    await self._reopen()
+                    await self.client.meta.close(self.fh, end, time.time_ns())
             if end is not None:
                 self.state.size = max(self.state.size, end)
         finally:
