@@ -89,6 +89,27 @@ def test_dead_data_server_gives_a_clear_error_not_a_hang(private_cluster: Path) 
         assert len(c.read_file("/x/f")) == 4 * UNIT
 
 
+def test_open_handle_survives_a_data_server_restart(private_cluster: Path) -> None:
+    """A data server that comes back registers on a new port: the same client finds it
+    there on its next call (it used to fail once with ECONNREFUSED at the old address)."""
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/x")
+        c.set_layout("/x", count=2, unit=UNIT)
+        data = os.urandom(4 * UNIT)
+        c.write_file("/x/f", data)
+        f = c.open("/x/f", "r+b")  # open for writing too: reads go over TCP
+        assert f.read() == data
+        _kill(private_cluster, "data1")
+        cluster.up(private_cluster)
+        f.seek(0)
+        assert f.read() == data
+        f.seek(0)
+        f.write(b"z" * 10)
+        f.close()
+        assert c.read_file("/x/f") == b"z" * 10 + data[10:]
+
+
 def test_metaserver_down_is_an_error_then_recovers(private_cluster: Path) -> None:
     toml = cluster.up(private_cluster, data_servers=1)
     with pfs.connect(config=toml) as c:
@@ -99,6 +120,31 @@ def test_metaserver_down_is_an_error_then_recovers(private_cluster: Path) -> Non
         assert ei.value.errno in (errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED)
         cluster.up(private_cluster)
         assert c.read_file("/m") == b"abc"  # the same client reconnects
+
+
+def test_open_handles_survive_a_metaserver_restart(private_cluster: Path) -> None:
+    """The restarted metaserver knows none of the client's handles (EBADF): a handle
+    reopens its inode, so what it wrote still reaches the file's size on close."""
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/x")
+        c.set_layout("/x", count=2, unit=UNIT)
+        data = os.urandom(4 * UNIT)
+        c.write_file("/x/r", data)
+        f = c.open("/x/f", "wb")
+        f.write(b"a" * UNIT)
+        r = c.open("/x/r", "rb")
+        r2 = c.open("/x/r", "r+b")
+        _kill(private_cluster, "meta")
+        cluster.up(private_cluster)
+        f.write(b"b" * UNIT)
+        f.close()
+        assert c.stat("/x/f").st_size == 2 * UNIT
+        assert c.read_file("/x/f") == b"a" * UNIT + b"b" * UNIT
+        assert r.read() == data
+        assert r2.read() == data
+        r.close()
+        r2.close()
 
 
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:

@@ -93,6 +93,21 @@ class DataClient:
                 except OSError as exc:
                     self._addrs.pop(sid, None)  # it may have moved: ask again next time
                     if not conns:
+                        # ... and now, once: a server that restarted registered anew,
+                        # usually on another port
+                        try:
+                            moved = await self._address(sid)
+                        except OSError:
+                            moved = (host, port)
+                        if moved != (host, port):
+                            host, port = moved
+                            try:
+                                conns.append(await self._auth.open_rpc(
+                                    self._nursery, host, port, timeout=self.timeout))
+                            except OSError as again:
+                                self._addrs.pop(sid, None)
+                                exc = again
+                    if not conns:
                         raise OSError(exc.errno or errno.EIO,
                                       f"data server {sid} at {host}:{port}: {exc.strerror}") from None
             self._conns[sid] = conns
