@@ -52,11 +52,13 @@ def _stat(p: str) -> tuple[int, ...]:
 
 class MountModel(RuleBasedStateMachine):
     mount_root: Path  # set by the test
+    model_root: Path  # ditto: a fresh local directory, so "../a" on both sides lands in
+    # a directory of this test's own (not /tmp, where another run may have left an "a")
 
     def __init__(self) -> None:
         super().__init__()
         self.real = Path(tempfile.mkdtemp(prefix="case-", dir=self.mount_root))
-        self.model = Path(tempfile.mkdtemp(prefix="pfs-model-"))
+        self.model = Path(tempfile.mkdtemp(prefix="pfs-model-", dir=self.model_root))
 
     def teardown(self) -> None:
         shutil.rmtree(self.real, ignore_errors=True)
@@ -143,8 +145,9 @@ class MountModel(RuleBasedStateMachine):
         assert tree(self.real) == tree(self.model)
 
 
-def test_model(mnt: Path) -> None:
+def test_model(mnt: Path, tmp_path: Path) -> None:
     MountModel.mount_root = mnt
+    MountModel.model_root = tmp_path
     run_state_machine_as_test(MountModel, settings=settings(
         max_examples=30, stateful_step_count=30, deadline=None,
         suppress_health_check=list(HealthCheck)))
