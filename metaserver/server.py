@@ -385,7 +385,12 @@ class MetaService(RpcService):
             fields = {"obj": [ino, stripe], "size": object_size(unit, count, stripe, size)}
             for sid in sids:
                 calls.setdefault(sid, []).append(("truncate", fields))
-        errors = await self._call_servers(calls)
+        # reach every server before cutting any object: a replica cut while another
+        # cannot be leaves copies that disagree about data the file (its size unchanged
+        # by the failed truncation) still has
+        errors = await self._call_servers({sid: [] for sid in calls})
+        if not errors:
+            errors = await self._call_servers(calls)
         if errors:
             sid, exc = next(iter(errors.items()))
             raise OSError(errno.EIO, f"cannot truncate inode {ino} on data server {sid}: {exc}")

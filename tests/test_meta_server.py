@@ -535,3 +535,35 @@ async def test_deletions_stuck_on_one_server_do_not_block_the_rest(
         for name in (b"f10", b"f11", b"f12", b"f20"):
             await env.call("unlink", parent=1, name=name, cred=ROOTC)
         await env.wait_for(lambda: good.deleted != [])  # fails after 10 s
+
+
+@trio_test
+async def test_truncate_with_a_replica_down_cuts_no_replica(tmp_path: Path) -> None:
+    """A shrink that fails (EIO) because one replica's data server is unreachable must
+    not have cut the other replicas first: the size stays, so reads of the surviving
+    copy would return zeros for data the file still has."""
+    async with running(tmp_path, servers=0) as env:
+        await env.call("set_layout", ino=1, unit=UNIT, count=1, replicas=2, cred=ROOTC)
+        fakes = [FakeData(), FakeData()]
+        down = trio.CancelScope()
+        for fake in fakes:
+            async def serve(fake: FakeData = fake, *,
+                            task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+                            ) -> None:
+                with down if fake is fakes[1] else trio.CancelScope():
+                    await fake.serve("127.0.0.1", 0, task_status=task_status)
+            dport = await env.nursery.start(serve)
+            sid = (await env.call("register", sid=None, host="127.0.0.1", port=dport,
+                                  total=1 << 30, free=1 << 29))["sid"]
+            env.data[sid] = fake
+        r = await env.call("create", parent=1, name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        assert sorted(r["layout"]["servers"][0]) == sorted(env.data)
+        await env.call("close", fh=r["fh"], written_end=10 * UNIT, mtime=None)
+        down.cancel()  # the second replica's server goes away (not yet timed out)
+        await trio.sleep(0.05)
+        await expect(errno.EIO, env.call("setattr", ino=r["attr"]["ino"], size=0, cred=ROOTC))
+        await expect(errno.EIO, env.call("open", ino=r["attr"]["ino"],
+                                         flags=os.O_RDWR | os.O_TRUNC, cred=ROOTC))
+        assert (await env.call("getattr", ino=r["attr"]["ino"]))["attr"]["size"] == 10 * UNIT
+        assert fakes[0].truncates == []
