@@ -403,7 +403,11 @@ class MetaService(RpcService):
             # one commit) then serves many unlinks instead of costing each its own
             await trio.sleep(DELETE_COALESCE)
             self._wake_deleter = trio.Event()
-            failed = await self._delete_round()
+            try:
+                failed = await self._delete_round()
+            except OSError as exc:  # its commit failed: the entries stay queued
+                log.warning("deletion round failed, will retry: %s", exc)
+                failed = True
             if failed:
                 await trio.sleep(DELETE_RETRY)
                 self._wake_deleter.set()  # retry then, not when some change next wakes us

@@ -567,3 +567,49 @@ async def test_truncate_with_a_replica_down_cuts_no_replica(tmp_path: Path) -> N
                                          flags=os.O_RDWR | os.O_TRUNC, cred=ROOTC))
         assert (await env.call("getattr", ino=r["attr"]["ino"]))["attr"]["size"] == 10 * UNIT
         assert fakes[0].truncates == []
+
+
+@trio_test
+async def test_deleter_survives_a_failed_commit(tmp_path: Path) -> None:
+    """The commit that drops finished deletions from the queue can fail (disk full, I/O
+    error) like any other; the metaserver must go on serving and retry, not crash."""
+    failing = [False]
+
+    class Failing(LmdbStore):
+        def write(self):  # type: ignore[no-untyped-def]
+            if failing[0]:
+                failing[0] = False
+                raise OSError(errno.EIO, "disk trouble")
+            return super().write()
+
+    class Tripping(FakeData):
+        async def rpc_delete(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+            if not self.deleted:
+                failing[0] = True  # the commit after this round fails
+            return await super().rpc_delete(ctx, req)
+
+    store = Failing(tmp_path / "db", 1 << 28)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_meta, config(tmp_path), store=store))
+        client = await RpcClient.open(nursery, "127.0.0.1", port)
+        fake = Tripping()
+        dport = await nursery.start(fake.serve, "127.0.0.1", 0)
+        await client.call("register", {"sid": "s1", "host": "127.0.0.1", "port": dport,
+                                       "total": 1 << 30, "free": 1 << 29})
+        r = (await client.call("create", {"parent": 1, "name": b"f", "mode": 0o644,
+                                          "flags": os.O_CREAT | os.O_RDWR,
+                                          "cred": ROOTC})).fields
+        await client.call("close", {"fh": r["fh"], "written_end": UNIT})
+        await client.call("unlink", {"parent": 1, "name": b"f", "cred": ROOTC})
+        with trio.fail_after(10):
+            while len(fake.deleted) < 2:  # sent again: the first round's commit failed
+                await fake.changed.wait()
+        with trio.fail_after(10):
+            while True:  # and the queue empties
+                with store.read() as txn:
+                    if not list(txn.scan(b"Q")):
+                        break
+                await trio.sleep(0.05)
+        assert (await client.call("getattr", {"ino": 1})).fields["attr"]["ino"] == 1
+        client.close()
+        nursery.cancel_scope.cancel()
