@@ -61,6 +61,10 @@ class _Op:
     error: BaseException | None = None
 
 
+class _Undo(Exception):
+    """Rolls back a nested transaction that only checked what an operation would do."""
+
+
 @dataclass(slots=True)
 class _Live:
     host: str
@@ -478,9 +482,21 @@ class MetaService(RpcService):
             with self.store.read() as txn:
                 plan = self.ns.truncate_plan(txn, cred, ino, size)
             if plan is not None:
+                if any(v is not None for k, v in kw.items() if k != "size"):
+                    # the other changes must be allowed before any object is cut
+                    await self._mutate(functools.partial(self._try_setattr, cred, ino, kw))
                 await self._truncate_objects(ino, plan[0], size)
         attr = await self._mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return {"attr": attr}
+
+    def _try_setattr(self, cred: Cred, ino: int, kw: dict[str, Any], txn: WriteTxn) -> None:
+        """Raise what ``setattr`` would raise; change nothing."""
+        try:
+            with txn.nested() as sub:
+                self.ns.setattr(sub, cred, ino, **kw)
+                raise _Undo
+        except _Undo:
+            pass
 
     async def rpc_access(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, mask = self._cred(ctx, req), req.int("ino"), req.int("mask")

@@ -613,3 +613,20 @@ async def test_deleter_survives_a_failed_commit(tmp_path: Path) -> None:
         assert (await client.call("getattr", {"ino": 1})).fields["attr"]["ino"] == 1
         client.close()
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_refused_setattr_cuts_no_data(tmp_path: Path) -> None:
+    """A setattr that shrinks the file and also asks for something the caller may not
+    do (chmod by a non-owner) is refused as a whole: no object is cut first."""
+    async with running(tmp_path) as env:
+        r = await env.call("create", parent=1, name=b"f", mode=0o666,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        ino = r["attr"]["ino"]
+        await env.call("close", fh=r["fh"], written_end=10 * UNIT, mtime=None)
+        await expect(errno.EPERM, env.call("setattr", ino=ino, size=0, mode=0o777, cred=USERC))
+        await expect(errno.EPERM, env.call("setattr", ino=ino, size=0, mtime=5, cred=USERC))
+        assert (await env.call("getattr", ino=ino))["attr"]["size"] == 10 * UNIT
+        assert all(d.truncates == [] for d in env.data.values())
+        a = (await env.call("setattr", ino=ino, size=UNIT, cred=USERC))["attr"]  # allowed
+        assert a["size"] == UNIT and any(d.truncates for d in env.data.values())
