@@ -285,3 +285,12 @@ def test_written_size_survives_a_lost_metaserver_connection(client, workdir) -> 
     g = client.open(path, "rb")  # a handle with nothing to commit closes quietly
     _drop_meta_connection(client)
     g.close()
+
+
+def test_client_close_twice_and_files_closed_after_it(client_toml, workdir) -> None:
+    with pfs.connect(config=client_toml) as c:
+        f = c.open(f"{workdir}/x", "wb")
+        f.write(b"abc")
+        c.close()  # and once more by the with statement: a no-op, as for files
+    f.close()  # its handle ended with the connection: nothing to do, no error
+    assert f.closed

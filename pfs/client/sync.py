@@ -66,6 +66,7 @@ class Client:
     def __init__(self, loop: _Loop, aclient: AsyncClient) -> None:
         self._loop = loop
         self.aio = aclient
+        self.closed = False
 
     @classmethod
     def connect(cls, config: Any = None, meta: str | None = None,
@@ -88,6 +89,10 @@ class Client:
         return self._loop.run(fn, *args)
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+
         async def shut() -> None:
             self.aio.close()
 
@@ -301,6 +306,9 @@ class File(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             try:
-                self._run(self.handle.close)
+                if self._client.closed:  # its handle went with the client's connection
+                    self.handle.closed = True
+                else:
+                    self._run(self.handle.close)
             finally:
                 super().close()
