@@ -74,6 +74,7 @@ class LocalServers:
         self._engine: Any = None
         self._channels: dict[str, _Channel | None] = {}
         self._connecting: dict[str, trio.Lock] = {}
+        self.handles: set[HandleObjects] = set()  # with descriptors; closed with us
         self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0}
 
     @property
@@ -124,6 +125,8 @@ class LocalServers:
         return fd
 
     def close(self) -> None:
+        for h in list(self.handles):  # handles left open: their descriptors go now
+            h.close()
         for ch in self._channels.values():
             if ch is not None:
                 ch.conn.close()
@@ -153,6 +156,8 @@ class HandleObjects:
                     if fd is not None:
                         break
                 self._fds[stripe] = fd
+                if fd is not None:
+                    self.servers.handles.add(self)
         return self._fds[stripe]
 
     async def read(self, fd: int, obj_off: int, dests: list[memoryview]) -> int:
@@ -178,3 +183,4 @@ class HandleObjects:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
+        self.servers.handles.discard(self)

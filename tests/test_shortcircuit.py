@@ -111,3 +111,24 @@ def test_open_fd_is_refused_over_tcp(client, workdir) -> None:
         with pytest.raises(OSError) as ei:
             client._run(ask)
     assert ei.value.errno == errno.EPERM
+
+
+def test_client_close_releases_descriptors_of_files_left_open(client_toml, workdir) -> None:
+    import gc
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with pfs.connect(config=client_toml) as c:
+        c.set_layout(workdir, count=4, unit=64 * 1024)
+        c.write_file(f"{workdir}/f", os.urandom(1 << 20))
+    before = fds()
+    c = pfs.connect(config=client_toml)
+    f = c.open(f"{workdir}/f", "rb")
+    f.read()
+    assert c.aio.local.stats["fds"] > 0  # it read through short-circuit descriptors
+    c.close()  # f is left open
+    f.close()
+    del f
+    gc.collect()
+    assert fds() == before
