@@ -294,3 +294,35 @@ def test_client_close_twice_and_files_closed_after_it(client_toml, workdir) -> N
         c.close()  # and once more by the with statement: a no-op, as for files
     f.close()  # its handle ended with the connection: nothing to do, no error
     assert f.closed
+
+
+def test_concurrent_renewals_reopen_a_lost_handle_once(client, workdir) -> None:
+    """Reads in parallel on one handle whose capability is due, after the metaserver lost
+    the handle: one reopen, not one per read (the others stayed open on the metaserver)."""
+    import trio
+
+    path = f"{workdir}/f"
+    client.write_file(path, b"x" * 100000)
+    f = client.open(path, "r+b")
+    h = f.handle
+    meta = client.aio.meta
+    opens = []
+    real_open = meta.open
+
+    async def counting_open(*a, **k):
+        opens.append(a)
+        return await real_open(*a, **k)
+
+    meta.open = counting_open
+    _drop_meta_connection(client)
+    h._renew_at = 0  # the capability is due: every data call renews first
+
+    async def many() -> None:
+        async with trio.open_nursery() as n:
+            for i in range(8):
+                n.start_soon(h.pread, 1000, i * 1000)
+
+    client._run(many)
+    del meta.open
+    assert len(opens) == 1
+    f.close()

@@ -92,6 +92,8 @@ class FileHandle:
         self.cred = cred  # who opened it (a reopen after a lost handle uses it again)
         self.cap = cap  # the data capability (docs/rpc.md); renewed before it expires
         self._renew_at = math.inf
+        self._cap_gen = 0  # capabilities set so far: concurrent renewals make one
+        self._renewing = trio.Lock()
         self._set_cap(cap, cap_ttl)
         self.attr = attr  # the metaserver's attributes at open (FUSE replies with them)
         self.ino = ino
@@ -109,19 +111,24 @@ class FileHandle:
     # -- capabilities ------------------------------------------------------------
     def _set_cap(self, cap: bytes | None, ttl: float) -> None:
         self.cap = cap
+        self._cap_gen += 1
         # renewed at 3/4 of its life, by this host's clock (no skew with the metaserver's)
         self._renew_at = trio.current_time() + 0.75 * ttl if cap is not None else math.inf
 
     async def renew(self) -> None:
         """Get a fresh capability; if the metaserver lost the handle (it restarted, or
         the connection broke), open the inode again (permissions are checked again)."""
-        try:
-            r = await self.client.meta.renew(self.fh)
-        except OSError as exc:
-            if exc.errno != errno.EBADF:
-                raise
-            r = await self._reopen()
-        self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
+        gen = self._cap_gen
+        async with self._renewing:
+            if self._cap_gen != gen:  # another task renewed (or reopened) meanwhile
+                return
+            try:
+                r = await self.client.meta.renew(self.fh)
+            except OSError as exc:
+                if exc.errno != errno.EBADF:
+                    raise
+                r = await self._reopen()
+            self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
 
     async def _reopen(self) -> dict[str, Any]:
         """Open the inode again for a handle the metaserver lost (EBADF)."""
