@@ -326,3 +326,14 @@ def test_concurrent_renewals_reopen_a_lost_handle_once(client, workdir) -> None:
     del meta.open
     assert len(opens) == 1
     f.close()
+
+
+def test_client_close_commits_files_left_open(client, client_toml, workdir) -> None:
+    """A file written and left open when its client closes keeps what was written (the
+    size never reached the metaserver: the file read back empty)."""
+    with pfs.connect(config=client_toml) as c:
+        f = c.open(f"{workdir}/x", "wb")
+        f.write(b"abc" * 1000)
+    assert client.stat(f"{workdir}/x").st_size == 3000
+    assert client.read_file(f"{workdir}/x") == b"abc" * 1000
+    f.close()

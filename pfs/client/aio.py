@@ -265,6 +265,7 @@ class FileHandle:
             if self._objects is not None:
                 self._objects.close()
             self.client._release_state(self.ino)
+            self.client.handles.discard(self)
 
 
 class AsyncClient:
@@ -284,6 +285,7 @@ class AsyncClient:
         # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
         self._inodes: dict[int, _InodeState] = {}
+        self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
 
     @classmethod
     @asynccontextmanager
@@ -298,6 +300,16 @@ class AsyncClient:
             finally:
                 client.close()
                 nursery.cancel_scope.cancel()
+
+    async def aclose(self) -> None:
+        """Close the handles still open (what they wrote reaches the metaserver), then
+        the connections."""
+        for h in list(self.handles):
+            try:
+                await h.close()
+            except OSError as exc:
+                log.warning("closing %s (inode %d): %s", h.path or "a file", h.ino, exc)
+        self.close()
 
     def close(self) -> None:
         self.data.close()
@@ -334,9 +346,10 @@ class AsyncClient:
                 cred: Cred | None = None) -> FileHandle:
         attr = StatResult.from_wire(r["attr"])
         state = self._acquire_state(attr.st_ino, attr.st_size)
-        return FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
-                          state, path, attr, r.get("cap"), float(r.get("cap_ttl") or 0.0),
-                          cred)
+        h = FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
+                       state, path, attr, r.get("cap"), float(r.get("cap_ttl") or 0.0), cred)
+        self.handles.add(h)
+        return h
 
     async def open_ino(self, ino: int, flags: int, cred: Cred | None = None) -> FileHandle:
         return self._handle(await self.meta.open(ino, flags, cred), flags, cred=cred)

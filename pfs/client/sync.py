@@ -94,7 +94,7 @@ class Client:
         self.closed = True
 
         async def shut() -> None:
-            self.aio.close()
+            await self.aio.aclose()
 
         try:
             self._run(shut)
