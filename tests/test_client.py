@@ -337,3 +337,17 @@ def test_client_close_commits_files_left_open(client, client_toml, workdir) -> N
     assert client.stat(f"{workdir}/x").st_size == 3000
     assert client.read_file(f"{workdir}/x") == b"abc" * 1000
     f.close()
+
+
+def test_async_client_exit_commits_files_left_open(client_toml, client, workdir) -> None:
+    import trio
+
+    from pfs.client.aio import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient.connect(config=client_toml) as ac:
+            f = await ac.open(f"{workdir}/left-open", "wb")
+            await f.pwrite(b"kept after exit", 0)
+
+    trio.run(main)
+    assert client.read_file(f"{workdir}/left-open") == b"kept after exit"

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ROOT = 1
 READDIR_PAGE = 1024
+CLOSE_GRACE = 10.0  # seconds an exiting client spends closing files left open
 
 
 def _current_umask() -> int:
@@ -298,6 +299,10 @@ class AsyncClient:
                 await client.meta.call("hello", client="pfs")
                 yield client
             finally:
+                # files left open are closed so what they wrote reaches the metaserver;
+                # shielded (this may run while cancelled) but bounded
+                with trio.move_on_after(CLOSE_GRACE, shield=True):
+                    await client.aclose()
                 client.close()
                 nursery.cancel_scope.cancel()
 
