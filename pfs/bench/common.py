@@ -8,6 +8,7 @@ many GB one fully busy core moves on that path.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,20 @@ def table(rows: list[list[str]], header: list[str]) -> str:
              for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def bench_main(name: str, doc: str | None, add_args: Callable[[argparse.ArgumentParser], None],
+               run: Callable[[argparse.Namespace], dict[str, Any]],
+               report: Callable[[dict[str, Any]], str], argv: list[str]) -> int:
+    """The shape every ``pfs bench NAME`` shares: parse, run, print the report, --json."""
+    p = argparse.ArgumentParser(prog=f"pfs bench {name}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    args = p.parse_args(argv)
+    res = run(args)
+    print(report(res))
+    write_json(args.json, res)
+    return 0
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

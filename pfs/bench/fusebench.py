@@ -30,6 +30,7 @@ from typing import Any
 
 from pfs.bench import meta as metabench
 from pfs.bench.common import (
+    bench_main,
     cluster_for,
     drop_caches,
     log,
@@ -41,7 +42,6 @@ from pfs.bench.common import (
     self_cpu,
     table,
     work_dir,
-    write_json,
 )
 
 METRICS = ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops")
@@ -374,11 +374,4 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pfs bench fuse", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    res = run(args)
-    print(report(res))
-    write_json(args.json, res)
-    return 0
+    return bench_main("fuse", __doc__, add_args, run, report, argv)

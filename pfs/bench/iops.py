@@ -38,6 +38,7 @@ import trio
 
 from pfs.bench.common import (
     CpuMeter,
+    bench_main,
     cluster_pids,
     fmt_size,
     log,
@@ -46,7 +47,6 @@ from pfs.bench.common import (
     random_buffer,
     table,
     work_dir,
-    write_json,
 )
 
 ENGINES = ("posix", "uring")
@@ -315,14 +315,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pfs bench iops", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    res = run(args)
-    print(report(res))
-    write_json(args.json, res)
-    return 0
+    return bench_main("iops", __doc__, add_args, run, report, argv)
 
 
 if __name__ == "__main__":

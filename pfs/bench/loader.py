@@ -59,6 +59,7 @@ from typing import Any
 
 from pfs.bench.common import (
     CpuMeter,
+    bench_main,
     cluster_for,
     drop_caches,
     fmt_size,
@@ -70,7 +71,6 @@ from pfs.bench.common import (
     ratio,
     table,
     work_dir,
-    write_json,
 )
 
 PATHS = ("st_lazy", "st_touch", "st_clone", "pfs_local", "pfs_sc_on", "pfs_sc_off",
@@ -475,14 +475,7 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pfs bench loader", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    res = run(args)
-    print(report(res))
-    write_json(args.json, res)
-    return 0
+    return bench_main("loader", __doc__, add_args, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pfs.bench.common import (
+    bench_main,
     cluster_for,
     log,
     machine_info,
@@ -40,7 +41,6 @@ from pfs.bench.common import (
     self_cpu,
     table,
     work_dir,
-    write_json,
 )
 
 PHASES = ("create", "stat", "unlink")
@@ -315,11 +315,4 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pfs bench meta", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    res = run(args)
-    print(report(res))
-    write_json(args.json, res)
-    return 0
+    return bench_main("meta", __doc__, add_args, run, report, argv)

@@ -30,6 +30,7 @@ from typing import Any
 
 from pfs.bench.common import (
     CpuMeter,
+    bench_main,
     cluster_for,
     drop_caches,
     fmt_size,
@@ -42,7 +43,6 @@ from pfs.bench.common import (
     ratio,
     table,
     work_dir,
-    write_json,
 )
 
 PATHS = ("local_write", "local_read_warm", "local_read_cold",
@@ -345,11 +345,4 @@ def report(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pfs bench throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    res = run(args)
-    print(report(res))
-    write_json(args.json, res)
-    return 0
+    return bench_main("throughput", __doc__, add_args, run, report, argv)
