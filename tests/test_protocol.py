@@ -183,10 +183,8 @@ def _raw_pair():
     return RpcClient(Connection(a)), Connection(b)
 
 
-def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
-    """A call that timed out while its reply's payload was arriving: the caller owns its
-    buffer again, so the rest of that payload must not be written into it."""
-    from pfs.wire.protocol import encode_head
+def _run_pair(body) -> None:
+    """Run ``body(client, server_conn)`` on a fresh pair, closing both afterwards."""
 
     async def main() -> None:
         cli, srv = _raw_pair()
@@ -195,6 +193,14 @@ def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
         finally:
             cli.close()
             srv.close()
+
+    trio.run(main)
+
+
+def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
+    """A call that timed out while its reply's payload was arriving: the caller owns its
+    buffer again, so the rest of that payload must not be written into it."""
+    from pfs.wire.protocol import encode_head
 
     async def body(cli, srv) -> None:
         async with trio.open_nursery() as n:
@@ -221,21 +227,13 @@ def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
             assert bytes(buf) == b"x" * 1000
             n.cancel_scope.cancel()
 
-    trio.run(main)
+    _run_pair(body)
 
 
 def test_connection_lost_mid_reply_fails_the_call_at_once() -> None:
     """The reply's payload stops half-way because the peer went away: the call fails with
     ECONNRESET now, not with ETIMEDOUT when its (long) timeout runs out."""
     from pfs.wire.protocol import encode_head
-
-    async def main() -> None:
-        cli, srv = _raw_pair()
-        try:
-            await body(cli, srv)
-        finally:
-            cli.close()
-            srv.close()
 
     async def body(cli, srv) -> None:
         async with trio.open_nursery() as n:
@@ -254,7 +252,7 @@ def test_connection_lost_mid_reply_fails_the_call_at_once() -> None:
             cli.close()
             n.cancel_scope.cancel()
 
-    trio.run(main)
+    _run_pair(body)
 
 
 def test_request_cut_off_mid_frame_does_not_corrupt_the_stream() -> None:
@@ -272,14 +270,6 @@ def test_request_cut_off_mid_frame_does_not_corrupt_the_stream() -> None:
         async def rpc_put(self, ctx, req):
             got.append("put")
             return {}
-
-    async def main() -> None:
-        cli, srv = _raw_pair()
-        try:
-            await body(cli, srv)
-        finally:
-            cli.close()
-            srv.close()
 
     async def body(cli, srv) -> None:
         release = trio.Event()
@@ -307,4 +297,4 @@ def test_request_cut_off_mid_frame_does_not_corrupt_the_stream() -> None:
             cli.close()
             n.cancel_scope.cancel()
 
-    trio.run(main)
+    _run_pair(body)
