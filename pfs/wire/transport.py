@@ -88,34 +88,22 @@ class Connection:
         return ConnectionClosed(f"connection to {self.name} {why}")
 
     async def _recv_into(self, buf: memoryview) -> int:
-        raw = self._raw
-        try:
-            if raw is None:
-                return await self.sock.recv_into(buf)
-            while True:
-                try:
-                    return raw.recv_into(buf)
-                except BlockingIOError:
-                    self._ready_streak = 0
-                    await trio.lowlevel.wait_readable(raw)
-        except ConnectionResetError:
-            return 0
-        except trio.ClosedResourceError as exc:
-            raise self._closed_error(exc) from None
-        except OSError as exc:
-            if exc.errno == errno.EBADF:
-                raise self._closed_error(exc) from None
-            raise
+        return await self._recvmsg_into([buf])
 
     async def _recvmsg_into(self, bufs: list[memoryview]) -> int:
+        """Receive into ``bufs`` in order (one buffer: ``recv_into``); 0 at end of stream."""
         raw = self._raw
+        one = bufs[0] if len(bufs) == 1 else None
         try:
             if raw is None:
+                if one is not None:
+                    return await self.sock.recv_into(one)
                 return (await self.sock.recvmsg_into(bufs))[0]
             while True:
                 try:
-                    return raw.recvmsg_into(bufs)[0]
+                    return raw.recv_into(one) if one is not None else raw.recvmsg_into(bufs)[0]
                 except BlockingIOError:
+                    self._ready_streak = 0
                     await trio.lowlevel.wait_readable(raw)
         except ConnectionResetError:
             return 0
