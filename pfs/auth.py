@@ -38,14 +38,17 @@ import ssl
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pfs.config import ConfigError
 from pfs.errors import ProtocolError
-from pfs.wire.protocol import Kind
+from pfs.wire.protocol import FrameHead, Kind
 from pfs.wire.transport import Connection
+
+if TYPE_CHECKING:
+    from pfs.wire.blocking import BlockingConnection
 
 log = logging.getLogger(__name__)
 
@@ -198,18 +201,23 @@ def cert_identity(cert: dict[str, Any] | None) -> Identity:
 # ---------------------------------------------------------------------------
 # the two halves of the handshake
 # ---------------------------------------------------------------------------
-async def _expect(conn: Connection, kind: Kind, what: str) -> tuple[int, dict[str, Any]]:
-    head = await conn.recv_head()
+def _check_head(head: FrameHead | None, peer: str, kind: Kind, what: str
+                ) -> tuple[int, dict[str, Any]]:
+    """The id and fields of an expected handshake frame; AuthError/ProtocolError else."""
     if head is None:
-        raise AuthError(f"{conn.name} closed the connection during authentication")
+        raise AuthError(f"{peer} closed the connection during authentication")
     if head.payload_len:
         raise ProtocolError(f"{what} carries a payload")
     if head.kind == Kind.ERROR and kind == Kind.REPLY:
         msg = head.fields.get("msg")
-        raise AuthError(f"{conn.name} refused authentication: {msg}")
+        raise AuthError(f"{peer} refused authentication: {msg}")
     if head.kind != kind:
         raise ProtocolError(f"expected {what}, got a frame of kind {head.kind}")
     return head.rid, head.fields
+
+
+async def _expect(conn: Connection, kind: Kind, what: str) -> tuple[int, dict[str, Any]]:
+    return _check_head(await conn.recv_head(), conn.name, kind, what)
 
 
 @dataclass
@@ -279,31 +287,70 @@ class ClientAuth:
             return self
         return ClientAuth(self.name, self.data_key, self.tls, None)
 
+    def _check_tls_peer(self, peer_cert: dict[str, Any] | None, peer: str) -> None:
+        ident = cert_identity(peer_cert)
+        if ident.role != "server":
+            raise AuthError(f"{peer} presented a {ident.role} certificate, not a server's")
+
+    # The key handshake as steps without I/O, driven by ``hello`` (trio) and
+    # ``hello_blocking`` (a blocking socket): auth request, server proof, our proof.
+    def _key_request(self) -> tuple[bytes, dict[str, Any]]:
+        nc = os.urandom(NONCE_BYTES)
+        return nc, {"m": "auth", "v": 1, "key": self.name, "nonce": nc}
+
+    def _key_proof(self, key: bytes, nc: bytes, fields: dict[str, Any], peer: str
+                   ) -> dict[str, Any]:
+        ns, proof = fields.get("nonce"), fields.get("proof")
+        if (not isinstance(ns, bytes) or len(ns) != NONCE_BYTES or not isinstance(proof, bytes)
+                or not hmac.compare_digest(proof, _proof(key, b"server", self.name, nc, ns))):
+            raise AuthError(f"{peer} could not prove it holds key {self.name!r}; "
+                            "not a server of this cluster")
+        return {"m": "auth_proof", "proof": _proof(key, b"client", self.name, nc, ns)}
+
     async def hello(self, conn: Connection) -> None:
         if self.tls is not None:
-            ident = cert_identity(getattr(conn.sock, "peer_cert", None))
-            if ident.role != "server":
-                raise AuthError(f"{conn.name} presented a {ident.role} certificate, "
-                                "not a server's")
+            self._check_tls_peer(getattr(conn.sock, "peer_cert", None), conn.name)
             return
         if self.key is None:
             return
         with trio.fail_after(AUTH_TIMEOUT):
-            await self._hello(conn, self.key)
+            nc, request = self._key_request()
+            await conn.send_frame(Kind.REQUEST, 0, request)
+            _, fields = await _expect(conn, Kind.REPLY, "the server's auth reply")
+            await conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields,
+                                                                   conn.name))
+            await _expect(conn, Kind.REPLY, "the server's auth verdict")
 
-    async def _hello(self, conn: Connection, key: bytes) -> None:
-        nc = os.urandom(NONCE_BYTES)
-        await conn.send_frame(Kind.REQUEST, 0, {"m": "auth", "v": 1, "key": self.name,
-                                                "nonce": nc})
-        _, fields = await _expect(conn, Kind.REPLY, "the server's auth reply")
-        ns, proof = fields.get("nonce"), fields.get("proof")
-        if (not isinstance(ns, bytes) or len(ns) != NONCE_BYTES or not isinstance(proof, bytes)
-                or not hmac.compare_digest(proof, _proof(key, b"server", self.name, nc, ns))):
-            raise AuthError(f"{conn.name} could not prove it holds key {self.name!r}; "
-                            "not a server of this cluster")
-        await conn.send_frame(Kind.REQUEST, 0, {"m": "auth_proof",
-                                                "proof": _proof(key, b"client", self.name, nc, ns)})
-        await _expect(conn, Kind.REPLY, "the server's auth verdict")
+    def hello_blocking(self, conn: BlockingConnection) -> None:
+        """``hello`` over a blocking connection (its timeout bounds each step)."""
+        if self.tls is not None:
+            self._check_tls_peer(conn.peer_cert, conn.name)
+            return
+        if self.key is None:
+            return
+        nc, request = self._key_request()
+        conn.send_frame(Kind.REQUEST, 0, request)
+        _, fields = _check_head(conn.recv_head(), conn.name, Kind.REPLY,
+                                "the server's auth reply")
+        conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields, conn.name))
+        _check_head(conn.recv_head(), conn.name, Kind.REPLY, "the server's auth verdict")
+
+    def open_blocking(self, host: str, port: int, timeout: float = 60.0) -> Any:
+        """An authenticated :class:`pfs.wire.blocking.BlockingRpcClient`."""
+        from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
+
+        conn = BlockingConnection.open(host, port, timeout=min(timeout, AUTH_TIMEOUT),
+                                       tls=self.tls)
+        try:
+            self.hello_blocking(conn)
+        except ProtocolError as exc:
+            conn.close()
+            raise OSError(errno.EPROTO, f"{host}:{port}: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
+        conn.set_timeout(timeout)
+        return BlockingRpcClient(conn)
 
     async def open_rpc(self, nursery: trio.Nursery, host: str, port: int, **kw: Any) -> Any:
         from pfs.wire.rpc import RpcClient

@@ -113,8 +113,9 @@ class FileHandle:
     def _set_cap(self, cap: bytes | None, ttl: float) -> None:
         self.cap = cap
         self._cap_gen += 1
-        # renewed at 3/4 of its life, by this host's clock (no skew with the metaserver's)
-        self._renew_at = trio.current_time() + 0.75 * ttl if cap is not None else math.inf
+        # renewed at 3/4 of its life, by this host's clock (no skew with the metaserver's);
+        # time.monotonic, not trio's clock: the sync client opens files outside trio
+        self._renew_at = time.monotonic() + 0.75 * ttl if cap is not None else math.inf
 
     async def renew(self) -> None:
         """Get a fresh capability; if the metaserver lost the handle (it restarted, or
@@ -143,7 +144,7 @@ class FileHandle:
     async def _data(self, fn: Any, *args: Any) -> Any:
         """A data-path call with this handle's capability; renewed when due, and once
         more when a data server refuses it (expired, or stale after a truncation)."""
-        if trio.current_time() >= self._renew_at:
+        if time.monotonic() >= self._renew_at:
             await self.renew()
         try:
             return await fn(*args, cap=self.cap)
@@ -271,7 +272,7 @@ class FileHandle:
 
 class AsyncClient:
     def __init__(self, config: ClientConfig, nursery: trio.Nursery,
-                 cred: Cred | None = None) -> None:
+                 cred: Cred | None = None, direct_meta: bool = False) -> None:
         self.config = config
         self.cred = cred or _config_cred(config)
         self.umask = _current_umask()
@@ -279,7 +280,7 @@ class AsyncClient:
         creds = client_auth(config.key_file, config.key_name, config.tls_cert,
                             config.tls_key, config.tls_ca)
         self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred,
-                               auth=creds)
+                               auth=creds, direct=direct_meta)
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
                                timeout=config.timeout, auth=creds.for_data())

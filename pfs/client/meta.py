@@ -3,12 +3,19 @@
 One multiplexed connection; when it breaks, the call in flight fails with the error and
 the next call reconnects, so a mount whose metaserver went away returns errors and
 recovers when it is back.
+
+``direct=True`` (the synchronous client): calls go over a blocking connection instead,
+one at a time, from whichever thread makes them; ``call`` then never suspends, so the
+synchronous client runs metadata-only coroutines to completion in the caller's thread
+(``pfs.client.sync``) with no hop into its trio thread. A call made from the trio
+thread blocks that loop for one round trip.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import threading
 from typing import Any
 
 import trio
@@ -16,6 +23,7 @@ import trio
 from pfs import auth
 from pfs.auth import ClientAuth
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.wire.blocking import BlockingRpcClient
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -31,7 +39,7 @@ def fsname(name: str | bytes) -> bytes:
 class MetaClient:
     def __init__(self, nursery: trio.Nursery, host: str, port: int, *,
                  timeout: float = 60.0, cred: Cred | None = None,
-                 auth: ClientAuth | None = None) -> None:
+                 auth: ClientAuth | None = None, direct: bool = False) -> None:
         self._nursery = nursery
         self._auth = auth or ClientAuth()
         self.host, self.port = host, port
@@ -39,6 +47,9 @@ class MetaClient:
         self.cred = cred or Cred.current()
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
+        self.direct = direct
+        self._blocking: BlockingRpcClient | None = None
+        self._blocking_lock = threading.Lock()
 
     async def _client(self) -> RpcClient:
         rpc = self._rpc
@@ -52,13 +63,36 @@ class MetaClient:
                 except auth.AuthError:
                     raise
                 except OSError as exc:
-                    raise OSError(errno.ENOTCONN,
-                                  f"metaserver {self.host}:{self.port} unreachable: "
-                                  f"{exc.strerror or exc}") from None
+                    raise self._unreachable(exc) from None
                 await self._rpc.call("hello", {"client": f"pfs-{os.getpid()}"})
             return self._rpc
 
+    def _unreachable(self, exc: OSError) -> OSError:
+        return OSError(errno.ENOTCONN, f"metaserver {self.host}:{self.port} unreachable: "
+                                       f"{exc.strerror or exc}")
+
+    def _blocking_client(self) -> BlockingRpcClient:
+        with self._blocking_lock:
+            rpc = self._blocking
+            if rpc is None or not rpc.alive:
+                self._blocking = None
+                try:
+                    rpc = self._auth.open_blocking(self.host, self.port, timeout=self.timeout)
+                except auth.AuthError:
+                    raise
+                except OSError as exc:
+                    raise self._unreachable(exc) from None
+                try:
+                    rpc.call("hello", {"client": f"pfs-{os.getpid()}"})
+                except BaseException:
+                    rpc.close()
+                    raise
+                self._blocking = rpc
+            return rpc
+
     async def call(self, method: str, **fields: Any) -> dict[str, Any]:
+        if self.direct:
+            return self._blocking_client().call(method, fields)
         rpc = await self._client()
         return (await rpc.call(method, fields)).fields
 
@@ -69,6 +103,10 @@ class MetaClient:
         if self._rpc is not None:
             self._rpc.close()
             self._rpc = None
+        with self._blocking_lock:
+            if self._blocking is not None:
+                self._blocking.close()
+                self._blocking = None
 
     # -- namespace -----------------------------------------------------------
     async def resolve(self, path: str | bytes, follow: bool = True,

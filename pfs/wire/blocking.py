@@ -1,0 +1,232 @@
+"""Request/reply over a blocking socket, one call at a time, for callers outside trio.
+
+The synchronous client sends its metadata calls from the calling thread on one of
+these instead of hopping into its trio thread and back: the hop (a wake-up through a
+socket pair, two thread switches) costs more CPU than the round trip itself (~150 us
+against ~40 us per call on the benchmark machine; docs/benchmarks.md). Frames are the
+same as everywhere (:mod:`pfs.wire.protocol`); only the I/O around them differs from
+:class:`pfs.wire.rpc.RpcClient`, and so do its limits: no concurrent calls on one
+connection, and reply payloads come back as bytes (metadata replies carry none).
+
+Error semantics match ``RpcClient``: a server's error frame is raised as the same
+``OSError``; a broken, timed-out or garbled connection fails the call in flight, is
+closed, and ``alive`` turns False (the owner reconnects for the next call).
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import select
+import socket
+import ssl
+import struct
+import threading
+from typing import Any
+
+from pfs.errors import ProtocolError, from_wire
+from pfs.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
+
+log = logging.getLogger(__name__)
+
+RECV_CHUNK = 256 << 10
+
+
+class BlockingConnection:
+    """Framed send and receive on a connected blocking socket (plain or TLS)."""
+
+    def __init__(self, sock: socket.socket, limits: Limits | None = None,
+                 name: str = "", timeout: float = 60.0) -> None:
+        self.sock = sock
+        self.limits = limits or Limits()
+        self.name = name
+        self.timeout = timeout  # seconds each send or receive may wait
+        self.peer_cert: dict[str, Any] | None = None
+        self.closed = False
+        self._decoder = FrameDecoder(self.limits)
+        self._chunk = bytearray(RECV_CHUNK)
+        self.set_timeout(timeout)
+
+    @classmethod
+    def open(cls, host: str, port: int, limits: Limits | None = None, *,
+             timeout: float = 60.0, connect_timeout: float = 10.0,
+             tls: ssl.SSLContext | None = None) -> BlockingConnection:
+        """Connect over TCP (and TLS with ``tls``); failures are OSErrors naming the server."""
+        name = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"connecting to {name} timed out") from None
+        except OSError as exc:
+            raise OSError(exc.errno or errno.EIO,
+                          f"cannot connect to {name}: {exc.strerror or exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is None:
+            sock.settimeout(None)
+            return cls(sock, limits, name, timeout)
+        try:
+            wrapped = tls.wrap_socket(sock, server_side=False, server_hostname="pfs")
+        except TimeoutError:
+            sock.close()
+            raise OSError(errno.ETIMEDOUT, f"{name}: TLS handshake timed out") from None
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise OSError(errno.EACCES, f"{name}: TLS handshake failed: {exc}") from None
+        conn = cls(wrapped, limits, name, timeout)
+        conn.peer_cert = wrapped.getpeercert()
+        return conn
+
+    def set_timeout(self, timeout: float) -> None:
+        self.timeout = timeout
+        if isinstance(self.sock, ssl.SSLSocket):
+            self.sock.settimeout(timeout if timeout > 0 else None)
+            return
+        # a blocking socket with kernel timeouts: one syscall per receive, not a
+        # poll() before each as socket.settimeout() would do
+        self.sock.settimeout(None)
+        t = max(timeout, 0.0)
+        tv = struct.pack("ll", int(t), int((t - int(t)) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    def peer_gone(self) -> bool:
+        """Whether the peer closed (or broke) this idle connection. An async client's
+        reader notices at once; a blocking one asks before each call, so a call after a
+        server restart goes to a new connection instead of failing on the old one."""
+        if self.closed:
+            return True
+        sock = self.sock
+        try:
+            if not isinstance(sock, ssl.SSLSocket):
+                return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            # readable while idle: a TLS 1.3 session ticket (consumed, no data), the end
+            # of the stream, or bytes nobody asked for
+            sock.setblocking(False)
+            try:
+                sock.recv(1)
+            except ssl.SSLWantReadError:
+                return False
+            finally:
+                sock.settimeout(self.timeout if self.timeout > 0 else None)
+            return True
+        except BlockingIOError:
+            return False  # nothing to read: alive
+        except OSError:
+            return True
+
+    def _io_error(self, exc: OSError, what: str) -> OSError:
+        self.close()
+        if isinstance(exc, (TimeoutError, BlockingIOError)):  # SO_RCVTIMEO: EAGAIN
+            return OSError(errno.ETIMEDOUT, f"{what} {self.name}: no answer in "
+                                            f"{self.timeout:g} s")
+        return OSError(exc.errno or errno.ECONNRESET,
+                       f"connection to {self.name} failed: {exc.strerror or exc}")
+
+    def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
+                   payload: bytes | bytearray | memoryview | None = None) -> None:
+        data = encode_head(kind, rid, fields, len(payload) if payload else 0, self.limits)
+        try:
+            self.sock.sendall(data + bytes(payload) if payload else data)
+        except OSError as exc:
+            raise self._io_error(exc, "sending to") from None
+
+    def _fill(self) -> None:
+        try:
+            n = self.sock.recv_into(self._chunk)
+        except OSError as exc:
+            raise self._io_error(exc, "waiting for") from None
+        if n == 0:
+            self.close()
+            raise OSError(errno.ECONNRESET, f"{self.name} closed the connection")
+        self._decoder.feed(memoryview(self._chunk)[:n])
+
+    def recv_head(self) -> FrameHead | None:
+        """The next frame's head (its payload, if any, is read with ``recv_payload``);
+        None when the peer closed the connection between frames."""
+        dec = self._decoder
+        while True:
+            try:
+                head = dec.next_head()
+            except ProtocolError:
+                self.close()
+                raise
+            if head is not None:
+                return head
+            if self.closed:
+                return None
+            try:
+                self._fill()
+            except OSError as exc:
+                if dec.buffered == 0 and exc.errno == errno.ECONNRESET:
+                    return None
+                raise
+
+    def recv_payload(self, n: int) -> bytes:
+        out = bytearray(n)
+        view = memoryview(out)
+        got = self._decoder.take_payload_into(view)
+        while got < n:
+            self._fill()
+            got += self._decoder.take_payload_into(view[got:])
+        return bytes(out)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+class BlockingRpcClient:
+    """Calls over one :class:`BlockingConnection`, one at a time (a lock serializes
+    callers from several threads)."""
+
+    def __init__(self, conn: BlockingConnection) -> None:
+        self.conn = conn
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        """Open, and not closed by the peer while idle (checked: one syscall)."""
+        if self.conn.peer_gone():
+            self.conn.close()
+            return False
+        return True
+
+    def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        msg = {"m": method}
+        if fields:
+            msg.update(fields)
+        conn = self.conn
+        with self._lock:
+            if conn.closed:
+                raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
+            rid = next(self._ids)
+            conn.send_frame(Kind.REQUEST, rid, msg)
+            try:
+                head = conn.recv_head()
+            except ProtocolError as exc:
+                raise OSError(errno.EPROTO, f"connection to {conn.name} failed: {exc}") from None
+            if head is None:
+                raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
+            if head.rid != rid:
+                conn.close()
+                raise OSError(errno.EPROTO, f"{conn.name} answered request {head.rid}, "
+                                            f"not {rid}")
+            if head.payload_len:
+                conn.recv_payload(head.payload_len)  # not expected: read past it
+            if head.kind == Kind.ERROR:
+                raise from_wire(head.fields.get("errno"), head.fields.get("msg"))
+            if head.kind != Kind.REPLY or head.payload_len:
+                conn.close()
+                raise OSError(errno.EPROTO, f"{conn.name} sent a frame of kind {head.kind} "
+                                            f"with {head.payload_len} payload bytes as a reply")
+            return head.fields
+
+    def close(self) -> None:
+        self.conn.close()
