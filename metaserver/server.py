@@ -124,6 +124,17 @@ class MetaService(RpcService):
                                 "readdir", "statfs", "getxattr", "listxattr", "get_layout",
                                 "servers", "heartbeat", "renew"})
 
+    def is_inline(self, req: Request) -> bool:
+        # an open without O_TRUNC and a close with no size to commit only read and sign
+        # (they wait only to reclaim a file deleted while open): no task of their own
+        if req.method == "close":
+            f = req.fields
+            return f.get("written_end") is None and f.get("mtime") is None
+        if req.method == "open":
+            flags = req.fields.get("flags", os.O_RDONLY)
+            return isinstance(flags, int) and not flags & os.O_TRUNC
+        return req.method in self.inline_methods
+
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
                  security: tuple[ServerAuth, ClientAuth, dict[str, bytes]] | None = None
@@ -142,6 +153,9 @@ class MetaService(RpcService):
         self._lock = threading.Lock()
         self._open: dict[int, int] = {}
         self._dying: set[int] = set()
+        # inodes whose last link went while open (perhaps in a batch that then failed:
+        # a hint, checked against the store when their last handle closes)
+        self._orphan_hint: set[int] = set()
         self._live: dict[str, _Live] = {}
         self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
         self._wake_deleter = trio.Event()
@@ -242,6 +256,7 @@ class MetaService(RpcService):
         it dying so an ``open`` racing with its deletion fails."""
         with self._lock:
             if self._open.get(ino, 0) > 0:
+                self._orphan_hint.add(ino)
                 return True
             self._dying.add(ino)
             return False
@@ -260,6 +275,9 @@ class MetaService(RpcService):
                 self._open[ino] = n
                 return False
             self._open.pop(ino, None)
+            if ino not in self._orphan_hint:
+                return False  # never made an orphan while open: no store read per close
+            self._orphan_hint.discard(ino)
         if self._closed:
             return False
         with self.store.read() as txn:

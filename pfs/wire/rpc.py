@@ -316,6 +316,11 @@ class RpcService:
         self._budget: ByteBudget | None = None
         self._conn_slots: trio.Semaphore | None = None
 
+    def is_inline(self, req: Request) -> bool:
+        """Whether ``req`` is answered in the reader task (see ``inline_methods``); a
+        service may also inline a method's requests that will not wait."""
+        return req.method in self.inline_methods
+
     async def connection_made(self, ctx: ConnContext) -> None:
         """Hook: authenticate or set up per-connection state. The base authenticates
         the peer with ``self.auth`` (nothing is served before) and sets ``ctx.identity``."""
@@ -448,7 +453,7 @@ class RpcService:
                         await slots.acquire()
                         inflight.add(head.rid)
                         req = Request(method, head.fields, payload)
-                        if method in self.inline_methods and ctx.identity is not None:
+                        if ctx.identity is not None and self.is_inline(req):
                             await self._handle(ctx, head.rid, req, slots, (mine, budget, n))
                         else:
                             handlers.start_soon(self._handle, ctx, head.rid, req, slots,
