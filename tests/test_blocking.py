@@ -220,3 +220,34 @@ def test_threads_share_one_direct_client(client: pfs.Client, workdir: str) -> No
     assert errors == []
     names = client.listdir(workdir)
     assert sorted(names) == sorted(f"t{t}-{i}" for t in range(6) for i in range(0, 40, 2))
+
+
+def test_an_interrupted_call_drops_the_connection(scripted) -> None:
+    """A call interrupted between request and reply (Ctrl-C) must not leave the reply
+    to be taken for the next call's."""
+    answer = threading.Event()
+
+    def script(sock: socket.socket) -> None:
+        for rid in _requests(sock, Peer()):
+            answer.wait(10)
+            sock.sendall(encode_frame(Kind.REPLY, rid, {"for": rid}))
+
+    c = scripted(script)
+
+    class Interrupted(BaseException):
+        pass
+
+    real = c.conn.recv_head
+
+    def interrupted_recv() -> None:
+        raise Interrupted
+
+    c.conn.recv_head = interrupted_recv  # type: ignore[method-assign]
+    with pytest.raises(Interrupted):
+        c.call("getattr", {"ino": 1})
+    c.conn.recv_head = real  # type: ignore[method-assign]
+    answer.set()
+    assert not c.alive
+    with pytest.raises(OSError) as err:
+        c.call("getattr", {"ino": 2})
+    assert err.value.errno == errno.ECONNRESET

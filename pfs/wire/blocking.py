@@ -207,11 +207,16 @@ class BlockingRpcClient:
             if conn.closed:
                 raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
             rid = next(self._ids)
-            conn.send_frame(Kind.REQUEST, rid, msg)
             try:
+                conn.send_frame(Kind.REQUEST, rid, msg)
                 head = conn.recv_head()
             except ProtocolError as exc:
                 raise OSError(errno.EPROTO, f"connection to {conn.name} failed: {exc}") from None
+            except BaseException:
+                # interrupted (KeyboardInterrupt in a signal handler...) between request
+                # and reply: the reply would be taken for the next call's
+                conn.close()
+                raise
             if head is None:
                 raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
             if head.rid != rid:
