@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,28 @@ def test_open_handles_survive_a_metaserver_restart(private_cluster: Path) -> Non
         assert r2.read() == data
         r.close()
         r2.close()
+
+
+def test_a_dirty_close_outlasts_a_metaserver_outage(private_cluster: Path) -> None:
+    """Acknowledged writes must not vanish from the size because the metaserver was
+    away when the file was closed: the close retries until it is back."""
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        f = c.open("/f", "wb")
+        f.write(b"a" * UNIT)
+        r = c.open("/f", "rb")  # nothing to commit: its close does not wait
+        _kill(private_cluster, "meta")
+        with pytest.raises(OSError) as err:
+            r.close()
+        assert err.value.errno in (errno.ENOTCONN, errno.ECONNRESET)
+        restart = threading.Timer(1.0, cluster.up, args=(private_cluster,))
+        restart.start()
+        try:
+            f.close()
+        finally:
+            restart.join()
+        assert c.stat("/f").st_size == UNIT
+        assert c.read_file("/f") == b"a" * UNIT
 
 
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 ROOT = 1
 READDIR_PAGE = 1024
 CLOSE_GRACE = 10.0  # seconds an exiting client spends closing files left open
+# a metaserver restarting or out of reach: a close with a size to commit retries these
+RETRY_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED,
+                          errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                          errno.EHOSTUNREACH})
 
 
 def _current_umask() -> int:
@@ -250,17 +254,7 @@ class FileHandle:
         try:
             end = self.state.written_end if self._dirty else None
             self._dirty = False
-            try:
-                await self.client.meta.close(self.fh, end,
-                                             time.time_ns() if end is not None else None)
-            except OSError as exc:
-                if exc.errno != errno.EBADF:
-                    raise
-                # the metaserver lost the handle (restart, lost connection): nothing left
-                # to release there, but what was written must still reach it
-                if end is not None:
-                    await self._reopen()
-                    await self.client.meta.close(self.fh, end, time.time_ns())
+            await self._close_on_server(end)
             if end is not None:
                 self.state.size = max(self.state.size, end)
         finally:
@@ -268,6 +262,37 @@ class FileHandle:
                 self._objects.close()
             self.client._release_state(self.ino)
             self.client.handles.discard(self)
+
+    async def _close_on_server(self, end: int | None) -> None:
+        """Release the handle on the metaserver, committing ``end`` (bytes written
+        past the size it knows). A close with bytes to commit outlasts a metaserver
+        outage of up to ``timeout`` seconds, retrying as an NFS hard mount would: the
+        writes were acknowledged, so giving up would lose them from the file's size."""
+        deadline = time.monotonic() + self.client.config.timeout
+        delay = 0.05
+        lost = False  # the metaserver forgot the handle (restart, lost connection)
+        while True:
+            try:
+                if lost:
+                    await self._reopen()
+                await self.client.meta.close(self.fh, end,
+                                             time.time_ns() if end is not None else None)
+                return
+            except OSError as exc:
+                if exc.errno == errno.EBADF and not lost:
+                    if end is None:
+                        return  # nothing left to release there
+                    lost = True
+                    continue
+                if end is None or exc.errno not in RETRY_ERRNOS \
+                        or time.monotonic() + delay > deadline:
+                    raise
+                if delay == 0.05:
+                    log.warning("%s: metaserver unreachable while closing (%s); retrying "
+                                "for up to %g s", self.path or f"inode {self.ino}", exc,
+                                self.client.config.timeout)
+            await self.client.pause(delay)
+            delay = min(delay * 2, 1.0)
 
 
 class AsyncClient:
@@ -316,6 +341,14 @@ class AsyncClient:
             except OSError as exc:
                 log.warning("closing %s (inode %d): %s", h.path or "a file", h.ino, exc)
         self.close()
+
+    async def pause(self, seconds: float) -> None:
+        """Wait between retries; in the caller's thread when metadata calls run there
+        (``direct_meta``: the sync client drives these coroutines without trio)."""
+        if self.meta.direct:
+            time.sleep(seconds)
+        else:
+            await trio.sleep(seconds)
 
     def close(self) -> None:
         self.data.close()
