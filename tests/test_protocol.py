@@ -7,6 +7,7 @@ import struct
 import msgpack
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -225,6 +226,58 @@ def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
             calling.set()
             await trio.sleep(0.3)
             assert bytes(buf) == b"x" * 1000
+            n.cancel_scope.cancel()
+
+    _run_pair(body)
+
+
+def test_giving_up_mid_reply_keeps_the_connection_for_other_calls() -> None:
+    """A read cancelled while its payload is arriving: the rest still comes in promptly,
+    so the connection stays, and another read sharing it gets its reply."""
+    from pfs.wire.protocol import encode_head
+
+    async def body(cli, srv) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(cli.run)
+            cancelled = trio.Event()
+            results: dict[str, object] = {}
+
+            async def server() -> None:
+                a = await srv.recv_head()
+                b = await srv.recv_head()
+                await srv._sendall(encode_head(Kind.REPLY, a.rid, {}, 1000) + b"a" * 10)
+                await cancelled.wait()
+                await srv._sendall(b"a" * 990)
+                await srv._sendall(encode_head(Kind.REPLY, b.rid, {"b": 1}, 3) + b"bbb")
+
+            async def read_a(scope_out: list[trio.CancelScope]) -> None:
+                with trio.CancelScope() as cs:
+                    scope_out.append(cs)
+                    await cli.call("read", into=memoryview(bytearray(1000)))
+                results["a_cancelled"] = cs.cancelled_caught
+
+            async def read_b() -> None:
+                buf = bytearray(3)
+                r = await cli.call("read", into=memoryview(buf))
+                results["b"] = (r.fields, bytes(buf))
+
+            n.start_soon(server)
+            scopes: list[trio.CancelScope] = []
+            n.start_soon(read_a, scopes)
+            await trio.testing.wait_all_tasks_blocked()
+            n.start_soon(read_b)
+            with trio.fail_after(5):
+                while 1 in cli._pending:  # until A's reply is being received
+                    await trio.sleep(0.01)
+            scopes[0].cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            cancelled.set()
+            with trio.fail_after(5):
+                while "b" not in results or "a_cancelled" not in results:
+                    await trio.sleep(0.01)
+            assert results["a_cancelled"] is True
+            assert results["b"] == ({"b": 1}, b"bbb")
+            assert cli.alive
             n.cancel_scope.cancel()
 
     _run_pair(body)

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT = 60.0
+# seconds a caller that gives up waits for the rest of a reply already arriving into its
+# buffer, before dropping the connection (and the other calls on it) instead
+ABANDON_GRACE = 1.0
 
 
 # ---------------------------------------------------------------------------
@@ -171,10 +174,10 @@ class RpcClient:
                 await self.conn.send_frame(Kind.REQUEST, rid, msg, payload)
                 await call.done.wait()
         except BaseException:
-            self._abandon(rid, call)
+            await self._abandon(rid, call)
             raise
         if scope.cancelled_caught:
-            self._abandon(rid, call)
+            await self._abandon(rid, call)
             raise OSError(errno.ETIMEDOUT,
                           f"{method} to {self.conn.name} got no reply in {limit:g} s")
         if call.error is not None:
@@ -182,14 +185,19 @@ class RpcClient:
         assert call.fields is not None
         return Result(call.fields, call.payload, call.nbytes)
 
-    def _abandon(self, rid: int, call: _Call) -> None:
+    async def _abandon(self, rid: int, call: _Call) -> None:
         """The caller gives up on a call (timeout, cancellation)."""
-        if self._pending.pop(rid, None) is None and not call.done.is_set() \
-                and call.into is not None:
-            # Its reply is being received straight into the caller's buffer, which is
-            # the caller's again once we return: the rest must not land there. The
-            # reader cannot be stopped half-way through a payload, so the connection
-            # goes (the next call reconnects).
+        if self._pending.pop(rid, None) is not None or call.done.is_set() \
+                or call.into is None:
+            return
+        # Its reply is being received straight into the caller's buffer, which is the
+        # caller's again once we return. The reader cannot be stopped half-way through a
+        # payload, so let the rest arrive (quick on a live connection) and keep the
+        # connection for the calls sharing it; if it does not come soon, the connection
+        # goes (the next call reconnects).
+        with trio.CancelScope(shield=True), trio.move_on_after(ABANDON_GRACE):
+            await call.done.wait()
+        if not call.done.is_set():
             self._fail(OSError(errno.ECONNRESET, f"connection to {self.conn.name} "
                                "dropped: a call gave up while its reply was arriving"))
 
