@@ -11,7 +11,9 @@ Hooks the server supplies:
 * ``servers()`` -> ``{sid: free_bytes}`` of alive data servers, for placement;
 * ``opened(ino)`` -> True if the inode has open handles (then dropping its last link
   makes it an orphan instead of deleting it). The server's version also marks the
-  inode so that an ``open`` racing with the deletion fails.
+  inode so that an ``open`` racing with the deletion fails;
+* ``is_open(ino)`` -> True if the inode has open handles, with no side effect (a file's
+  layout cannot change under an open handle).
 """
 from __future__ import annotations
 
@@ -127,12 +129,14 @@ class Namespace:
     def __init__(self, layout: LayoutDefaults | None = None, *,
                  servers: Callable[[], dict[str, int]] = dict,
                  opened: Callable[[int], bool] = lambda ino: False,
+                 is_open: Callable[[int], bool] = lambda ino: False,
                  clock: Callable[[], int] = time.time_ns,
                  rng: random.Random | None = None) -> None:
         self.default = layout or LayoutDefaults()
         check_geometry(self.default.unit, self.default.count, self.default.replicas)
         self.servers = servers
         self.opened = opened
+        self.is_open = is_open
         self.clock = clock
         self.rng = rng or random.Random()
 
@@ -289,8 +293,12 @@ class Namespace:
         self._bump(txn, b"inodes", -1)
         layout = rec.get("layout")
         if stat.S_ISREG(rec["mode"]) and layout and layout.get("servers"):
-            seq = self._bump(txn, b"qseq")
-            txn.put(K.delq(seq), pack({"ino": ino, "layout": layout}))
+            self._queue_delete(txn, ino, layout)
+
+    def _queue_delete(self, txn: Txn, ino: int, layout: dict[str, Any]) -> None:
+        """Queue the objects of ``layout`` (``[ino, stripe]`` on each of its servers)."""
+        seq = self._bump(txn, b"qseq")
+        txn.put(K.delq(seq), pack({"ino": ino, "layout": layout}))
 
     def reclaim(self, txn: Txn, ino: int) -> bool:
         """Delete orphan ``ino`` if it is no longer open; True if it was deleted."""
@@ -1026,11 +1034,26 @@ class Namespace:
         if stat.S_ISDIR(rec["mode"]):
             check_geometry(unit or self.default.unit, count or self.default.count,
                            replicas or self.default.replicas)
-            layout = {"unit": unit, "count": count, "replicas": replicas, "servers": []}
+            layout: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
+                                      "servers": []}
         elif stat.S_ISREG(rec["mode"]):
             if rec["size"] != 0:
                 raise _err(errno.EBUSY, "the layout of a file with data cannot change")
+            if self.is_open(ino):  # its handles would go on writing to the old objects
+                raise _err(errno.EBUSY, f"inode {ino} is open: close it before changing "
+                           "its layout")
             layout = self.file_layout(txn, None, unit, count, replicas)
+            old = rec.get("layout")
+            if old and old.get("servers"):
+                # an empty file may still have objects (truncated to 0, or written by a
+                # handle that never committed its size). An object id is [ino, stripe],
+                # so one the new layout puts on the same server is its object too: only
+                # the others are queued, else the deleter would remove the new data.
+                new = layout["servers"]
+                stale = [[sid for sid in sids if s >= len(new) or sid not in new[s]]
+                         for s, sids in enumerate(old["servers"])]
+                if any(stale):
+                    self._queue_delete(txn, ino, {**old, "servers": stale})
         else:
             raise _err(errno.EINVAL, "layouts are for files and directories")
         rec["layout"] = layout

@@ -148,7 +148,8 @@ class MetaService(RpcService):
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
-        self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened)
+        self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened,
+                            is_open=self._is_open)
         # shared with the writer thread: open counts, inodes being deleted, live servers
         self._lock = threading.Lock()
         self._open: dict[int, int] = {}
@@ -260,6 +261,12 @@ class MetaService(RpcService):
                 return True
             self._dying.add(ino)
             return False
+
+    def _is_open(self, ino: int) -> bool:
+        """Namespace hook (writer thread): whether ``ino`` has open handles; unlike
+        :meth:`_opened` it marks nothing."""
+        with self._lock:
+            return self._open.get(ino, 0) > 0
 
     def _ref(self, ino: int) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ import hashlib
 import os
 import random
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,6 +183,63 @@ def test_directory_layout_is_inherited(client, workdir) -> None:
     client.write_file(f"{workdir}/sub/f", b"abc")
     lay = client.get_layout(f"{workdir}/sub/f")
     assert (lay["count"], lay["unit"]) == (2, 128 * 1024)
+
+
+def _objects_on_disk(cluster_dir: Path, ino: int) -> set[tuple[int, str]]:
+    """(stripe, data server id) of every object file of ``ino`` in the cluster."""
+    found = set()
+    for ddir in (cluster_dir / "data").iterdir():
+        sid = (ddir / "server.id").read_text().strip()
+        found |= {(int(f.name.split(".")[1]), sid) for f in ddir.glob(f"objects/*/{ino}.*")}
+    return found
+
+
+def _pairs(layout: dict) -> set[tuple[int, str]]:
+    return {(stripe, sid) for stripe, sids in enumerate(layout["servers"]) for sid in sids}
+
+
+def test_set_layout_of_an_emptied_file_deletes_its_old_objects(client, workdir,
+                                                                cluster_dir) -> None:
+    """Truncated to 0, a file still has its (empty) object files; a new layout must
+    queue them for deletion, but not the objects the new layout itself uses."""
+    path = f"{workdir}/f"
+    client.set_layout(workdir, count=4, unit=UNIT)
+    client.write_file(path, os.urandom(8 * UNIT))
+    ino = client.stat(path).st_ino
+    old = client.get_layout(path)
+    assert _objects_on_disk(cluster_dir, ino) == _pairs(old)
+    client.truncate(path, 0)
+    # two stripes, two copies each, on all four servers: most often some stripe keeps
+    # a server of the old layout, and with it its object id there
+    new = client.set_layout(path, count=2, unit=UNIT, replicas=2)
+    data = os.urandom(3 * UNIT)
+    client.write_file(path, data)  # before the deleter's round: it must spare these
+    stale = _pairs(old) - _pairs(new)
+    assert len(stale) >= 2
+    deadline = time.monotonic() + 20
+    while (left := _objects_on_disk(cluster_dir, ino) & stale) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"old objects never deleted: {sorted(left)}"
+    assert _objects_on_disk(cluster_dir, ino) == _pairs(new)
+    assert client.read_file(path) == data
+
+
+def test_set_layout_of_an_open_file_is_ebusy(client, client_toml, workdir) -> None:
+    """Empty but open (here by a writer whose bytes are not committed yet): the handle
+    would go on writing to objects the new layout no longer reads."""
+    path = f"{workdir}/w"
+    client.set_layout(workdir, count=4, unit=UNIT)
+    with pfs.connect(config=client_toml) as other:
+        f = other.open(path, "wb")
+        f.write(b"x" * (2 * UNIT))
+        assert client.stat(path).st_size == 0
+        with pytest.raises(OSError) as ei:
+            client.set_layout(path, count=1, unit=UNIT)
+        assert ei.value.errno == errno.EBUSY and "open" in str(ei.value)
+        f.close()
+    assert client.read_file(path) == b"x" * (2 * UNIT)
+    client.truncate(path, 0)
+    assert client.set_layout(path, count=1, unit=UNIT)["count"] == 1  # closed: allowed
 
 
 def test_concurrent_clients(client_toml, workdir) -> None:

@@ -47,6 +47,7 @@ class FS:
         self.ns = Namespace(LayoutDefaults(unit=65536, count=2, replicas=1),
                             servers=lambda: dict(self.alive),
                             opened=lambda ino: ino in self.is_open,
+                            is_open=lambda ino: ino in self.is_open,
                             clock=self._tick, rng=random.Random(7))
         with store.write() as txn:
             assert self.ns.format(txn)
@@ -489,6 +490,42 @@ def test_layouts_inherit(fs: FS) -> None:
     fs.set_layout(ROOT, 1, 0, 3, 0)
     _, lay, _ = fs.create(ROOT, old, b"f", 0o644, CREAT)
     assert (lay["unit"], lay["count"], lay["replicas"]) == (1 << 17, 3, 1)
+
+
+def test_set_layout_of_an_empty_file_queues_its_old_objects(fs: FS) -> None:
+    """An empty file may still have objects (truncated to 0, or never committed): a new
+    layout queues them for deletion, except those the new layout itself uses (an object
+    id is [ino, stripe], so deleting those would delete the new layout's data)."""
+    def queue() -> list[dict[str, Any]]:
+        with fs.store.read() as txn:
+            return [e for _, e in fs.ns.delq_entries(txn)]
+
+    fs.alive = {"s1": 100, "s2": 200}
+    f = fs.file(1, b"f")
+    old = fs.get_layout(f)
+    assert sorted(s[0] for s in old["servers"]) == ["s1", "s2"]
+    fs.alive = {"s3": 300, "s4": 400}
+    new = fs.set_layout(ROOT, f, 0, 1, 2)  # nothing in common with the old one
+    assert queue() == [{"ino": f, "layout": old}]
+    fs.alive = {"s3": 300}
+    fs.set_layout(ROOT, f, 0, 1, 1)  # keeps [f, 0] on s3: only the copy on s4 goes
+    assert sorted(new["servers"][0]) == ["s3", "s4"]
+    assert queue()[1:] == [{"ino": f, "layout": {**new, "servers": [["s4"]]}}]
+    fs.set_layout(ROOT, f, 0, 1, 1)  # the very same objects: nothing to delete
+    assert len(queue()) == 2
+    # an open file keeps its layout: its handles write to the objects they were given
+    fs.is_open.add(f)
+    before = fs.get_layout(f)
+    err(errno.EBUSY, fs.set_layout, ROOT, f, 0, 2, 1)
+    assert fs.get_layout(f) == before and len(queue()) == 2
+    fs.is_open.discard(f)
+    # a directory's default layout has no objects
+    d = fs.mkdir(ROOT, 1, b"d", 0o755)["ino"]
+    fs.set_layout(ROOT, d, 0, 2, 1)
+    assert len(queue()) == 2
+    # unlinking later queues the current layout (once), not the replaced ones again
+    fs.unlink(ROOT, 1, b"f")
+    assert queue()[2:] == [{"ino": f, "layout": before}]
 
 
 def test_placement(fs: FS) -> None:
