@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from typing import Any
 
 import trio
@@ -143,9 +144,19 @@ class HandleObjects:
         self.servers = servers
         self._fds: dict[int, int | None] = {}
         self._locks: dict[int, trio.Lock] = {}
+        self.closed = False
+        # reads in flight: their descriptors are closed when the last one ends, never
+        # under them (a number reused by another open would be read instead)
+        self._busy = 0
+        self._closing = threading.Lock()  # close may run in the sync client's thread
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise OSError(errno.EBADF, "file is closed")
 
     async def fd(self, replicas: tuple[str, ...], ino: int, stripe: int,
                  cap: bytes | None) -> int | None:
+        self._check_open()
         if stripe in self._fds:
             return self._fds[stripe]
         async with self._locks.setdefault(stripe, trio.Lock()):
@@ -155,6 +166,10 @@ class HandleObjects:
                     fd = await self.servers.open_fd(sid, ino, stripe, cap)
                     if fd is not None:
                         break
+                if self.closed:  # closed while the descriptor was on its way
+                    if fd is not None:
+                        os.close(fd)
+                    self._check_open()
                 self._fds[stripe] = fd
                 if fd is not None:
                     self.servers.handles.add(self)
@@ -164,11 +179,18 @@ class HandleObjects:
         """Read consecutive object bytes into ``dests``; returns how many were there."""
         from pfs.engine import Op
 
+        self._check_open()
         ops, off = [], obj_off
         for d in dests:
             ops.append(Op(fd, off, len(d), d))
             off += len(d)
-        counts = await self.servers.engine.submit(ops)
+        self._busy += 1
+        try:
+            counts = await self.servers.engine.submit(ops)
+        finally:
+            self._busy -= 1
+            if self.closed and not self._busy:
+                self._close_fds()
         total = 0
         for d, n in zip(dests, counts, strict=True):
             total += n
@@ -179,8 +201,14 @@ class HandleObjects:
         return total
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        self.closed = True
+        self.servers.handles.discard(self)
+        if not self._busy:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        with self._closing:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
             if fd is not None:
                 os.close(fd)
-        self._fds.clear()
-        self.servers.handles.discard(self)

@@ -122,6 +122,7 @@ def test_client_close_releases_descriptors_of_files_left_open(client_toml, workd
     with pfs.connect(config=client_toml) as c:
         c.set_layout(workdir, count=4, unit=64 * 1024)
         c.write_file(f"{workdir}/f", os.urandom(1 << 20))
+    gc.collect()  # descriptors of earlier tests' garbage must not go during the count
     before = fds()
     c = pfs.connect(config=client_toml)
     f = c.open(f"{workdir}/f", "rb")
@@ -132,3 +133,57 @@ def test_client_close_releases_descriptors_of_files_left_open(client_toml, workd
     del f
     gc.collect()
     assert fds() == before
+
+
+def test_closing_during_a_read_keeps_its_descriptor_until_the_read_ends(tmp_path) -> None:
+    """A handle closed while a short-circuit read is in flight (another thread of the
+    sync client): the descriptor must stay until that read is done, or the read could
+    land on whatever file reuses its number."""
+    import collections
+
+    import trio
+    import trio.testing
+
+    from pfs.shortcircuit import HandleObjects
+
+    obj = tmp_path / "obj"
+    obj.write_bytes(b"abcdef")
+
+    class Engine:
+        def __init__(self) -> None:
+            self.release = trio.Event()
+
+        async def submit(self, ops):
+            await self.release.wait()
+            return [os.preadv(op.fd, [op.buf], op.offset) for op in ops]
+
+    class Servers:
+        def __init__(self) -> None:
+            self.handles: set = set()
+            self.stats: collections.Counter = collections.Counter()
+            self.engine = Engine()
+
+        async def open_fd(self, sid, ino, stripe, cap):
+            return os.open(obj, os.O_RDONLY)
+
+    async def main() -> None:
+        servers = Servers()
+        objs = HandleObjects(servers)  # type: ignore[arg-type]
+        fd = await objs.fd(("ds0",), 7, 0, None)
+        assert fd is not None
+        buf = bytearray(6)
+        async with trio.open_nursery() as n:
+            n.start_soon(objs.read, fd, 0, [memoryview(buf)])
+            await trio.testing.wait_all_tasks_blocked()
+            objs.close()
+            os.fstat(fd)  # still open: the read in flight uses it
+            servers.engine.release.set()
+        assert bytes(buf) == b"abcdef"
+        with pytest.raises(OSError) as err:
+            os.fstat(fd)
+        assert err.value.errno == errno.EBADF
+        with pytest.raises(OSError) as err:
+            await objs.fd(("ds0",), 7, 1, None)
+        assert err.value.errno == errno.EBADF
+
+    trio.run(main)
