@@ -13,7 +13,9 @@ Hooks the server supplies:
   makes it an orphan instead of deleting it). The server's version also marks the
   inode so that an ``open`` racing with the deletion fails;
 * ``is_open(ino)`` -> True if the inode has open handles, with no side effect (a file's
-  layout cannot change under an open handle).
+  layout cannot change under an open handle);
+* ``deleting(ino)`` -> True while the deleter removes objects of an old layout of the
+  inode (its layout cannot change then either; see ``deletion_plan``).
 """
 from __future__ import annotations
 
@@ -130,6 +132,7 @@ class Namespace:
                  servers: Callable[[], dict[str, int]] = dict,
                  opened: Callable[[int], bool] = lambda ino: False,
                  is_open: Callable[[int], bool] = lambda ino: False,
+                 deleting: Callable[[int], bool] = lambda ino: False,
                  clock: Callable[[], int] = time.time_ns,
                  rng: random.Random | None = None) -> None:
         self.default = layout or LayoutDefaults()
@@ -137,6 +140,7 @@ class Namespace:
         self.servers = servers
         self.opened = opened
         self.is_open = is_open
+        self.deleting = deleting
         self.clock = clock
         self.rng = rng or random.Random()
 
@@ -1042,6 +1046,9 @@ class Namespace:
             if self.is_open(ino):  # its handles would go on writing to the old objects
                 raise _err(errno.EBUSY, f"inode {ino} is open: close it before changing "
                            "its layout")
+            if self.deleting(ino):  # see deletion_plan
+                raise _err(errno.EBUSY, f"inode {ino}: objects of its previous layout are "
+                           "being deleted; try again in a moment")
             layout = self.file_layout(txn, None, unit, count, replicas)
             old = rec.get("layout")
             if old and old.get("servers"):
@@ -1076,6 +1083,31 @@ class Namespace:
         """Up to ``limit`` queued deletions, in order, from sequence number ``start``."""
         return [(K.read_u64(k, 1), unpack(v))
                 for k, v in self._scan(txn, K.DELQ, K.delq(start), limit)]
+
+    def deletion_plan(self, txn: Txn, entries: list[tuple[int, dict[str, Any]]]
+                      ) -> tuple[dict[str, list[list[int]]], dict[int, set[str]], set[int]]:
+        """What queued ``entries`` ask of each data server: ``{sid: [[ino, stripe]]}``,
+        the servers each entry needs, and the inodes still alive among them. An entry of
+        a live inode (its layout was replaced) skips the objects its *current* layout
+        uses: an object id is [ino, stripe], so a later layout that put a stripe back on
+        a server owns that object again."""
+        objs: dict[str, list[list[int]]] = {}
+        needs: dict[int, set[str]] = {}
+        live: set[int] = set()
+        for seq, ent in entries:
+            ino, layout = ent["ino"], ent["layout"]
+            raw = txn.get(K.inode(ino))
+            current = (unpack(raw).get("layout") or {}).get("servers", []) if raw else []
+            if raw is not None:
+                live.add(ino)
+            needs[seq] = set()
+            for stripe, sids in enumerate(layout["servers"]):
+                for sid in sids:
+                    if stripe < len(current) and sid in current[stripe]:
+                        continue
+                    objs.setdefault(sid, []).append([ino, stripe])
+                    needs[seq].add(sid)
+        return objs, needs, live
 
     @staticmethod
     def delq_done(txn: Txn, seq: int) -> None:

@@ -149,11 +149,12 @@ class MetaService(RpcService):
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
         self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened,
-                            is_open=self._is_open)
+                            is_open=self._is_open, deleting=self._deleting_objects)
         # shared with the writer thread: open counts, inodes being deleted, live servers
         self._lock = threading.Lock()
         self._open: dict[int, int] = {}
         self._dying: set[int] = set()
+        self._deleting: set[int] = set()  # live inodes the deleter is deleting objects of
         # inodes whose last link went while open (perhaps in a batch that then failed:
         # a hint, checked against the store when their last handle closes)
         self._orphan_hint: set[int] = set()
@@ -267,6 +268,12 @@ class MetaService(RpcService):
         :meth:`_opened` it marks nothing."""
         with self._lock:
             return self._open.get(ino, 0) > 0
+
+    def _deleting_objects(self, ino: int) -> bool:
+        """Namespace hook: whether objects of an old layout of ``ino`` are being deleted
+        right now (its layout must not change meanwhile)."""
+        with self._lock:
+            return ino in self._deleting
 
     def _ref(self, ino: int) -> None:
         with self._lock:
@@ -453,19 +460,20 @@ class MetaService(RpcService):
         # the next round goes on after this one's entries, so a round's worth that one
         # server keeps refusing cannot hold back the ones behind them
         self._delq_from = entries[-1][0] + 1 if len(entries) >= DELETE_BATCH else 0
-        objs: dict[str, list[list[int]]] = {}
-        needs: dict[int, set[str]] = {}
-        for seq, ent in entries:
-            ino, layout = ent["ino"], ent["layout"]
-            needs[seq] = set()
-            for stripe, sids in enumerate(layout["servers"]):
-                for sid in sids:
-                    objs.setdefault(sid, []).append([ino, stripe])
-                    needs[seq].add(sid)
+        with self.store.read() as txn:
+            objs, needs, live = self.ns.deletion_plan(txn, entries)
         calls = {sid: [("delete", {"objs": lst[i:i + DELETE_CHUNK]})
                        for i in range(0, len(lst), DELETE_CHUNK)]
                  for sid, lst in objs.items()}
-        errors = await self._call_servers(calls)
+        # the plan spared the objects of these inodes' current layouts: until the
+        # deletes are done, a new layout could take back one of those being deleted
+        with self._lock:
+            self._deleting |= live
+        try:
+            errors = await self._call_servers(calls)
+        finally:
+            with self._lock:
+                self._deleting -= live
         for sid, exc in errors.items():
             log.debug("deletion on data server %s deferred: %s", sid, exc)
         done = [seq for seq, sids in needs.items() if not sids & errors.keys()]

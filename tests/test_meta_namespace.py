@@ -43,11 +43,13 @@ class FS:
         self.store = store
         self.alive: dict[str, int] = {"s1": 100, "s2": 200, "s3": 300, "s4": 400}
         self.is_open: set[int] = set()
+        self.deleting: set[int] = set()
         self.now = 1_000_000_000
         self.ns = Namespace(LayoutDefaults(unit=65536, count=2, replicas=1),
                             servers=lambda: dict(self.alive),
                             opened=lambda ino: ino in self.is_open,
                             is_open=lambda ino: ino in self.is_open,
+                            deleting=lambda ino: ino in self.deleting,
                             clock=self._tick, rng=random.Random(7))
         with store.write() as txn:
             assert self.ns.format(txn)
@@ -526,6 +528,37 @@ def test_set_layout_of_an_empty_file_queues_its_old_objects(fs: FS) -> None:
     # unlinking later queues the current layout (once), not the replaced ones again
     fs.unlink(ROOT, 1, b"f")
     assert queue()[2:] == [{"ino": f, "layout": before}]
+
+
+def test_queued_deletions_spare_objects_a_later_layout_took_back(fs: FS) -> None:
+    """A queued deletion of an old layout's objects must not delete an object ([ino,
+    stripe] on a server) that the file's current layout uses again: a layout changed
+    twice before the deleter ran (or while a data server was down and deletes retried)."""
+    def plan() -> tuple[dict[str, list[list[int]]], list[set[str]], set[int]]:
+        with fs.store.read() as txn:
+            entries = fs.ns.delq_entries(txn)
+            objs, needs, live = fs.ns.deletion_plan(txn, entries)
+        return objs, [needs[seq] for seq, _ in entries], live
+
+    fs.alive = {"s1": 100}
+    f = fs.file(1, b"f")
+    fs.set_layout(ROOT, f, 0, 1, 1)
+    assert fs.get_layout(f)["servers"] == [["s1"]]
+    fs.alive = {"s2": 100}
+    fs.set_layout(ROOT, f, 0, 1, 1)  # queues [f, 0] on s1
+    fs.alive = {"s1": 100}
+    fs.set_layout(ROOT, f, 0, 1, 1)  # back on s1: queues [f, 0] on s2
+    assert fs.get_layout(f)["servers"] == [["s1"]]
+    assert plan() == ({"s2": [[f, 0]]}, [set(), {"s2"}], {f})
+    # while the deleter works on its objects, the layout stays as the plan saw it
+    fs.deleting.add(f)
+    err(errno.EBUSY, fs.set_layout, ROOT, f, 0, 1, 1)
+    fs.deleting.discard(f)
+    # once the file is gone, every queued object goes
+    fs.unlink(ROOT, 1, b"f")
+    objs, needs, live = plan()
+    assert objs == {"s1": [[f, 0], [f, 0]], "s2": [[f, 0]]} and live == set()
+    assert needs == [{"s1"}, {"s2"}, {"s1"}]
 
 
 def test_placement(fs: FS) -> None:
