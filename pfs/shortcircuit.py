@@ -154,6 +154,41 @@ class HandleObjects:
         if self.closed:
             raise OSError(errno.EBADF, "file is closed")
 
+    def _enter(self) -> None:
+        """A read starts using the descriptors (from either thread of the sync client)."""
+        with self._closing:
+            self._check_open()
+            self._busy += 1
+
+    def _leave(self) -> None:
+        with self._closing:
+            self._busy -= 1
+            last = self.closed and not self._busy
+        if last:
+            self._close_fds()
+
+    def known_fd(self, stripe: int) -> int | None:
+        """The descriptor of ``stripe`` if this handle already holds one."""
+        return self._fds.get(stripe)
+
+    def read_now(self, ops: list[tuple[int, int, memoryview]]) -> int:
+        """Blocking reads ``(fd, object offset, dest)`` in the calling thread (the sync
+        client's small reads: no hop into its trio thread); bytes past an object's end
+        read as zeros. Returns the bytes that were there."""
+        self._enter()
+        try:
+            total = 0
+            for fd, off, dest in ops:
+                n = os.preadv(fd, [dest], off)
+                if n < len(dest):  # past the object's end: a hole up to the file size
+                    dest[n:] = bytes(len(dest) - n)
+                total += n
+        finally:
+            self._leave()
+        self.servers.stats["local_reads"] += 1
+        self.servers.stats["local_bytes"] += total
+        return total
+
     async def fd(self, replicas: tuple[str, ...], ino: int, stripe: int,
                  cap: bytes | None) -> int | None:
         self._check_open()
@@ -179,18 +214,15 @@ class HandleObjects:
         """Read consecutive object bytes into ``dests``; returns how many were there."""
         from pfs.engine import Op
 
-        self._check_open()
         ops, off = [], obj_off
         for d in dests:
             ops.append(Op(fd, off, len(d), d))
             off += len(d)
-        self._busy += 1
+        self._enter()
         try:
             counts = await self.servers.engine.submit(ops)
         finally:
-            self._busy -= 1
-            if self.closed and not self._busy:
-                self._close_fds()
+            self._leave()
         total = 0
         for d, n in zip(dests, counts, strict=True):
             total += n
@@ -201,14 +233,16 @@ class HandleObjects:
         return total
 
     def close(self) -> None:
-        self.closed = True
+        with self._closing:
+            self.closed = True
+            idle = not self._busy
         self.servers.handles.discard(self)
-        if not self._busy:
+        if idle:
             self._close_fds()
 
     def _close_fds(self) -> None:
         with self._closing:
-            fds, self._fds = self._fds, {}
+            fds, self._fds = self._fds, {}  # taken once: two closers cannot both close
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)

@@ -187,3 +187,38 @@ def test_closing_during_a_read_keeps_its_descriptor_until_the_read_ends(tmp_path
         assert err.value.errno == errno.EBADF
 
     trio.run(main)
+
+
+def test_small_reads_of_local_objects_stay_in_the_calling_thread(client_toml, workdir) -> None:
+    """Once a handle holds its stripes' descriptors, the sync client serves small reads
+    in the calling thread (no trio hop), bit-exact across stripes and at the file's end;
+    large reads still go to the engine."""
+    data = os.urandom(3 * UNIT + 1234)
+    with pfs.connect(config=client_toml) as c:
+        assert c.aio.direct_read_max == 64 << 10  # the auto profile's small reads
+        c.set_layout(workdir, count=4, unit=UNIT)
+        c.write_file(f"{workdir}/f", data)
+        with c.open(f"{workdir}/f", "rb") as f:
+            assert f.read() == data  # the engine path; it obtains the descriptors
+            hops: list[object] = []
+            real = c._loop.run
+            c._loop.run = lambda fn, *a: hops.append(fn) or real(fn, *a)  # type: ignore
+            before = c.aio.local.stats["local_reads"]
+            rng = random.Random(5)
+            for _ in range(300):
+                off = rng.randrange(0, len(data) + 100)
+                n = rng.choice([1, 100, 4096, 5000, UNIT])
+                assert f.pread(n, off) == data[off:off + n], (off, n)
+            buf = bytearray(8192)
+            f.seek(len(data) - 100)
+            assert f.readinto(buf) == 100 and buf[:100] == data[-100:]
+            assert f.readinto(buf) == 0
+            assert hops == []
+            assert c.aio.local.stats["local_reads"] > before
+            big = bytearray(len(data))
+            assert f.preadinto(big, 0) == len(data) and big == data
+            assert len(hops) == 1  # larger than direct_read_max: stripes in parallel
+    cfg = load(ClientConfig, client_toml)
+    cfg.profile = "load"
+    with pfs.connect(config=cfg) as c:
+        assert c.aio.direct_read_max == 0

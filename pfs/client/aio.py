@@ -24,7 +24,7 @@ from pfs.auth import client_auth
 from pfs.client.data import DataClient
 from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
-from pfs.config import ClientConfig, client_config
+from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.layout import Layout
 from pfs.shortcircuit import HandleObjects, LocalServers
 
@@ -196,6 +196,31 @@ class FileHandle:
                              self.ino, self.layout, off, view[:n])
         return n
 
+    def pread_local(self, buf: Any, off: int) -> int | None:
+        """A small read served in the calling thread from short-circuit descriptors this
+        handle already holds: the sync client's fast path (no hop into its trio thread,
+        a blocking ``preadv`` per stripe piece). None when it cannot be: no descriptor
+        yet for a stripe, a remote stripe, a GPU buffer, or larger than the profile's
+        ``direct_read_max`` (then the engine reads the stripes in parallel)."""
+        objs = self._objects
+        if objs is None or self.closed or off < 0 \
+                or hasattr(buf, "__cuda_array_interface__"):
+            return None
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.state.known_size - off))
+        if n > self.client.direct_read_max:
+            return None
+        ops = []
+        for p in self.layout.pieces(off, n):
+            fd = objs.known_fd(p.stripe)
+            if fd is None:
+                return None
+            start = p.file_off - off
+            ops.append((fd, p.obj_off, view[start:start + p.length]))
+        if ops:
+            objs.read_now(ops)
+        return n
+
     async def pread(self, length: int, off: int) -> bytes:
         buf = bytearray(max(0, min(length, self.state.known_size - off)))
         n = await self.pread_into(buf, off)
@@ -313,6 +338,9 @@ class AsyncClient:
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
         self._inodes: dict[int, _InodeState] = {}
         self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
+        # reads up to this size may be served in the sync client's calling thread
+        # (FileHandle.pread_local): latency-bound reads by the profile's rule
+        self.direct_read_max = direct_read_max(config.profile)
 
     @classmethod
     @asynccontextmanager
@@ -580,6 +608,15 @@ class AsyncClient:
             await f.pwrite(data, 0)
         finally:
             await f.close()
+
+
+def direct_read_max(profile: str) -> int:
+    """Largest read the sync client serves in the caller's thread from local object
+    descriptors: a latency-bound read (``inference``: its largest op; ``auto``: up to
+    SMALL_READ_MAX); never under ``load``, whose reads go to the engine in parallel."""
+    if profile == "load":
+        return 0
+    return profile_settings(profile, 1).chunk if profile == "inference" else SMALL_READ_MAX
 
 
 def _config_cred(config: ClientConfig) -> Cred:

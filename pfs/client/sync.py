@@ -263,7 +263,7 @@ class File(io.RawIOBase):
         return self.handle.size
 
     def readinto(self, buf: Any) -> int:
-        n = self._run(self.handle.pread_into, buf, self._pos)
+        n = self.preadinto(buf, self._pos)
         self._pos += n
         return n
 
@@ -280,10 +280,16 @@ class File(io.RawIOBase):
         return bytes(buf[:n])
 
     def pread(self, length: int, offset: int) -> bytes:
-        return self._run(self.handle.pread, length, offset)
+        buf = bytearray(max(0, min(length, self.handle.size - offset)))
+        n = self.preadinto(buf, offset)
+        return bytes(buf[:n]) if n < len(buf) else bytes(buf)
 
     def preadinto(self, buf: Any, offset: int) -> int:
-        return self._run(self.handle.pread_into, buf, offset)
+        # small reads of local objects: in this thread (FileHandle.pread_local)
+        n = self.handle.pread_local(buf, offset)
+        if n is None:
+            n = self._run(self.handle.pread_into, buf, offset)
+        return n
 
     def write(self, data: Any) -> int:
         n = self._run(self.handle.pwrite, data, self._pos)
