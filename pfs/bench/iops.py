@@ -11,6 +11,10 @@ and ``uring`` engines at queue depths 1, 8 and 32, on three paths, in one run (i
 - ``short_circuit``: the same pfs file with short-circuit **on**: the client reads the
   objects itself through the descriptors the local data servers hand over, with the
   engine under test (its queue depth = qd).
+- ``sync_api``: the same file through what most programs call, ``pfs.connect()`` and
+  ``File.preadinto``, short-circuit on, from qd **threads** sharing one open file: small
+  reads of local objects run in the calling thread (``FileHandle.pread_local``), with no
+  engine (shown as ``caller``).
 
 Queue depth qd = qd trio tasks, each issuing one 4 KiB read at a random 4 KiB-aligned
 offset, waiting for it, and issuing the next: qd reads in flight. Each point runs
@@ -29,6 +33,7 @@ import random
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,7 +55,7 @@ from pfs.bench.common import (
 )
 
 ENGINES = ("posix", "uring")
-PATHS = ("local", "network", "short_circuit")
+PATHS = ("local", "network", "short_circuit", "sync_api")
 BLOCK = 4096
 
 
@@ -176,6 +181,58 @@ def pfs_point(c: Any, path: str, size: int, qd: int, seconds: float, pids: list[
     return rec
 
 
+def sync_point(c: Any, path: str, size: int, qd: int, seconds: float,
+               pids: list[int]) -> dict[str, Any]:
+    """Random reads of pfs ``path`` with the sync API: ``qd`` threads calling
+    ``File.preadinto`` on one shared file."""
+    nblocks = size // BLOCK
+    per_thread: list[list[float]] = [[] for _ in range(qd)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(qd + 1)
+    deadline = [0.0]
+
+    def worker(i: int, f: Any) -> None:
+        r = random.Random(qd * 1000 + i)
+        buf = bytearray(BLOCK)
+        out = per_thread[i]
+        clock = time.perf_counter
+        try:
+            for _ in range(64):  # untimed: descriptors of every stripe
+                f.preadinto(buf, r.randrange(nblocks) * BLOCK)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
+        start.wait()
+        try:
+            while (t0 := clock()) < deadline[0]:
+                n = f.preadinto(buf, r.randrange(nblocks) * BLOCK)
+                out.append(clock() - t0)
+                if n != BLOCK:
+                    raise RuntimeError(f"short read: {n} of {BLOCK} bytes")
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
+
+    loc = c.aio.local
+    before = loc.stats["local_reads"] if loc is not None else 0
+    with c.open(path, "rb") as f:
+        threads = [threading.Thread(target=worker, args=(i, f)) for i in range(qd)]
+        for t in threads:
+            t.start()
+        span: dict[str, Any] = {}
+        with CpuMeter(pids).span(span):
+            t0 = time.perf_counter()
+            deadline[0] = t0 + seconds
+            start.wait()
+            for t in threads:
+                t.join()
+            dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    rec = _record([x for lst in per_thread for x in lst], dt, span)
+    if loc is not None:  # the warm-up reads count too
+        rec["short_circuit_reads"] = loc.stats["local_reads"] - before
+    return rec
+
+
 # -- clusters ----------------------------------------------------------------------
 @contextlib.contextmanager
 def clusters(args: argparse.Namespace, wd: Path, engines: list[str]
@@ -286,6 +343,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         add("short_circuit", eng, qd,
                                             pfs_point(c_on, fname, size, qd, args.seconds, pids,
                                                       engine=eng))
+                            if "sync_api" in net and label == next(iter(cls)):
+                                for qd in qds:
+                                    add("sync_api", "caller", qd,
+                                        sync_point(c_on, fname, size, qd, args.seconds, pids))
                         finally:
                             try:
                                 c_off.remove(fname)
