@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import stat as statmod
 import sys
 import time
@@ -440,14 +441,33 @@ _PASSTHROUGH = {("meta", "serve"): cmd_meta_serve, ("data", "serve"): cmd_data_s
                 ("bench",): cmd_bench}
 
 
+def _sigterm_unwinds() -> None:
+    """SIGTERM (a timeout, a cancelled job, ``kill``) unwinds like Ctrl-C, so a command
+    that started a local cluster or a mount (``bench``, ``demo``) stops it in its
+    ``finally`` instead of leaving servers running. Servers and ``mount -f`` install
+    their own handlers over this one."""
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     for prefix, fn in _PASSTHROUGH.items():
         if tuple(argv[:len(prefix)]) == prefix:
             logging.basicConfig(level=logging.WARNING,
                                 format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            if fn is cmd_bench:
+                _sigterm_unwinds()
+                try:
+                    fn(argparse.Namespace(rest=argv[len(prefix):]))
+                except KeyboardInterrupt:
+                    sys.exit(130)
+                return
             fn(argparse.Namespace(rest=argv[len(prefix):]))
             return
+    _sigterm_unwinds()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -215,30 +215,37 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *
     if meta_port is not None:
         spec.meta_port = meta_port
     alive = running(d)
-    if "meta" not in alive:
-        port = spec.meta_port
-        try:
-            spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
-                                                "--port", str(port)])
-        except ClusterError:
-            if not port:
-                raise
-            log.warning("metaserver port %d unavailable; taking a new one", port)
-            spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
-                                                "--port", "0"])
-    _write(_spec_path(d), cfgmod.dump(spec))
-    meta = f"{spec.host}:{spec.meta_port}"
-    for i in range(spec.data_servers):
-        name = f"data{i}"
-        if name in alive:
-            continue
-        ddir = d / "data" / f"ds{i}"
-        ddir.mkdir(parents=True, exist_ok=True)
-        _start(d, name, ["dataserver", *data_sec, "--dir", str(ddir), "--host", spec.host,
-                         "--port", "0", "--meta", meta, *(data_args or [])])
-    client_path = d / "client.toml"
-    _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta, **client_sec)))  # type: ignore[arg-type]
-    _wait_registered(client_path, spec.data_servers)
+    started: list[str] = []  # stopped again if this start fails or is interrupted
+    try:
+        if "meta" not in alive:
+            port = spec.meta_port
+            started.append("meta")
+            try:
+                spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                                                    "--port", str(port)])
+            except ClusterError:
+                if not port:
+                    raise
+                log.warning("metaserver port %d unavailable; taking a new one", port)
+                spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                                                    "--port", "0"])
+        _write(_spec_path(d), cfgmod.dump(spec))
+        meta = f"{spec.host}:{spec.meta_port}"
+        for i in range(spec.data_servers):
+            name = f"data{i}"
+            if name in alive:
+                continue
+            ddir = d / "data" / f"ds{i}"
+            ddir.mkdir(parents=True, exist_ok=True)
+            started.append(name)
+            _start(d, name, ["dataserver", *data_sec, "--dir", str(ddir), "--host",
+                             spec.host, "--port", "0", "--meta", meta, *(data_args or [])])
+        client_path = d / "client.toml"
+        _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta, **client_sec)))  # type: ignore[arg-type]
+        _wait_registered(client_path, spec.data_servers)
+    except BaseException:
+        _stop(d, {n: pid for n, pid in running(d).items() if n in started})
+        raise
     return client_path
 
 
@@ -260,7 +267,12 @@ def _wait_registered(client_toml: Path, n: int) -> None:
 def down(d: Path) -> list[str]:
     """Stop every process of the cluster in ``d`` (data servers first)."""
     d = d.resolve()
-    procs = running(d)
+    return _stop(d, running(d))
+
+
+def _stop(d: Path, procs: dict[str, int]) -> list[str]:
+    """Stop ``procs`` (name: pid) of the cluster in ``d``: SIGTERM, then SIGKILL for any
+    still running after STOP_TIMEOUT; their pid files go."""
     order = sorted(procs, key=lambda n: n == "meta")
     for name in order:
         try:

@@ -100,3 +100,43 @@ def test_fuse_bench_local_and_native(cluster_dir: Path, tmp_path: Path,
         for k in ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops"):
             assert _positive(rec[k]), (name, k, rec)
     assert _positive(res["ratios"]["native/local write_MBps"])
+
+
+def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:
+    """A benchmark killed with SIGTERM (a timeout, a cancelled job) stops the servers it
+    started instead of leaving them running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "pfs.cli", "bench", "meta", "--files",
+                             "1000000", "--reps", "1", "--local-dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            files = list(tmp_path.glob("pfs-bench-meta-*/cluster/run/*.pid"))
+            if len(files) == 5:  # a metaserver and 4 data servers are up
+                pids = [int(f.read_text()) for f in files]
+                break
+            time.sleep(0.05)  # polling for the pid files, not waiting for readiness
+        assert len(pids) == 5, proc.stderr.read().decode() if proc.poll() is not None else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+    def running(pid: int) -> bool:  # a zombie (exited, not yet reaped) is not running
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    assert [pid for pid in pids if running(pid)] == []
+    assert list(tmp_path.iterdir()) == []  # its scratch directory went too

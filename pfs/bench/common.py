@@ -180,10 +180,10 @@ def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[Clu
         return
     d = workdir / "cluster"
     t0 = time.perf_counter()
-    toml = cluster.up(d, data_servers=data_servers)
-    log(f"started a local cluster (1 metaserver, {data_servers} data servers) in {d} "
-        f"in {time.perf_counter() - t0:.1f} s")
     try:
+        toml = cluster.up(d, data_servers=data_servers)
+        log(f"started a local cluster (1 metaserver, {data_servers} data servers) in {d} "
+            f"in {time.perf_counter() - t0:.1f} s")
         yield ClusterUnderTest(toml, cluster_pids(d), True, d)
     finally:
         cluster.down(d)
