@@ -167,6 +167,10 @@ class HandleObjects:
         if last:
             self._close_fds()
 
+    def tried(self, stripe: int) -> bool:
+        """Whether a descriptor of ``stripe`` was asked for (None if it was refused)."""
+        return stripe in self._fds
+
     def known_fd(self, stripe: int) -> int | None:
         """The descriptor of ``stripe`` if this handle already holds one."""
         return self._fds.get(stripe)

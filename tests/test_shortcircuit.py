@@ -195,7 +195,7 @@ def test_small_reads_of_local_objects_stay_in_the_calling_thread(client_toml, wo
     large reads still go to the engine."""
     data = os.urandom(3 * UNIT + 1234)
     with pfs.connect(config=client_toml) as c:
-        assert c.aio.direct_read_max == 64 << 10  # the auto profile's small reads
+        assert c.aio.direct_max == 64 << 10  # the auto profile's small reads
         c.set_layout(workdir, count=4, unit=UNIT)
         c.write_file(f"{workdir}/f", data)
         with c.open(f"{workdir}/f", "rb") as f:
@@ -217,8 +217,8 @@ def test_small_reads_of_local_objects_stay_in_the_calling_thread(client_toml, wo
             assert c.aio.local.stats["local_reads"] > before
             big = bytearray(len(data))
             assert f.preadinto(big, 0) == len(data) and big == data
-            assert len(hops) == 1  # larger than direct_read_max: stripes in parallel
+            assert len(hops) == 1  # larger than direct_max: stripes in parallel
     cfg = load(ClientConfig, client_toml)
     cfg.profile = "load"
     with pfs.connect(config=cfg) as c:
-        assert c.aio.direct_read_max == 0
+        assert c.aio.direct_max == 0

@@ -11,10 +11,11 @@ import math
 import os
 import posixpath
 import stat as statmod
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -22,6 +23,7 @@ import trio
 
 from pfs.auth import client_auth
 from pfs.client.data import DataClient
+from pfs.client.direct import DirectData
 from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
@@ -53,6 +55,12 @@ class _InodeState:
     size: int
     written_end: int = 0
     handles: int = 0
+    # the sync client writes from its callers' threads as well as from its trio thread
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def wrote(self, end: int) -> None:
+        with self.lock:
+            self.written_end = max(self.written_end, end)
 
     @property
     def known_size(self) -> int:
@@ -201,14 +209,14 @@ class FileHandle:
         handle already holds: the sync client's fast path (no hop into its trio thread,
         a blocking ``preadv`` per stripe piece). None when it cannot be: no descriptor
         yet for a stripe, a remote stripe, a GPU buffer, or larger than the profile's
-        ``direct_read_max`` (then the engine reads the stripes in parallel)."""
+        ``direct_max`` (then the engine reads the stripes in parallel)."""
         objs = self._objects
         if objs is None or self.closed or off < 0 \
                 or hasattr(buf, "__cuda_array_interface__"):
             return None
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
-        if n > self.client.direct_read_max:
+        if n > self.client.direct_max:
             return None
         ops = []
         for p in self.layout.pieces(off, n):
@@ -220,6 +228,64 @@ class FileHandle:
         if ops:
             objs.read_now(ops)
         return n
+
+    # -- the sync client's calling-thread paths (pfs/client/direct.py) ----------------
+    def _direct_piece(self, off: int, n: int) -> Any:
+        """The one stripe piece ``[off, off + n)`` is, if the direct path may take it."""
+        if (self.client.direct is None or self.closed or off < 0
+                or n > self.client.direct_max or time.monotonic() >= self._renew_at):
+            return None
+        pieces = list(self.layout.pieces(off, n))
+        return pieces[0] if len(pieces) == 1 else None
+
+    def pread_direct(self, buf: Any, off: int) -> int | None:
+        """``pread_local``, else one request to a replica in this thread; None: take
+        the trio path (``pread_into``)."""
+        n = self.pread_local(buf, off)
+        if n is not None or not self.readable or hasattr(buf, "__cuda_array_interface__"):
+            return n
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.state.known_size - off))
+        if n == 0:
+            return None if off < 0 else 0
+        p = self._direct_piece(off, n)
+        direct = self.client.direct
+        if p is None or direct is None:
+            return None
+        if self._objects is not None and not self._objects.tried(p.stripe):
+            return None  # the trio path first asks a local server for a descriptor
+        dest = view[:n]
+        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "len": n, "cap": self.cap}
+        for sid in self.layout.servers[p.stripe]:
+            try:
+                r = direct.call(sid, "read", fields, into=dest)
+            except OSError:
+                continue  # as the trio path does: the next replica
+            if r is not None:
+                if r[1] < n:  # past the object's end: a hole up to the file size
+                    dest[r[1]:] = bytes(n - r[1])
+                return n
+        return None
+
+    def pwrite_direct(self, data: Any, off: int) -> int | None:
+        """One request per replica in this thread; None: take the trio path
+        (``pwrite``), which writes every replica again."""
+        if not self.writable or self.closed:
+            return None
+        view = memoryview(data).cast("B")
+        if self.flags & os.O_APPEND:
+            off = self.state.known_size
+        p = self._direct_piece(off, len(view))
+        direct = self.client.direct
+        if p is None or direct is None or not view:
+            return None
+        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "cap": self.cap}
+        for sid in self.layout.servers[p.stripe]:
+            if direct.call(sid, "write", fields, payload=view) is None:
+                return None
+        self.state.wrote(off + len(view))
+        self._dirty = True
+        return len(view)
 
     async def pread(self, length: int, off: int) -> bytes:
         buf = bytearray(max(0, min(length, self.state.known_size - off)))
@@ -235,7 +301,7 @@ class FileHandle:
         view = memoryview(data).cast("B")
         if view:
             await self._data(self.client.data.write, self.ino, self.layout, off, view)
-            self.state.written_end = max(self.state.written_end, off + len(view))
+            self.state.wrote(off + len(view))
             self._dirty = True
         return len(view)
 
@@ -336,11 +402,14 @@ class AsyncClient:
                                timeout=config.timeout, auth=creds.for_data())
         # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
+        # the sync client's small data requests from its callers' threads
+        self.direct = (DirectData(creds.for_data(), self.data.known_address, config.timeout)
+                       if direct_meta else None)
         self._inodes: dict[int, _InodeState] = {}
         self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
-        # reads up to this size may be served in the sync client's calling thread
-        # (FileHandle.pread_local): latency-bound reads by the profile's rule
-        self.direct_read_max = direct_read_max(config.profile)
+        # requests up to this size may be served in the sync client's calling thread
+        # (FileHandle.pread_local, pread_direct, pwrite_direct): latency-bound ones
+        self.direct_max = direct_max(config.profile)
 
     @classmethod
     @asynccontextmanager
@@ -380,6 +449,8 @@ class AsyncClient:
 
     def close(self) -> None:
         self.data.close()
+        if self.direct is not None:
+            self.direct.close()
         self.meta.disconnect()
         if self.local is not None:
             self.local.close()
@@ -610,10 +681,11 @@ class AsyncClient:
             await f.close()
 
 
-def direct_read_max(profile: str) -> int:
-    """Largest read the sync client serves in the caller's thread from local object
-    descriptors: a latency-bound read (``inference``: its largest op; ``auto``: up to
-    SMALL_READ_MAX); never under ``load``, whose reads go to the engine in parallel."""
+def direct_max(profile: str) -> int:
+    """Largest request the sync client serves in the caller's thread (from local object
+    descriptors, or as one request to a data server): a latency-bound one (``inference``:
+    its largest op; ``auto``: up to SMALL_READ_MAX); never under ``load``, whose reads
+    go to the engine and the servers in parallel."""
     if profile == "load":
         return 0
     return profile_settings(profile, 1).chunk if profile == "inference" else SMALL_READ_MAX

@@ -68,6 +68,10 @@ class DataClient:
         self._locks: dict[str, trio.Lock] = {}
         self._slots = trio.Semaphore(MAX_IN_FLIGHT)
 
+    def known_address(self, sid: str) -> tuple[str, int] | None:
+        """Where server ``sid`` was last seen, without asking the metaserver."""
+        return self._addrs.get(sid)
+
     async def _address(self, sid: str) -> tuple[str, int]:
         if sid not in self._addrs:
             servers = await self._lookup_servers()

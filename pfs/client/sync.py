@@ -285,19 +285,24 @@ class File(io.RawIOBase):
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
 
     def preadinto(self, buf: Any, offset: int) -> int:
-        # small reads of local objects: in this thread (FileHandle.pread_local)
-        n = self.handle.pread_local(buf, offset)
+        # small reads: of local objects or one request, in this thread
+        # (FileHandle.pread_local / pread_direct)
+        n = self.handle.pread_direct(buf, offset)
         if n is None:
             n = self._run(self.handle.pread_into, buf, offset)
         return n
 
     def write(self, data: Any) -> int:
-        n = self._run(self.handle.pwrite, data, self._pos)
+        n = self.pwrite(data, self._pos)
         self._pos = (self.handle.size if self.handle.flags & os.O_APPEND else self._pos + n)
         return n
 
     def pwrite(self, data: Any, offset: int) -> int:
-        return self._run(self.handle.pwrite, data, offset)
+        # small writes: in this thread (FileHandle.pwrite_direct)
+        n = self.handle.pwrite_direct(data, offset)
+        if n is None:
+            n = self._run(self.handle.pwrite, data, offset)
+        return n
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         if whence == os.SEEK_SET:

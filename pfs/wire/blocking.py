@@ -165,12 +165,25 @@ class BlockingConnection:
 
     def recv_payload(self, n: int) -> bytes:
         out = bytearray(n)
-        view = memoryview(out)
-        got = self._decoder.take_payload_into(view)
-        while got < n:
-            self._fill()
-            got += self._decoder.take_payload_into(view[got:])
+        self.recv_payload_into(memoryview(out))
         return bytes(out)
+
+    def recv_payload_into(self, view: memoryview) -> None:
+        """The current frame's payload (exactly ``len(view)`` bytes) into ``view``: what
+        the decoder holds, then straight from the socket."""
+        dec = self._decoder
+        got = dec.take_payload_into(view)
+        n = len(view)
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:])
+            except OSError as exc:
+                raise self._io_error(exc, "waiting for") from None
+            if k == 0:
+                self.close()
+                raise OSError(errno.ECONNRESET, f"{self.name} closed the connection")
+            dec.payload_received(k)
+            got += k
 
     def close(self) -> None:
         if not self.closed:
@@ -199,6 +212,14 @@ class BlockingRpcClient:
         return True
 
     def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A call whose reply carries no payload (metadata); its fields."""
+        return self.call_into(method, fields)[0]
+
+    def call_into(self, method: str, fields: dict[str, Any] | None = None, *,
+                  payload: bytes | bytearray | memoryview | None = None,
+                  into: memoryview | None = None) -> tuple[dict[str, Any], int]:
+        """A call with an optional request payload; a reply payload lands in ``into``
+        (at most its length). Returns the reply's fields and its payload length."""
         msg = {"m": method}
         if fields:
             msg.update(fields)
@@ -208,8 +229,13 @@ class BlockingRpcClient:
                 raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
             rid = next(self._ids)
             try:
-                conn.send_frame(Kind.REQUEST, rid, msg)
+                conn.send_frame(Kind.REQUEST, rid, msg, payload)
                 head = conn.recv_head()
+                if head is not None and head.rid == rid and head.kind == Kind.REPLY \
+                        and head.payload_len and into is not None \
+                        and head.payload_len <= len(into):
+                    conn.recv_payload_into(into[:head.payload_len])
+                    return head.fields, head.payload_len
             except ProtocolError as exc:
                 raise OSError(errno.EPROTO, f"connection to {conn.name} failed: {exc}") from None
             except BaseException:
@@ -231,7 +257,7 @@ class BlockingRpcClient:
                 conn.close()
                 raise OSError(errno.EPROTO, f"{conn.name} sent a frame of kind {head.kind} "
                                             f"with {head.payload_len} payload bytes as a reply")
-            return head.fields
+            return head.fields, 0
 
     def close(self) -> None:
         self.conn.close()

@@ -1,0 +1,102 @@
+"""Small reads and writes of the synchronous client, in the calling thread.
+
+A read or write through ``pfs.connect()`` otherwise crosses into the client's trio thread
+and back, which costs more CPU than a small request itself (docs/architecture.md). For a
+request that is one run of one stripe and at most ``direct_max`` bytes, the sync
+client instead sends it over a blocking connection (:mod:`pfs.wire.blocking`) to the data
+server (to each replica, in turn, for a write), from a small pool per server shared by
+the caller's threads.
+
+This path only takes the easy case and says so by returning None: no known address for
+a server yet, a capability due for renewal, a server that refuses the capability or
+cannot be reached. The caller then takes the trio path, which has the whole logic
+(looking up moved servers, renewing capabilities, replica failover) and the final word
+on errors. A refused request changed nothing, so sending it again there is safe.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pfs.auth import ClientAuth
+from pfs.wire.blocking import BlockingRpcClient
+
+log = logging.getLogger(__name__)
+
+POOL_PER_SERVER = 4  # idle blocking connections kept per data server
+# errors after which the trio path takes over (it renews, reconnects, fails over)
+HAND_OVER = frozenset({errno.EACCES, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED,
+                       errno.ENOTCONN, errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
+                       errno.EHOSTUNREACH, errno.ECONNABORTED})
+
+
+class DirectData:
+    """Blocking connections to data servers, by server id, for any thread."""
+
+    def __init__(self, auth: ClientAuth,
+                 address: Callable[[str], tuple[str, int] | None],
+                 timeout: float = 60.0) -> None:
+        self._auth = auth
+        # the async DataClient's address cache (filled by its lookups): a server the
+        # trio path has not reached yet is left to it
+        self._address = address
+        self.timeout = timeout
+        self._idle: dict[str, list[BlockingRpcClient]] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _take(self, sid: str) -> BlockingRpcClient | None:
+        with self._lock:
+            idle = self._idle.get(sid)
+            while idle:
+                rpc = idle.pop()
+                if rpc.alive:
+                    return rpc
+        addr = self._address(sid)
+        if addr is None or self.closed:
+            return None
+        try:
+            return self._auth.open_blocking(addr[0], addr[1], timeout=self.timeout)
+        except OSError as exc:  # moved, down, refused: the trio path finds out
+            log.debug("direct connection to data server %s at %s:%d: %s", sid, *addr, exc)
+            return None
+
+    def _give(self, sid: str, rpc: BlockingRpcClient) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(sid, [])
+            if self.closed or len(idle) >= POOL_PER_SERVER or not rpc.alive:
+                rpc.close()
+            else:
+                idle.append(rpc)
+
+    def call(self, sid: str, method: str, fields: dict[str, Any], *,
+             payload: Any = None, into: memoryview | None = None
+             ) -> tuple[dict[str, Any], int] | None:
+        """One request to server ``sid``: (reply fields, payload bytes received), or
+        None when it is left to the trio path (see the module doc)."""
+        rpc = self._take(sid)
+        if rpc is None:
+            return None
+        try:
+            reply = rpc.call_into(method, fields, payload=payload, into=into)
+        except OSError as exc:
+            if exc.errno in HAND_OVER and exc.errno not in (errno.EACCES, errno.ESTALE):
+                rpc.close()  # the connection failed (a server's refusal leaves it fine)
+            else:
+                self._give(sid, rpc)
+            if exc.errno in HAND_OVER:
+                return None
+            raise
+        self._give(sid, rpc)
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            pools, self._idle = self._idle, {}
+        for idle in pools.values():
+            for rpc in idle:
+                rpc.close()

@@ -1,0 +1,119 @@
+"""The sync client's small reads and writes in the calling thread (pfs/client/direct.py)
+against the shared real cluster; short-circuit off, so every data server is "remote"."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pfs
+from pfs.config import ClientConfig, load
+
+UNIT = 64 * 1024
+BLOCK = 4096
+
+
+def _remote_client(client_toml: Path) -> pfs.Client:
+    cfg = load(ClientConfig, client_toml)
+    cfg.short_circuit = False
+    return pfs.connect(config=cfg)
+
+
+def _count_hops(c: pfs.Client) -> list[object]:
+    """Calls that cross into the client's trio thread, from now on."""
+    hops: list[object] = []
+    real = c._loop.run
+    c._loop.run = lambda fn, *a: hops.append(fn) or real(fn, *a)  # type: ignore[method-assign]
+    return hops
+
+
+def _object_sizes(cluster_dir: Path, ino: int) -> dict[tuple[int, str], int]:
+    """{(stripe, server id): bytes} of the object files of ``ino``."""
+    out = {}
+    for ddir in (cluster_dir / "data").iterdir():
+        sid = (ddir / "server.id").read_text().strip()
+        for f in ddir.glob(f"objects/*/{ino}.*"):
+            out[(int(f.name.split(".")[1]), sid)] = f.stat().st_size
+    return out
+
+
+def test_small_requests_go_straight_to_the_servers(client_toml, workdir, cluster_dir) -> None:
+    data = os.urandom(4 * UNIT)
+    with _remote_client(client_toml) as c:
+        c.set_layout(workdir, count=2, unit=UNIT, replicas=2)
+        path = f"{workdir}/f"
+        with c.open(path, "wb") as f:
+            f.write(data[:BLOCK])  # through the loop: it learns the servers' addresses
+            hops = _count_hops(c)
+            for off in range(BLOCK, len(data), BLOCK):
+                assert f.write(data[off:off + BLOCK]) == BLOCK
+            assert hops == []  # every write in this thread, to both replicas
+            assert f.size == len(data)
+        assert c.stat(path).st_size == len(data)
+        layout = c.get_layout(path)
+        sizes = _object_sizes(cluster_dir, c.stat(path).st_ino)
+        assert sizes == {(stripe, sid): 2 * UNIT
+                         for stripe, sids in enumerate(layout["servers"]) for sid in sids}
+        with c.open(path, "rb") as f:
+            rng = random.Random(3)
+            for _ in range(200):
+                off = rng.randrange(0, len(data))
+                n = min(rng.choice([1, 100, BLOCK, 10_000]), UNIT - off % UNIT)
+                assert f.pread(n, off) == data[off:off + n]
+            assert f.pread(100, len(data) - 10) == data[-10:]
+            assert hops == []
+            assert f.pread(2 * BLOCK, UNIT - BLOCK) == data[UNIT - BLOCK:UNIT + BLOCK]
+            assert len(hops) == 1  # two stripes: the loop reads them in parallel
+
+
+def test_holes_read_as_zeros(client_toml, workdir) -> None:
+    with _remote_client(client_toml) as c:
+        c.set_layout(workdir, count=2, unit=UNIT)
+        path = f"{workdir}/h"
+        with c.open(path, "wb") as f:
+            f.pwrite(b"x" * 10, 3 * UNIT + 5)  # only stripe 1 has an object
+        with c.open(path, "rb") as f:
+            hops = _count_hops(c)
+            assert f.pread(100, 0) == bytes(100)  # stripe 0: no object at all
+            assert f.pread(20, UNIT) == bytes(20)  # stripe 1, before its data
+            assert f.pread(20, 3 * UNIT) == bytes(5) + b"x" * 10
+            assert hops == []
+
+
+def test_a_refused_capability_hands_the_write_to_the_loop(client_toml, workdir) -> None:
+    """A truncation by another client makes this handle's capability stale: the direct
+    write is refused, changes nothing, and the trio path renews and writes it."""
+    with _remote_client(client_toml) as c, pfs.connect(config=client_toml) as other:
+        c.set_layout(workdir, count=1, unit=UNIT)
+        path = f"{workdir}/t"
+        f = c.open(path, "w+b")
+        f.write(b"a" * BLOCK)
+        f.flush()
+        other.truncate(path, 0)  # fences the inode's earlier capabilities
+        hops = _count_hops(c)
+        assert f.pwrite(b"b" * BLOCK, 0) == BLOCK
+        assert len(hops) == 1
+        f.close()
+        assert c.read_file(path) == b"b" * BLOCK
+
+
+def test_threads_writing_one_handle(client_toml, workdir) -> None:
+    """The size a handle commits is the furthest any thread wrote."""
+    with _remote_client(client_toml) as c:
+        c.set_layout(workdir, count=4, unit=UNIT)
+        path = f"{workdir}/m"
+        blocks = {i: os.urandom(BLOCK) for i in range(256)}
+        with c.open(path, "wb") as f:
+            f.write(blocks[0])
+
+            def worker(t: int) -> None:
+                for i in range(1 + t, 256, 4):
+                    f.pwrite(blocks[i], i * BLOCK)
+
+            threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert c.read_file(path) == b"".join(blocks[i] for i in range(256))
