@@ -61,13 +61,13 @@ def test_iops_quick(cluster_dir: Path, tmp_path: Path,
     got = {(p["path"], p["engine"], p["qd"]) for p in res["points"]}
     want = {(path, e, qd) for path in ("local", "short_circuit") for e in engines for qd in (1, 8)}
     want |= {("network", "servers", qd) for qd in (1, 8)}
-    want |= {("sync_api", "caller", qd) for qd in (1, 8)}
+    want |= {("sync_api", how, qd) for how in ("local", "tcp") for qd in (1, 8)}
     assert got == want
     for p in res["points"]:
         for k in ("iops", "p50_us", "p99_us", "ios", "seconds"):
             assert _positive(p[k]), (p, k)
         assert p["p99_us"] >= p["p50_us"]
-        if p["path"] in ("short_circuit", "sync_api"):
+        if p["path"] == "short_circuit" or (p["path"], p["engine"]) == ("sync_api", "local"):
             assert p["short_circuit_reads"] >= p["ios"]
         if p["path"] == "network":  # short-circuit off: that client has no local reader
             assert "short_circuit_reads" not in p

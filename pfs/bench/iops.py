@@ -12,9 +12,10 @@ and ``uring`` engines at queue depths 1, 8 and 32, on three paths, in one run (i
   objects itself through the descriptors the local data servers hand over, with the
   engine under test (its queue depth = qd).
 - ``sync_api``: the same file through what most programs call, ``pfs.connect()`` and
-  ``File.preadinto``, short-circuit on, from qd **threads** sharing one open file: small
-  reads of local objects run in the calling thread (``FileHandle.pread_local``), with no
-  engine (shown as ``caller``).
+  ``File.preadinto``, from qd **threads** sharing one open file. Small reads run in the
+  calling thread: with short-circuit on (``local``) a ``preadv`` of the object's
+  descriptor, with it off (``tcp``) one request over a blocking connection to the data
+  server (docs/architecture.md).
 
 Queue depth qd = qd trio tasks, each issuing one 4 KiB read at a random 4 KiB-aligned
 offset, waiting for it, and issuing the next: qd reads in flight. Each point runs
@@ -188,7 +189,7 @@ def sync_point(c: Any, path: str, size: int, qd: int, seconds: float,
     nblocks = size // BLOCK
     per_thread: list[list[float]] = [[] for _ in range(qd)]
     errors: list[BaseException] = []
-    start = threading.Barrier(qd + 1)
+    warmed, start = threading.Barrier(qd + 1), threading.Barrier(qd + 1)
     deadline = [0.0]
 
     def worker(i: int, f: Any) -> None:
@@ -201,7 +202,8 @@ def sync_point(c: Any, path: str, size: int, qd: int, seconds: float,
                 f.preadinto(buf, r.randrange(nblocks) * BLOCK)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
             errors.append(exc)
-        start.wait()
+        warmed.wait()
+        start.wait()  # the deadline is set between the two
         try:
             while (t0 := clock()) < deadline[0]:
                 n = f.preadinto(buf, r.randrange(nblocks) * BLOCK)
@@ -217,6 +219,7 @@ def sync_point(c: Any, path: str, size: int, qd: int, seconds: float,
         threads = [threading.Thread(target=worker, args=(i, f)) for i in range(qd)]
         for t in threads:
             t.start()
+        warmed.wait()
         span: dict[str, Any] = {}
         with CpuMeter(pids).span(span):
             t0 = time.perf_counter()
@@ -345,8 +348,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                       engine=eng))
                             if "sync_api" in net and label == next(iter(cls)):
                                 for qd in qds:
-                                    add("sync_api", "caller", qd,
-                                        sync_point(c_on, fname, size, qd, args.seconds, pids))
+                                    for how, cl in (("local", c_on), ("tcp", c_off)):
+                                        add("sync_api", how, qd,
+                                            sync_point(cl, fname, size, qd, args.seconds, pids))
                         finally:
                             try:
                                 c_off.remove(fname)
