@@ -67,6 +67,11 @@ class DataService(RpcService):
         self.cap_ttl = 300.0
         self.fences: dict[int, tuple[int, float]] = {}  # ino -> (generation, monotonic)
 
+    def is_inline(self, req: Request) -> bool:
+        # a read answered with sendfile never waits before its reply, and replies on
+        # one connection go out one after another anyway: no task of its own
+        return self.use_sendfile and req.method == "read"
+
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
                      data_keys: dict[str, bytes] | None = None) -> None:
