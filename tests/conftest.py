@@ -62,3 +62,23 @@ def private_cluster(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         cluster.down(d) if d.exists() else None
+
+
+def run_threads(target, n: int) -> list[BaseException]:
+    """Run ``target(i)`` for i in range(n), each in its own thread; what they raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import pfs
+from tests.conftest import run_threads
 from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
 from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
 
@@ -198,25 +199,16 @@ def test_direct_meta_off_goes_through_the_loop(client_toml: Path, tmp_path: Path
 
 
 def test_threads_share_one_direct_client(client: pfs.Client, workdir: str) -> None:
-    errors: list[BaseException] = []
-
     def worker(t: int) -> None:
-        try:
-            for i in range(40):
-                p = f"{workdir}/t{t}-{i}"
-                with client.open(p, "xb") as f:
-                    f.write(b"x" * i)
-                assert client.stat(p).st_size == i
-                if i % 2:
-                    client.remove(p)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for i in range(40):
+            p = f"{workdir}/t{t}-{i}"
+            with client.open(p, "xb") as f:
+                f.write(b"x" * i)
+            assert client.stat(p).st_size == i
+            if i % 2:
+                client.remove(p)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(worker, 6)
     assert errors == []
     names = client.listdir(workdir)
     assert sorted(names) == sorted(f"t{t}-{i}" for t in range(6) for i in range(0, 40, 2))

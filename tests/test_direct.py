@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 from pathlib import Path
 
 import pfs
 from pfs.config import ClientConfig, load
+from tests.conftest import run_threads
 
 UNIT = 64 * 1024
 BLOCK = 4096
@@ -111,9 +111,39 @@ def test_threads_writing_one_handle(client_toml, workdir) -> None:
                 for i in range(1 + t, 256, 4):
                     f.pwrite(blocks[i], i * BLOCK)
 
-            threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            assert run_threads(worker, 4) == []
         assert c.read_file(path) == b"".join(blocks[i] for i in range(256))
+
+
+def test_threads_share_a_bounded_pool_of_connections(client_toml, workdir,
+                                                     monkeypatch) -> None:
+    """More threads than connections wait for one: no connection (and handshake) per
+    request, and never more than MAX_PER_SERVER to a server."""
+    import pfs.client.direct as direct_mod
+
+    monkeypatch.setattr(direct_mod, "MAX_PER_SERVER", 2)
+    data = os.urandom(4 * UNIT)
+    with _remote_client(client_toml) as c:
+        c.set_layout(workdir, count=4, unit=UNIT)
+        c.write_file(f"{workdir}/p", data)
+        direct = c.aio.direct
+        opened: list[str] = []
+        real_open = direct._auth.open_blocking
+
+        def counting_open(host, port, **kw):
+            opened.append(f"{host}:{port}")
+            return real_open(host, port, **kw)
+
+        monkeypatch.setattr(direct._auth, "open_blocking", counting_open)
+        with c.open(f"{workdir}/p", "rb") as f:
+            f.pread(1, 0)  # the addresses of the servers
+
+            def worker(seed: int) -> None:
+                rng = random.Random(seed)
+                for _ in range(60):
+                    off = rng.randrange(0, len(data) - BLOCK) // BLOCK * BLOCK
+                    assert f.pread(BLOCK, off) == data[off:off + BLOCK]
+
+            assert run_threads(worker, 8) == []
+        assert len(opened) <= 2 * 4  # two per server, opened once
+        assert max(direct._count.values()) <= 2

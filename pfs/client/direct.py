@@ -5,7 +5,7 @@ and back, which costs more CPU than a small request itself (docs/architecture.md
 request that is one run of one stripe and at most ``direct_max`` bytes, the sync
 client instead sends it over a blocking connection (:mod:`pfs.wire.blocking`) to the data
 server (to each replica, in turn, for a write), from a small pool per server shared by
-the caller's threads.
+the caller's threads (at most MAX_PER_SERVER connections each).
 
 This path only takes the easy case and says so by returning None: no known address for
 a server yet, a capability due for renewal, a server that refuses the capability or
@@ -26,7 +26,9 @@ from pfs.wire.blocking import BlockingRpcClient
 
 log = logging.getLogger(__name__)
 
-POOL_PER_SERVER = 4  # idle blocking connections kept per data server
+# blocking connections per data server: more threads than this wait for one (opening a
+# connection per request, handshake included, would cost far more than the request)
+MAX_PER_SERVER = 8
 # errors after which the trio path takes over (it renews, reconnects, fails over)
 HAND_OVER = frozenset({errno.EACCES, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED,
                        errno.ENOTCONN, errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
@@ -45,32 +47,46 @@ class DirectData:
         self._address = address
         self.timeout = timeout
         self._idle: dict[str, list[BlockingRpcClient]] = {}
-        self._lock = threading.Lock()
+        self._count: dict[str, int] = {}  # connections per server, idle or in use
+        self._cond = threading.Condition()
         self.closed = False
 
     def _take(self, sid: str) -> BlockingRpcClient | None:
-        with self._lock:
-            idle = self._idle.get(sid)
-            while idle:
-                rpc = idle.pop()
-                if rpc.alive:
-                    return rpc
         addr = self._address(sid)
-        if addr is None or self.closed:
+        if addr is None:
             return None
+        with self._cond:
+            while True:
+                if self.closed:
+                    return None
+                idle = self._idle.get(sid)
+                while idle:
+                    rpc = idle.pop()
+                    if rpc.alive:
+                        return rpc
+                    self._count[sid] -= 1
+                if self._count.get(sid, 0) < MAX_PER_SERVER:
+                    self._count[sid] = self._count.get(sid, 0) + 1
+                    break
+                self._cond.wait()
         try:
             return self._auth.open_blocking(addr[0], addr[1], timeout=self.timeout)
         except OSError as exc:  # moved, down, refused: the trio path finds out
             log.debug("direct connection to data server %s at %s:%d: %s", sid, *addr, exc)
+            with self._cond:
+                self._count[sid] -= 1
+                self._cond.notify()
             return None
 
     def _give(self, sid: str, rpc: BlockingRpcClient) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(sid, [])
-            if self.closed or len(idle) >= POOL_PER_SERVER or not rpc.alive:
+        """Back to the pool; a connection that failed (closed) leaves it."""
+        with self._cond:
+            if self.closed or not rpc.alive:
                 rpc.close()
+                self._count[sid] -= 1
             else:
-                idle.append(rpc)
+                self._idle.setdefault(sid, []).append(rpc)
+            self._cond.notify()
 
     def call(self, sid: str, method: str, fields: dict[str, Any], *,
              payload: Any = None, into: memoryview | None = None
@@ -83,20 +99,18 @@ class DirectData:
         try:
             reply = rpc.call_into(method, fields, payload=payload, into=into)
         except OSError as exc:
-            if exc.errno in HAND_OVER and exc.errno not in (errno.EACCES, errno.ESTALE):
-                rpc.close()  # the connection failed (a server's refusal leaves it fine)
-            else:
-                self._give(sid, rpc)
             if exc.errno in HAND_OVER:
                 return None
             raise
-        self._give(sid, rpc)
+        finally:
+            self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self.closed = True
             pools, self._idle = self._idle, {}
+            self._cond.notify_all()
         for idle in pools.values():
             for rpc in idle:
                 rpc.close()
