@@ -82,10 +82,11 @@ class ClientConfig:
     # read objects of data servers on this host through descriptors they hand over
     # (after the capability check) instead of through TCP; falls back by itself
     short_circuit: bool = True
-    # the synchronous client (pfs.connect) sends metadata calls from the calling thread
-    # on a blocking connection, one at a time, instead of through its trio thread
-    # (about 4x less client CPU per call; docs/architecture.md). The async client and
-    # the FUSE mount always multiplex on their event loop.
+    # the synchronous client (pfs.connect) sends metadata calls, and small reads and
+    # writes (one stripe piece, up to the profile's limit), from the calling thread on
+    # blocking connections instead of through its trio thread (about 4x less client CPU
+    # per call; docs/architecture.md). The async client and the FUSE mount always
+    # multiplex on their event loop.
     direct_meta: bool = True
     # authentication (docs/security.md): a key file (mode 0600) and the name the
     # metaserver knows it by, or TLS files from `pfs certs`; none: an unsecured cluster
