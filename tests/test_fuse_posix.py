@@ -603,3 +603,21 @@ def test_write_read_sizes(mdir: Path, size: int) -> None:
     f.write_bytes(data)
     assert os.stat(f).st_size == size
     assert f.read_bytes() == data
+
+
+def test_file_capabilities_go_on_write(mdir: Path) -> None:
+    """The kernel asks for security.capability before every write (to remove it); the
+    mount may remember its absence, but never past its own setxattr."""
+    import struct
+
+    f = put(mdir / "capf")
+    assert err(os.getxattr, f, "security.capability") == "ENODATA"
+    with open(f, "ab") as fh:
+        fh.write(b"x")
+    cap = struct.pack("<5I", 0x02000000, 1 << 10, 0, 0, 0)  # v2, CAP_NET_BIND_SERVICE
+    os.setxattr(f, "security.capability", cap)
+    assert os.getxattr(f, "security.capability") == cap
+    with open(f, "ab") as fh:
+        fh.write(b"y")  # the kernel removes the capability before writing
+    assert err(os.getxattr, f, "security.capability") == "ENODATA"
+    assert f.read_bytes().endswith(b"xy")
