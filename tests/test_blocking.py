@@ -243,3 +243,56 @@ def test_an_interrupted_call_drops_the_connection(scripted) -> None:
     with pytest.raises(OSError) as err:
         c.call("getattr", {"ino": 2})
     assert err.value.errno == errno.ECONNRESET
+
+
+def test_asking_alive_during_a_call_leaves_its_tls_reply_alone(tmp_path: Path) -> None:
+    """The metaserver connection is shared by the caller's threads and the trio thread
+    (a renewal, fsync's commit): one asking ``alive`` while another's call waits for its
+    reply must not read from the TLS socket under it (a byte of the reply is consumed
+    and the connection closed, or two threads drive one SSL object)."""
+    import time
+
+    from pfs import certs
+    from pfs.auth import client_tls, server_tls
+
+    certs.generate(tmp_path, clients=["c"])
+    sctx = server_tls(str(tmp_path / "server.pem"), str(tmp_path / "server.key"),
+                      str(tmp_path / "ca.pem"))
+    cctx = client_tls(str(tmp_path / "c.pem"), str(tmp_path / "c.key"),
+                      str(tmp_path / "ca.pem"))
+    lsock = socket.create_server(("127.0.0.1", 0))
+    replied = threading.Event()
+
+    def serve() -> None:
+        with lsock:
+            sock, _ = lsock.accept()
+            with sctx.wrap_socket(sock, server_side=True) as s:
+                for rid in _requests(s, Peer()):
+                    s.sendall(encode_frame(Kind.REPLY, rid, {"for": rid}))
+                    replied.set()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    c = BlockingRpcClient(BlockingConnection.open("127.0.0.1", lsock.getsockname()[1],
+                                                  timeout=10, tls=cctx))
+    real = c.conn.recv_head
+    go = threading.Event()
+
+    def descheduled_recv():  # the caller sent its request and has not read on yet
+        go.wait(10)
+        return real()
+
+    c.conn.recv_head = descheduled_recv  # type: ignore[method-assign]
+    got: list[object] = []
+    caller = threading.Thread(target=lambda: got.append(c.call("getattr", {"ino": 1})))
+    caller.start()
+    try:
+        assert replied.wait(10)
+        time.sleep(0.1)  # the reply waits on the socket
+        assert c.alive
+    finally:
+        go.set()
+        caller.join(10)
+    assert got == [{"for": 1}]
+    c.close()
+    server.join(10)

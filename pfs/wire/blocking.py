@@ -206,10 +206,17 @@ class BlockingRpcClient:
     @property
     def alive(self) -> bool:
         """Open, and not closed by the peer while idle (checked: one syscall)."""
-        if self.conn.peer_gone():
-            self.conn.close()
-            return False
-        return True
+        if not self._lock.acquire(blocking=False):
+            # a call in flight (another thread) owns the socket: probing it could take
+            # bytes of its reply (TLS); that call finds out whether the peer is there
+            return not self.conn.closed
+        try:
+            if self.conn.peer_gone():
+                self.conn.close()
+                return False
+            return True
+        finally:
+            self._lock.release()
 
     def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
         """A call whose reply carries no payload (metadata); its fields."""
