@@ -537,17 +537,35 @@ class MetaService(RpcService):
             self.ns.access(txn, cred, ino, mask)
         return {}
 
+    async def _entry_change(self, req: Request, parent: int,
+                            fn: Callable[[WriteTxn], Any]) -> dict[str, Any]:
+        """Run ``fn`` (it makes or removes an entry of ``parent``; its result, if any, is
+        the reply's ``attr``). With ``want_parent`` the reply also carries the parent's
+        new attributes: the kernel asks for them next (its cached ones went stale), and
+        the mount can answer without a round trip."""
+        want = req.bool("want_parent")
+
+        def op(txn: WriteTxn) -> tuple[Any, Any]:
+            return fn(txn), self.ns.getattr(txn, parent) if want else None
+
+        result, parent_attr = await self._mutate(op)
+        out: dict[str, Any] = {} if result is None else {"attr": result}
+        if parent_attr is not None:
+            out["parent_attr"] = parent_attr
+        return out
+
     async def rpc_mkdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, mode = self._cred(ctx, req), req.int("mode")
         parent, name = self._at(req, cred)
-        return {"attr": await self._mutate(lambda t: self.ns.mkdir(t, cred, parent, name, mode))}
+        return await self._entry_change(req, parent,
+                                        lambda t: self.ns.mkdir(t, cred, parent, name, mode))
 
     async def rpc_mknod(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred = self._cred(ctx, req)
         parent, name = self._at(req, cred)
         mode, rdev = req.int("mode"), req.int("rdev", 0)
-        return {"attr": await self._mutate(
-            lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))}
+        return await self._entry_change(
+            req, parent, lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))
 
     async def rpc_create(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred = self._cred(ctx, req)
@@ -560,22 +578,26 @@ class MetaService(RpcService):
                 await self._truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
+        want_parent = req.bool("want_parent")
 
-        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, bool]:
-            attr, layout, created = self.ns.create(txn, cred, parent, name, mode, flags)
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
+            attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
             if not abandoned:
                 self._ref(attr["ino"])
                 opened.append(attr["ino"])
-            return attr, layout, created
+            return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
 
         try:
-            attr, layout, _ = await self._mutate(op)
+            attr, layout, parent_attr = await self._mutate(op)
         except BaseException:
             abandoned = True  # the op may still be queued
             for ino in opened:  # the op ran but the batch did not commit
                 await self._release(ino)
             raise
-        return self._opened_reply(ctx, attr, layout, flags, cred)
+        reply = self._opened_reply(ctx, attr, layout, flags, cred)
+        if parent_attr is not None:
+            reply["parent_attr"] = parent_attr
+        return reply
 
     async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, flags = self._cred(ctx, req), req.int("ino"), req.int("flags", os.O_RDONLY)
@@ -661,14 +683,14 @@ class MetaService(RpcService):
     async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred = self._cred(ctx, req)
         parent, name = self._at(req, cred)
-        await self._mutate(lambda t: self.ns.unlink(t, cred, parent, name))
-        return {}
+        return await self._entry_change(req, parent,
+                                        lambda t: self.ns.unlink(t, cred, parent, name))
 
     async def rpc_rmdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred = self._cred(ctx, req)
         parent, name = self._at(req, cred)
-        await self._mutate(lambda t: self.ns.rmdir(t, cred, parent, name))
-        return {}
+        return await self._entry_change(req, parent,
+                                        lambda t: self.ns.rmdir(t, cred, parent, name))
 
     async def rpc_rename(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred = self._cred(ctx, req)
@@ -688,8 +710,8 @@ class MetaService(RpcService):
     async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, target = self._cred(ctx, req), req.bytes("target")
         parent, name = self._at(req, cred)
-        return {"attr": await self._mutate(
-            lambda t: self.ns.symlink(t, cred, parent, name, target))}
+        return await self._entry_change(
+            req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
 
     async def rpc_readlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         ino = req.int("ino")

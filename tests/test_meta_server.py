@@ -630,3 +630,24 @@ async def test_refused_setattr_cuts_no_data(tmp_path: Path) -> None:
         assert all(d.truncates == [] for d in env.data.values())
         a = (await env.call("setattr", ino=ino, size=UNIT, cred=USERC))["attr"]  # allowed
         assert a["size"] == UNIT and any(d.truncates for d in env.data.values())
+
+
+@trio_test
+async def test_entry_changes_can_answer_with_the_parents_new_attributes(tmp_path: Path) -> None:
+    """``want_parent``: the reply carries the directory's attributes after the change (the
+    mount answers the kernel's next GETATTR of the directory from them)."""
+    async with running(tmp_path) as env:
+        d = (await env.call("mkdir", parent=1, name=b"d", mode=0o755, cred=ROOTC))["attr"]
+        r = await env.call("create", parent=d["ino"], name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_WRONLY, cred=ROOTC, want_parent=True)
+        now = (await env.call("getattr", ino=d["ino"]))["attr"]
+        assert r["parent_attr"] == now and now["mtime"] > d["mtime"]
+        await env.call("close", fh=r["fh"])
+        r = await env.call("mkdir", parent=d["ino"], name=b"sub", mode=0o755, cred=ROOTC,
+                           want_parent=True)
+        assert r["parent_attr"] == (await env.call("getattr", ino=d["ino"]))["attr"]
+        assert r["parent_attr"]["nlink"] == 3 and r["attr"]["nlink"] == 2
+        r = await env.call("unlink", parent=d["ino"], name=b"f", cred=ROOTC, want_parent=True)
+        assert r == {"parent_attr": (await env.call("getattr", ino=d["ino"]))["attr"]}
+        r = await env.call("rmdir", parent=d["ino"], name=b"sub", cred=ROOTC)
+        assert r == {}  # not asked for
