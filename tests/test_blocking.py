@@ -296,3 +296,15 @@ def test_asking_alive_during_a_call_leaves_its_tls_reply_alone(tmp_path: Path) -
     assert got == [{"for": 1}]
     c.close()
     server.join(10)
+
+
+def test_a_closed_client_does_not_reconnect(client_toml: Path) -> None:
+    """After close, a metadata call fails as a data call does, instead of opening a new
+    metaserver connection (and handles) that nothing will close."""
+    c = pfs.connect(config=client_toml)
+    c.close()
+    with pytest.raises(RuntimeError):
+        c.stat("/")
+    with pytest.raises(RuntimeError):
+        c.open(f"/closed-{id(c)}", "wb")
+    assert c.aio.meta._blocking is None

@@ -97,8 +97,10 @@ class Client:
 
     def _direct(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run a coroutine that makes only metadata calls in this thread (see the module
-        doc); through the trio thread when the metadata connection is not direct."""
-        if not self.aio.meta.direct:
+        doc); through the trio thread when the metadata connection is not direct, or
+        when this client is closed (which fails there, as data calls do: run here, the
+        call would open a new metaserver connection that nothing closes)."""
+        if self.closed or not self.aio.meta.direct:
             return self._loop.run(fn, *args)
         with self._direct_lock:
             coro = fn(*args)
