@@ -6,6 +6,8 @@ import os
 import random
 from pathlib import Path
 
+import pytest
+
 import pfs
 from pfs.config import ClientConfig, load
 from tests.conftest import run_threads
@@ -147,3 +149,19 @@ def test_threads_share_a_bounded_pool_of_connections(client_toml, workdir,
             assert run_threads(worker, 8) == []
         assert len(opened) <= 2 * 4  # two per server, opened once
         assert max(direct._count.values()) <= 2
+
+
+def test_a_closed_file_refuses_reads_at_its_end(client_toml, workdir) -> None:
+    """As the trio path does (ValueError), also where nothing is left to read."""
+    with _remote_client(client_toml) as c:
+        path = f"{workdir}/c"
+        c.write_file(path, b"abc")
+        f = c.open(path, "rb")
+        assert f.read() == b"abc"
+        f.close()
+        with pytest.raises(ValueError):
+            f.read()
+        with pytest.raises(ValueError):
+            f.pread(10, 3)
+        with pytest.raises(ValueError):
+            f.pread(10, 0)

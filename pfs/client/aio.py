@@ -242,8 +242,9 @@ class FileHandle:
         """``pread_local``, else one request to a replica in this thread; None: take
         the trio path (``pread_into``)."""
         n = self.pread_local(buf, off)
-        if n is not None or not self.readable or hasattr(buf, "__cuda_array_interface__"):
-            return n
+        if n is not None or self.closed or not self.readable \
+                or hasattr(buf, "__cuda_array_interface__"):
+            return n  # a closed handle: pread_into raises, even with nothing to read
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n == 0:
