@@ -156,6 +156,10 @@ class PfsOperations(pyfuse3.Operations):
         self._slots: dict[int, trio.Semaphore] = {}  # by handle: bounds its write-behind
         self._write_errors: dict[int, OSError] = {}  # by handle: reported at flush/fsync
         self._no_caps: dict[int, float] = {}  # inode -> until when it has no CAPS_XATTR
+        # directory -> (until when, its attributes after an entry change made here): the
+        # kernel's next GETATTR of it is answered from them, once (see _parent_changed)
+        self._dir_attrs: dict[int, tuple[float, StatResult]] = {}
+        client.meta.on_parent_attr = self._parent_changed
         self._ids = 0
 
     # -- helpers ---------------------------------------------------------------
@@ -240,8 +244,28 @@ class PfsOperations(pyfuse3.Operations):
                 self._lookups.pop(ino, None)
                 self._seen.pop(ino, None)
                 self._no_caps.pop(ino, None)
+                self._dir_attrs.pop(ino, None)
+
+    def _parent_changed(self, ino: int, attr: StatResult) -> None:
+        """A create, unlink, mkdir, ... here changed directory ``ino``: the kernel drops
+        its cached attributes and (default_permissions) asks for them before the next
+        operation in it. The metaserver's reply carried them, as fresh as a GETATTR
+        would be now; they answer that one request, within attr_timeout (the staleness
+        the kernel's own cache allows)."""
+        if self.tuning.attr_timeout > 0:
+            if len(self._dir_attrs) >= NO_CAPS_MAX:
+                self._dir_attrs.clear()
+            self._dir_attrs[ino] = (time.monotonic() + self.tuning.attr_timeout, attr)
+
+    def _changed_here(self, *inodes: int) -> None:
+        """Inodes changed by a request whose reply carried no new parent attributes."""
+        for ino in inodes:
+            self._dir_attrs.pop(ino, None)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        fresh = self._dir_attrs.pop(inode, None)
+        if fresh is not None and fresh[0] > time.monotonic():
+            return self.entry(fresh[1])
         with fs_errors():
             return self.entry(await self.client.getattr(inode))
 
@@ -249,6 +273,7 @@ class PfsOperations(pyfuse3.Operations):
                       fields: pyfuse3.SetattrFields, fh: int | None,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
+        self._changed_here(inode)
         cred = self.cred(ctx)
         result: StatResult | None = None
         with fs_errors():
@@ -354,6 +379,9 @@ class PfsOperations(pyfuse3.Operations):
             wire |= 2
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
+        # both directories change, and so does a moved directory (its "..", its ctime),
+        # whose inode is not known here: forget them all
+        self._dir_attrs.clear()
         with fs_errors():
             await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
                                    wire, self.cred(ctx))
@@ -361,6 +389,7 @@ class PfsOperations(pyfuse3.Operations):
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
+        self._changed_here(inode, new_parent_inode)
         with fs_errors():
             attr = await self.meta.link(inode, new_parent_inode, new_name, self.cred(ctx))
         return self._looked_up(attr)
@@ -612,6 +641,7 @@ class PfsOperations(pyfuse3.Operations):
                        ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         self._no_caps.pop(inode, None)
+        self._changed_here(inode)
         with fs_errors():
             await self.meta.setxattr(inode, name, value, 0, self.cred(ctx))
 
@@ -622,6 +652,7 @@ class PfsOperations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         self._no_caps.pop(inode, None)
+        self._changed_here(inode)
         with fs_errors():
             await self.meta.removexattr(inode, name, self.cred(ctx))
 

@@ -621,3 +621,27 @@ def test_file_capabilities_go_on_write(mdir: Path) -> None:
         fh.write(b"y")  # the kernel removes the capability before writing
     assert err(os.getxattr, f, "security.capability") == "ENODATA"
     assert f.read_bytes().endswith(b"xy")
+
+
+def test_directory_attributes_after_changes_in_it(mnt: Path, mdir: Path, client,
+                                                  user: AsUser) -> None:
+    """After a create or unlink the kernel asks again for the directory's attributes;
+    the mount answers from the metaserver's reply to the change. What the kernel sees
+    must be the metaserver's, and permission checks must follow a chmod at once."""
+    d = mdir / "pd"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    user("write(p, 'a')", p=d / "a")
+    os.mkdir(d / "sub")
+    (d / "c").write_bytes(b"c")
+    os.unlink(d / "c")
+    native = client.stat("/" + str(d.relative_to(mnt)))
+    seen = os.stat(d)
+    assert (seen.st_nlink, seen.st_mtime_ns, seen.st_ctime_ns, seen.st_mode) == \
+        (native.st_nlink, native.st_mtime_ns, native.st_ctime_ns, native.st_mode)
+    assert seen.st_nlink == 3
+    os.chmod(d, 0o755)
+    assert uerr(user, "write(p, 'b')", p=d / "b") == "EACCES"
+    (d / "e").write_bytes(b"e")  # root, after the chmod: the mode stays 0755
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o755
+    assert uerr(user, "write(p, 'b')", p=d / "b") == "EACCES"

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -48,6 +49,8 @@ class MetaClient:
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
         self.direct = direct
+        # the FUSE layer's: (directory, its attributes after an entry change made here)
+        self.on_parent_attr: Callable[[int, StatResult], None] | None = None
         self._blocking: BlockingRpcClient | None = None
         self._blocking_lock = threading.Lock()
 
@@ -96,6 +99,17 @@ class MetaClient:
         rpc = await self._client()
         return (await rpc.call(method, fields)).fields
 
+    async def _entry_call(self, method: str, parent: int, **fields: Any) -> dict[str, Any]:
+        """An entry change in directory ``parent``; with ``on_parent_attr`` set, the
+        directory's new attributes from the reply go to it (docs/rpc.md, want_parent)."""
+        seen = self.on_parent_attr
+        if seen is None:
+            return await self.call(method, parent=parent, **fields)
+        r = await self.call(method, parent=parent, want_parent=True, **fields)
+        if "parent_attr" in r:
+            seen(parent, StatResult.from_wire(r["parent_attr"]))
+        return r
+
     def _cred(self, cred: Cred | None) -> list[Any]:
         return (cred or self.cred).to_wire()
 
@@ -131,20 +145,20 @@ class MetaClient:
 
     async def mkdir(self, parent: int, name: str | bytes, mode: int,
                     cred: Cred | None = None) -> StatResult:
-        r = await self.call("mkdir", parent=parent, name=fsname(name), mode=mode,
-                            cred=self._cred(cred))
+        r = await self._entry_call("mkdir", parent, name=fsname(name), mode=mode,
+                                   cred=self._cred(cred))
         return StatResult.from_wire(r["attr"])
 
     async def mknod(self, parent: int, name: str | bytes, mode: int, rdev: int = 0,
                     cred: Cred | None = None) -> StatResult:
-        r = await self.call("mknod", parent=parent, name=fsname(name), mode=mode, rdev=rdev,
-                            cred=self._cred(cred))
+        r = await self._entry_call("mknod", parent, name=fsname(name), mode=mode, rdev=rdev,
+                                   cred=self._cred(cred))
         return StatResult.from_wire(r["attr"])
 
     async def create(self, parent: int, name: str | bytes, mode: int, flags: int,
                      cred: Cred | None = None) -> dict[str, Any]:
-        return await self.call("create", parent=parent, name=fsname(name), mode=mode,
-                               flags=flags, cred=self._cred(cred))
+        return await self._entry_call("create", parent, name=fsname(name), mode=mode,
+                                      flags=flags, cred=self._cred(cred))
 
     async def open(self, ino: int, flags: int, cred: Cred | None = None) -> dict[str, Any]:
         return await self.call("open", ino=ino, flags=flags, cred=self._cred(cred))
@@ -163,10 +177,10 @@ class MetaClient:
         return StatResult.from_wire(r["attr"])
 
     async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self.call("unlink", parent=parent, name=fsname(name), cred=self._cred(cred))
+        await self._entry_call("unlink", parent, name=fsname(name), cred=self._cred(cred))
 
     async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self.call("rmdir", parent=parent, name=fsname(name), cred=self._cred(cred))
+        await self._entry_call("rmdir", parent, name=fsname(name), cred=self._cred(cred))
 
     async def rename(self, parent: int, name: str | bytes, newparent: int,
                      newname: str | bytes, flags: int = 0, cred: Cred | None = None) -> None:
@@ -181,8 +195,8 @@ class MetaClient:
 
     async def symlink(self, parent: int, name: str | bytes, target: str | bytes,
                       cred: Cred | None = None) -> StatResult:
-        r = await self.call("symlink", parent=parent, name=fsname(name), target=fsname(target),
-                            cred=self._cred(cred))
+        r = await self._entry_call("symlink", parent, name=fsname(name),
+                                   target=fsname(target), cred=self._cred(cred))
         return StatResult.from_wire(r["attr"])
 
     async def readlink(self, ino: int) -> bytes:
