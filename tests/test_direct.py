@@ -165,3 +165,32 @@ def test_a_closed_file_refuses_reads_at_its_end(client_toml, workdir) -> None:
             f.pread(10, 3)
         with pytest.raises(ValueError):
             f.pread(10, 0)
+
+
+def test_a_flush_racing_writes_loses_no_size(client_toml, workdir) -> None:
+    """A write that ends while another thread's flush (commit) waits on the metaserver
+    must stay to be committed: the flush clearing the handle's dirty mark after its
+    reply made the close commit nothing, and the file ended before those bytes."""
+    import threading
+
+    with _remote_client(client_toml) as c:
+        c.set_layout(workdir, count=2, unit=UNIT)
+        for trial in range(10):
+            path = f"{workdir}/r{trial}"
+            f = c.open(path, "wb")
+            stop = threading.Event()
+
+            def flusher() -> None:
+                while not stop.is_set():
+                    f.flush()
+
+            t = threading.Thread(target=flusher)
+            t.start()
+            try:
+                for i in range(200):
+                    f.pwrite(b"z" * 100, i * 100)
+            finally:
+                stop.set()
+                t.join()
+            f.close()
+            assert c.stat(path).st_size == 200 * 100, f"trial {trial}"

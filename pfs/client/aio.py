@@ -316,16 +316,21 @@ class FileHandle:
     async def commit(self) -> None:
         """Tell the metaserver how far this client wrote (fsync, flush, close)."""
         if self._dirty:
-            try:
-                attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
-                                                          time.time_ns())
-            except OSError as exc:
-                if exc.errno != errno.EBADF:
-                    raise
-                await self._reopen()  # the metaserver lost the handle: open it again
-                attr = await self.client.meta.commit_size(self.fh, self.state.written_end,
-                                                          time.time_ns())
+            # cleared before the size is read: a write that ends while the metaserver
+            # answers (another task or thread) marks the handle again, for the next one
             self._dirty = False
+            end = self.state.written_end
+            try:
+                try:
+                    attr = await self.client.meta.commit_size(self.fh, end, time.time_ns())
+                except OSError as exc:
+                    if exc.errno != errno.EBADF:
+                        raise
+                    await self._reopen()  # the metaserver lost the handle: open it again
+                    attr = await self.client.meta.commit_size(self.fh, end, time.time_ns())
+            except BaseException:
+                self._dirty = True
+                raise
             self.state.size = attr.st_size
 
     async def fsync(self) -> None:
