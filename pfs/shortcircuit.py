@@ -205,14 +205,17 @@ class HandleObjects:
                     fd = await self.servers.open_fd(sid, ino, stripe, cap)
                     if fd is not None:
                         break
-                if self.closed:  # closed while the descriptor was on its way
+                with self._closing:  # a close in another thread sees it, or we see it
+                    kept = not self.closed
+                    if kept:
+                        self._fds[stripe] = fd
+                if not kept:  # closed while the descriptor was on its way
                     if fd is not None:
                         os.close(fd)
                     self._check_open()
-                self._fds[stripe] = fd
                 if fd is not None:
                     self.servers.handles.add(self)
-        return self._fds[stripe]
+        return self._fds.get(stripe)
 
     async def read(self, fd: int, obj_off: int, dests: list[memoryview]) -> int:
         """Read consecutive object bytes into ``dests``; returns how many were there."""

@@ -412,6 +412,8 @@ class AsyncClient:
         self.direct = (DirectData(creds.for_data(), self.data.known_address, config.timeout)
                        if direct_meta else None)
         self._inodes: dict[int, _InodeState] = {}
+        # the sync client opens and closes handles in its callers' threads as well
+        self._inodes_lock = threading.Lock()
         self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
         # requests up to this size may be served in the sync client's calling thread
         # (FileHandle.pread_local, pread_direct, pwrite_direct): latency-bound ones
@@ -463,20 +465,22 @@ class AsyncClient:
 
     # -- inode state shared by this client's handles ---------------------------
     def _acquire_state(self, ino: int, size: int) -> _InodeState:
-        st = self._inodes.get(ino)
-        if st is None:
-            st = self._inodes[ino] = _InodeState(size)
-        else:
-            st.size = size  # the metaserver's word at open wins (close-to-open)
-        st.handles += 1
-        return st
+        with self._inodes_lock:
+            st = self._inodes.get(ino)
+            if st is None:
+                st = self._inodes[ino] = _InodeState(size)
+            else:
+                st.size = size  # the metaserver's word at open wins (close-to-open)
+            st.handles += 1
+            return st
 
     def _release_state(self, ino: int) -> None:
-        st = self._inodes.get(ino)
-        if st is not None:
-            st.handles -= 1
-            if st.handles <= 0:
-                del self._inodes[ino]
+        with self._inodes_lock:
+            st = self._inodes.get(ino)
+            if st is not None:
+                st.handles -= 1
+                if st.handles <= 0:
+                    del self._inodes[ino]
 
     def merged_attr(self, attr: StatResult) -> StatResult:
         """An attribute record with sizes this client wrote but has not committed."""
