@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,30 @@ def test_a_flush_racing_writes_loses_no_size(client_toml, workdir) -> None:
                 t.join()
             f.close()
             assert c.stat(path).st_size == 200 * 100, f"trial {trial}"
+
+
+def test_a_file_dropped_unclosed_is_closed_later(client, workdir) -> None:
+    """Garbage collection may run inside the client's own locked sections (here: in
+    this thread, holding the lock of its direct calls): the collected file must not
+    close itself there (that deadlocked), but later, and still commit its size."""
+    import gc
+    import time
+
+    path = f"{workdir}/dropped"
+    f = client.open(path, "wb")
+    f.write(b"abc")
+    f.cycle = f  # only the cycle collector frees it
+    del f
+    done = threading.Event()
+
+    def collect() -> None:
+        with client._direct_lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect, daemon=True).start()
+    assert done.wait(10), "garbage collection deadlocked on the client's lock"
+    deadline = time.monotonic() + 10
+    while client.stat(path).st_size != 3 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the close runs in the client's trio thread, soon
+    assert client.read_file(path) == b"abc"

@@ -10,6 +10,7 @@ calling thread. The hop costs about 150 us of CPU, several times the round trip 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -22,6 +23,7 @@ from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import client_config
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class _Loop:
@@ -111,6 +113,23 @@ class Client:
             coro.close()
         raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} waited on the event loop: "
                            "it cannot run in the calling thread (a pfs bug)")
+
+    def _close_later(self, handle: FileHandle) -> None:
+        """Close ``handle`` in the trio thread, soon; safe from any thread and from a
+        finalizer (it only queues)."""
+        async def close() -> None:
+            try:
+                await handle.close()
+            except OSError as exc:
+                log.warning("closing %s dropped unclosed: %s", handle.path or "a file", exc)
+
+        loop = self._loop
+        if loop.token is None or loop.nursery is None:
+            return
+        try:
+            loop.token.run_sync_soon(loop.nursery.start_soon, close)
+        except trio.RunFinishedError:
+            pass  # the client is gone; so is the handle's connection
 
     def close(self) -> None:
         if self.closed:
@@ -247,6 +266,7 @@ class File(io.RawIOBase):
         self.mode = mode
         self.name = handle.path
         self._pos = handle.size if handle.flags & os.O_APPEND else 0
+        self._dropped = False  # collected without close(): see __del__
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return self._client._run(fn, *args)
@@ -329,6 +349,8 @@ class File(io.RawIOBase):
         return size
 
     def flush(self) -> None:
+        if self._dropped:
+            return  # being collected: the handle's close (elsewhere) commits
         if not self.closed and not self.handle.closed and self.handle.writable:
             self._client._direct(self.handle.commit)
 
@@ -347,3 +369,15 @@ class File(io.RawIOBase):
                     self._client._direct(self.handle.close)
             finally:
                 super().close()
+
+    def __del__(self) -> None:
+        # Garbage collection runs wherever an allocation triggers it, also inside this
+        # client's own locked sections in this very thread (a file in a reference
+        # cycle): closing here could deadlock on them. A file dropped unclosed is
+        # closed later in the client's trio thread instead.
+        if self.closed:
+            return
+        self._dropped = True
+        if not self._client.closed and not self.handle.closed:
+            self._client._close_later(self.handle)
+        io.RawIOBase.close(self)
