@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import pfs
-from tests.conftest import run_threads
 from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
 from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
+from tests.conftest import run_threads
 
 
 def _requests(sock: socket.socket, peer: Peer) -> Iterator[int]:

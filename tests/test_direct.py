@@ -181,7 +181,7 @@ def test_a_flush_racing_writes_loses_no_size(client_toml, workdir) -> None:
             f = c.open(path, "wb")
             stop = threading.Event()
 
-            def flusher() -> None:
+            def flusher(f=f, stop=stop) -> None:  # type: ignore[no-untyped-def]
                 while not stop.is_set():
                     f.flush()
 

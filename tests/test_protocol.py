@@ -267,13 +267,13 @@ def test_giving_up_mid_reply_keeps_the_connection_for_other_calls() -> None:
             await trio.testing.wait_all_tasks_blocked()
             n.start_soon(read_b)
             with trio.fail_after(5):
-                while 1 in cli._pending:  # until A's reply is being received
+                while 1 in cli._pending:  # until A's reply is being received  # noqa: ASYNC110
                     await trio.sleep(0.01)
             scopes[0].cancel()
             await trio.testing.wait_all_tasks_blocked()
             cancelled.set()
             with trio.fail_after(5):
-                while "b" not in results or "a_cancelled" not in results:
+                while "b" not in results or "a_cancelled" not in results:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             assert results["a_cancelled"] is True
             assert results["b"] == ({"b": 1}, b"bbb")

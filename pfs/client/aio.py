@@ -451,7 +451,7 @@ class AsyncClient:
         """Wait between retries; in the caller's thread when metadata calls run there
         (``direct_meta``: the sync client drives these coroutines without trio)."""
         if self.meta.direct:
-            time.sleep(seconds)
+            time.sleep(seconds)  # noqa: ASYNC251 - run outside trio (see the doc above)
         else:
             await trio.sleep(seconds)
 

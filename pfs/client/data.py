@@ -94,7 +94,8 @@ class DataClient:
                 try:
                     conns.append(await self._auth.open_rpc(self._nursery, host, port,
                                                            timeout=self.timeout))
-                except OSError as exc:
+                except OSError as first:
+                    err = first
                     self._addrs.pop(sid, None)  # it may have moved: ask again next time
                     if not conns:
                         # ... and now, once: a server that restarted registered anew,
@@ -110,10 +111,10 @@ class DataClient:
                                     self._nursery, host, port, timeout=self.timeout))
                             except OSError as again:
                                 self._addrs.pop(sid, None)
-                                exc = again
+                                err = again
                     if not conns:
-                        raise OSError(exc.errno or errno.EIO,
-                                      f"data server {sid} at {host}:{port}: {exc.strerror}") from None
+                        raise OSError(err.errno or errno.EIO,
+                                      f"data server {sid} at {host}:{port}: {err.strerror}") from None
             self._conns[sid] = conns
             return conns[next(self._rr) % len(conns)]
 
