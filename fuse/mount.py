@@ -168,11 +168,11 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
         matched, rest = group.split(MountError)
         if matched is None or rest is not None:
             raise
-        exc = matched.exceptions[0]
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        report(str(exc))
-        raise exc from None
+        first: BaseException = matched.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        report(str(first))
+        raise first from None
     finally:
         if mounted:
             pyfuse3.close(unmount=True)

@@ -14,7 +14,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,7 +235,7 @@ class PfsOperations(pyfuse3.Operations):
             raise
         return self._looked_up(attr)
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             left = self._lookups.get(ino, 0) - n
             if left > 0:

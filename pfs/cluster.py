@@ -28,6 +28,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pfs import config as cfgmod
 
@@ -69,8 +70,7 @@ def init(d: Path, tls: bool = False) -> list[Path]:
     return out
 
 
-def _security(d: Path, spec: ClusterSpec) -> tuple[dict[str, object], dict[str, object],
-                                                    list[str]]:
+def _security(d: Path, spec: ClusterSpec) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """Security settings: of the metaserver, of clients, and data server arguments."""
     if spec.tls:
         c = d / "certs"

@@ -307,6 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         targets.append(Target("local", wd / "local", []))
                     elif name == "mount":
                         log("mounting pfs")
+                        assert toml is not None  # the mount needs a cluster
                         pfs_mount(toml, pmnt, args.mount_opts)
                         targets.append(Target("mount", pmnt / "bench-fuse",
                                               server_pids + _pids_of_mount(pmnt)))

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,9 @@ def _worker(backend: str, target: str, root: str, idx: int, n: int, barrier: Any
             results: Any) -> None:
     """One client: its own directory, ``n`` files, three timed phases."""
     out: dict[str, Any] = {"idx": idx, "pid": os.getpid()}
-    client = None
+    client: Any = None
+    stat: Callable[[str], Any]
+    unlink: Callable[[str], Any]
     try:
         if backend == "pfs":
             import pfs

@@ -7,6 +7,7 @@ a :class:`Reply`; an ``OSError`` they raise travels back as errno + message.
 """
 from __future__ import annotations
 
+import builtins
 import errno
 import itertools
 import logging
@@ -134,7 +135,7 @@ class RpcClient:
         else:
             if n and isinstance(call.into, list):
                 await conn.recv_payload_into_vec(call.into, n)
-            elif n and call.into is not None:
+            elif n and isinstance(call.into, memoryview):
                 if n > len(call.into):
                     raise ProtocolError(
                         f"{conn.name} replied with {n} bytes into a {len(call.into)}-byte buffer")
@@ -233,23 +234,23 @@ class Request:
     def int(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._get(key, int, "an integer", default)
 
-    def opt_int(self, key: str) -> int | None:
+    def opt_int(self, key: builtins.str) -> builtins.int | None:
         return self._get(key, int, "an integer", None)
 
-    def str(self, key: str, default: Any = _REQUIRED) -> Any:
+    def str(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
         return self._get(key, str, "a string", default)
 
-    def bytes(self, key: str, default: Any = _REQUIRED) -> Any:
+    def bytes(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
         value = self._get(key, (bytes, str), "bytes", default)
         return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
 
-    def bool(self, key: str, default: bool = False) -> bool:
+    def bool(self, key: builtins.str, default: builtins.bool = False) -> builtins.bool:
         return self._get(key, bool, "a boolean", default)
 
-    def list(self, key: str, default: Any = _REQUIRED) -> Any:
+    def list(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
         return self._get(key, list, "a list", default)
 
-    def any(self, key: str, default: Any = None) -> Any:
+    def any(self, key: builtins.str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
 
