@@ -51,6 +51,7 @@ DELETE_BATCH = 256  # queue entries per deletion round
 DELETE_RETRY = 2.0  # seconds before retrying deletions that failed
 DELETE_COALESCE = 0.25  # seconds queued deletions wait to be sent together
 DATA_TIMEOUT = 30.0  # seconds per call to a data server
+MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
 
 
 @dataclass(slots=True, eq=False)
@@ -122,7 +123,7 @@ class MetaService(RpcService):
     # read-only handlers that never wait: answered in the connection's reader task
     inline_methods = frozenset({"hello", "resolve", "lookup", "getattr", "access", "readlink",
                                 "readdir", "statfs", "getxattr", "listxattr", "get_layout",
-                                "servers", "heartbeat", "renew"})
+                                "servers", "heartbeat", "renew", "release"})
 
     def is_inline(self, req: Request) -> bool:
         # an open without O_TRUNC and a close with no size to commit only read and sign
@@ -324,7 +325,32 @@ class MetaService(RpcService):
         if ident is not None and ident.role == "server" and req.method not in SERVER_METHODS:
             raise OSError(errno.EACCES, f"{req.method}: data server credentials give no "
                                         "access to the namespace")
+        if "closes" in req.fields:
+            self._release_closed(ctx, req.list("closes"))
         return await super().dispatch(ctx, req)
+
+    def _release_closed(self, ctx: ConnContext, fhs: list[Any]) -> None:
+        """Handles the client closed with nothing to commit, sent along with its next
+        request (docs/rpc.md, ``closes``) and released before it: a close without a
+        round trip of its own. Unknown handles are skipped (already released)."""
+        if len(fhs) > MAX_CLOSES:
+            raise OSError(errno.EINVAL, f"closes: {len(fhs)} handles, at most {MAX_CLOSES}")
+        if not all(isinstance(fh, int) and not isinstance(fh, bool) for fh in fhs):
+            raise OSError(errno.EINVAL, "closes: handles must be integers")
+        open_fhs: dict[int, int] = ctx.state.get("fhs", {})
+        for fh in fhs:
+            ino = open_fhs.pop(fh, None)
+            if ino is None:
+                continue
+            ctx.state.get("rights", {}).pop(fh, None)
+            ctx.state.get("fh_user", set()).discard(fh)
+            if self._unref(ino) and not self._closed:  # the last handle of an orphan
+                self._send.send_nowait(_Op(functools.partial(self._reclaim, ino), None))
+
+    async def rpc_release(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+        """Only its ``closes`` (handled in ``dispatch``): what a client sends when no
+        other request comes soon enough to carry them."""
+        return {}
 
     def _at(self, req: Request, cred: Cred, parent_key: str = "parent", name_key: str = "name",
             path_key: str = "path") -> tuple[int, bytes]:

@@ -155,11 +155,9 @@ def test_a_dirty_close_outlasts_a_metaserver_outage(private_cluster: Path) -> No
     with pfs.connect(config=toml) as c:
         f = c.open("/f", "wb")
         f.write(b"a" * UNIT)
-        r = c.open("/f", "rb")  # nothing to commit: its close does not wait
+        r = c.open("/f", "rb")  # nothing to commit: released with the next request
         _kill(private_cluster, "meta")
-        with pytest.raises(OSError) as err:
-            r.close()
-        assert err.value.errno in (errno.ENOTCONN, errno.ECONNRESET)
+        r.close()  # no round trip of its own, so no error: the metaserver forgot it anyway
         restart = threading.Timer(1.0, cluster.up, args=(private_cluster,))
         restart.start()
         try:

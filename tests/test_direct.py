@@ -2,6 +2,7 @@
 against the shared real cluster; short-circuit off, so every data server is "remote"."""
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -222,3 +223,43 @@ def test_a_file_dropped_unclosed_is_closed_later(client, workdir) -> None:
     while client.stat(path).st_size != 3 and time.monotonic() < deadline:
         time.sleep(0.02)  # the close runs in the client's trio thread, soon
     assert client.read_file(path) == b"abc"
+
+
+def test_a_close_with_nothing_to_commit_rides_on_the_next_call(client_toml, workdir,
+                                                               monkeypatch) -> None:
+    """The sync client releases such a handle along with its next metadata request, or
+    with a ``release`` of its own when none comes soon: one round trip fewer per
+    create or read-only open, and the metaserver still learns the handle is gone."""
+    import time
+
+    from pfs.wire.blocking import BlockingRpcClient
+
+    sent: list[tuple[str, int]] = []
+    real = BlockingRpcClient.call_into
+
+    def recording(self, method, fields=None, **kw):  # type: ignore[no-untyped-def]
+        sent.append((method, len((fields or {}).get("closes", []))))
+        return real(self, method, fields, **kw)
+
+    monkeypatch.setattr(BlockingRpcClient, "call_into", recording)
+    import pfs.client.meta as meta_mod
+
+    monkeypatch.setattr(meta_mod, "CLOSE_DELAY", 2.0)  # no release of its own mid-test
+    path = f"{workdir}/d"
+    with pfs.connect(config=client_toml) as c, pfs.connect(config=client_toml) as other:
+        sent.clear()
+        with c.open(path, "xb"):
+            pass
+        assert [m for m, _ in sent] == ["create"]
+        c.stat(path)
+        assert sent[-1] == ("resolve", 1)
+        with c.open(path, "rb"):
+            pass
+        with pytest.raises(OSError) as err:  # still open as far as the metaserver knows
+            other.set_layout(path, count=1, unit=UNIT)
+        assert err.value.errno == errno.EBUSY
+        deadline = time.monotonic() + 10
+        while ("release", 1) not in sent and time.monotonic() < deadline:
+            time.sleep(0.02)  # nothing else to carry it: a release of its own, soon
+        assert ("release", 1) in sent
+        assert other.set_layout(path, count=1, unit=UNIT)["count"] == 1

@@ -651,3 +651,20 @@ async def test_entry_changes_can_answer_with_the_parents_new_attributes(tmp_path
         assert r == {"parent_attr": (await env.call("getattr", ino=d["ino"]))["attr"]}
         r = await env.call("rmdir", parent=d["ino"], name=b"sub", cred=ROOTC)
         assert r == {}  # not asked for
+
+
+@trio_test
+async def test_closes_ride_on_the_next_request(tmp_path: Path) -> None:
+    """``closes``: handles released along with any request, before it; an orphan's last
+    handle going that way is reclaimed; unknown handles are skipped; bad ones refused."""
+    async with running(tmp_path) as env:
+        r = await env.call("create", parent=1, name=b"f", mode=0o644,
+                           flags=os.O_CREAT | os.O_RDWR, cred=ROOTC)
+        await env.call("close", fh=r["fh"], written_end=UNIT, mtime=None)
+        o = await env.call("open", ino=r["attr"]["ino"], flags=os.O_RDONLY, cred=ROOTC)
+        await env.call("unlink", parent=1, name=b"f", cred=ROOTC)  # open: an orphan
+        await env.call("getattr", ino=1, closes=[o["fh"], 999])
+        await expect(errno.EBADF, env.call("close", fh=o["fh"]))
+        await env.wait_for(lambda: any(d.deleted for d in env.data.values()))
+        await expect(errno.EINVAL, env.call("release", closes=["x"]))
+        assert await env.call("release", closes=[]) == {}

@@ -111,6 +111,7 @@ class FileHandle:
         self.attr = attr  # the metaserver's attributes at open (FUSE replies with them)
         self.ino = ino
         self.fh = fh
+        self.meta_gen = client.meta.generation  # the metadata connection fh belongs to
         self.flags = flags
         self.layout = layout
         self.state = state
@@ -150,6 +151,7 @@ class FileHandle:
             self.ino, self.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
             self.cred or self.client.cred)
         self.fh = r["fh"]
+        self.meta_gen = self.client.meta.generation
         self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
         return r
 
@@ -365,6 +367,8 @@ class FileHandle:
         past the size it knows). A close with bytes to commit outlasts a metaserver
         outage of up to ``timeout`` seconds, retrying as an NFS hard mount would: the
         writes were acknowledged, so giving up would lose them from the file's size."""
+        if end is None and self.client.meta.defer_close(self.fh, self.meta_gen):
+            return  # released with the next metadata request (sync client)
         deadline = time.monotonic() + self.client.config.timeout
         delay = 0.05
         lost = False  # the metaserver forgot the handle (restart, lost connection)

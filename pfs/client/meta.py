@@ -30,6 +30,7 @@ from pfs.wire.rpc import RpcClient
 log = logging.getLogger(__name__)
 
 RENAME_NOREPLACE = 1
+CLOSE_DELAY = 0.2  # seconds a deferred close waits for a request to carry it
 RENAME_EXCHANGE = 2
 
 
@@ -53,6 +54,17 @@ class MetaClient:
         self.on_parent_attr: Callable[[int, StatResult], None] | None = None
         self._blocking: BlockingRpcClient | None = None
         self._blocking_lock = threading.Lock()
+        # direct mode: the blocking connection's number (handle ids are per connection),
+        # and the handles closed with nothing to commit, released by the next request
+        self.generation = 0
+        self._closes: list[int] = []
+        self._closes_gen = 0
+        self._closes_lock = threading.Lock()
+        self._flush_due = False
+        try:
+            self._token: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
+        except RuntimeError:  # made outside trio: deferred closes wait for a request
+            self._token = None
 
     async def _client(self) -> RpcClient:
         rpc = self._rpc
@@ -91,13 +103,59 @@ class MetaClient:
                     rpc.close()
                     raise
                 self._blocking = rpc
+                self.generation += 1
             return rpc
+
+    def _blocking_call(self, method: str, fields: dict[str, Any]) -> dict[str, Any]:
+        rpc = self._blocking_client()
+        with self._closes_lock:
+            closes, self._closes = self._closes, []
+            if self._closes_gen != self.generation:
+                closes = []  # opened on a connection that is gone: released with it
+        if closes:
+            fields = {**fields, "closes": closes}
+        return rpc.call(method, fields)
 
     async def call(self, method: str, **fields: Any) -> dict[str, Any]:
         if self.direct:
-            return self._blocking_client().call(method, fields)
+            return self._blocking_call(method, fields)
         rpc = await self._client()
         return (await rpc.call(method, fields)).fields
+
+    def defer_close(self, fh: int, generation: int) -> bool:
+        """Direct mode: release handle ``fh`` (opened on connection ``generation``, with
+        nothing to commit) along with the next request, or a ``release`` of its own
+        after CLOSE_DELAY, instead of a round trip now (docs/rpc.md, ``closes``). False:
+        not deferred (not direct mode), close it now."""
+        if not self.direct:
+            return False
+        with self._closes_lock:
+            if generation != self.generation or self._blocking is None:
+                return True  # its connection is gone, and the handle with it
+            if self._closes_gen != generation:
+                self._closes, self._closes_gen = [], generation
+            self._closes.append(fh)
+            flush = not self._flush_due and self._token is not None
+            self._flush_due = self._flush_due or flush
+        if flush:
+            assert self._token is not None
+            try:
+                self._token.run_sync_soon(self._nursery.start_soon, self._flush_closes)
+            except trio.RunFinishedError:
+                pass  # the client is gone; so are its handles
+        return True
+
+    async def _flush_closes(self) -> None:
+        """Release deferred closes that no request carried within CLOSE_DELAY."""
+        await trio.sleep(CLOSE_DELAY)
+        with self._closes_lock:
+            self._flush_due = False
+            due = bool(self._closes)
+        if due:
+            try:
+                self._blocking_call("release", {})
+            except OSError as exc:  # the connection broke: the server released them
+                log.debug("releasing closed handles: %s", exc)
 
     async def _entry_call(self, method: str, parent: int, **fields: Any) -> dict[str, Any]:
         """An entry change in directory ``parent``; with ``on_parent_attr`` set, the
