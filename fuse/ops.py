@@ -37,7 +37,7 @@ GROUPS_CACHE_MAX = 4096
 NOW_SLACK_NS = 2_000_000_000
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
 CAPS_XATTR = b"security.capability"
-NO_CAPS_MAX = 65536  # inodes remembered without file capabilities (then forgotten at once)
+CACHE_MAX = 65536  # inodes in each of the daemon's small caches (then all forgotten at once)
 
 
 def _os_error_of(exc: BaseException) -> OSError | None:
@@ -253,7 +253,7 @@ class PfsOperations(pyfuse3.Operations):
         would be now; they answer that one request, within attr_timeout (the staleness
         the kernel's own cache allows)."""
         if self.tuning.attr_timeout > 0:
-            if len(self._dir_attrs) >= NO_CAPS_MAX:
+            if len(self._dir_attrs) >= CACHE_MAX:
                 self._dir_attrs.clear()
             self._dir_attrs[ino] = (time.monotonic() + self.tuning.attr_timeout, attr)
 
@@ -620,10 +620,10 @@ class PfsOperations(pyfuse3.Operations):
 
     # -- extended attributes ---------------------------------------------------
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        # The kernel asks for security.capability before every write to remove it; a
-        # metaserver round trip per 1 MiB write cost ~9 % of the mount's write CPU. Its
-        # absence is remembered for attr_timeout (as the kernel remembers attributes),
-        # and forgotten at once when this mount sets or removes it.
+        # The kernel asks for security.capability before every write, to remove it: each
+        # 1 MiB write of the mount waited for a metaserver round trip first. Its absence
+        # is remembered for attr_timeout (as the kernel remembers attributes), and
+        # forgotten at once when this mount changes an xattr of the file.
         cached = name == CAPS_XATTR
         if cached and self._no_caps.get(inode, 0.0) > time.monotonic():
             raise pyfuse3.FUSEError(errno.ENODATA)
@@ -632,7 +632,7 @@ class PfsOperations(pyfuse3.Operations):
                 return await self.meta.getxattr(inode, name, self.cred(ctx))
         except pyfuse3.FUSEError as exc:
             if cached and exc.errno == errno.ENODATA and self.tuning.attr_timeout > 0:
-                if len(self._no_caps) >= NO_CAPS_MAX:
+                if len(self._no_caps) >= CACHE_MAX:
                     self._no_caps.clear()
                 self._no_caps[inode] = time.monotonic() + self.tuning.attr_timeout
             raise
