@@ -308,3 +308,15 @@ def test_a_closed_client_does_not_reconnect(client_toml: Path) -> None:
     with pytest.raises(RuntimeError):
         c.open(f"/closed-{id(c)}", "wb")
     assert c.aio.meta._blocking is None
+
+
+def test_a_release_after_close_opens_no_connection(client_toml: Path) -> None:
+    """A deferred release that runs after the client closed (its timer fired in the
+    window before the loop stopped) must not open a connection nothing would close."""
+    c = pfs.connect(config=client_toml)
+    meta = c.aio.meta
+    c.close()
+    with pytest.raises(OSError) as err:
+        meta._blocking_call("release", {})
+    assert err.value.errno == errno.ENOTCONN
+    assert meta._blocking is None

@@ -463,7 +463,7 @@ class AsyncClient:
         self.data.close()
         if self.direct is not None:
             self.direct.close()
-        self.meta.disconnect()
+        self.meta.shutdown()
         if self.local is not None:
             self.local.close()
 

@@ -54,6 +54,7 @@ class MetaClient:
         self.on_parent_attr: Callable[[int, StatResult], None] | None = None
         self._blocking: BlockingRpcClient | None = None
         self._blocking_lock = threading.Lock()
+        self._disconnected = False
         # direct mode: the blocking connection's number (handle ids are per connection),
         # and the handles closed with nothing to commit, released by the next request
         self.generation = 0
@@ -88,6 +89,8 @@ class MetaClient:
 
     def _blocking_client(self) -> BlockingRpcClient:
         with self._blocking_lock:
+            if self._disconnected:
+                raise OSError(errno.ENOTCONN, "the client was closed")
             rpc = self._blocking
             if rpc is None or not rpc.alive:
                 self._blocking = None
@@ -179,6 +182,15 @@ class MetaClient:
             if self._blocking is not None:
                 self._blocking.close()
                 self._blocking = None
+        with self._closes_lock:
+            self._closes = []  # the metaserver releases them with the connection
+
+    def shutdown(self) -> None:
+        """Disconnect for good: a late caller (a deferred ``release`` running after the
+        client closed) must not open a connection nothing would close."""
+        with self._blocking_lock:
+            self._disconnected = True
+        self.disconnect()
 
     # -- namespace -----------------------------------------------------------
     async def resolve(self, path: str | bytes, follow: bool = True,
