@@ -5,7 +5,10 @@ still go straight between the caller's buffer and the sockets. Metadata-only cal
 mkdir, unlink, rename, open and close of a handle, ...) do not cross: with
 ``direct_meta`` (the default) the client's metadata connection is a blocking socket, so
 those coroutines never suspend and :meth:`Client._direct` runs them to completion in the
-calling thread. The hop costs about 150 us of CPU, several times the round trip itself.
+calling thread. Small reads and writes (one stripe piece, up to the profile's
+``direct_max``) do not cross either (``FileHandle.pread_direct``/``pwrite_direct``,
+:mod:`pfs.client.direct`). The hop costs about 150 us of CPU, several times the round
+trip itself.
 """
 from __future__ import annotations
 
