@@ -34,10 +34,10 @@ import trio
 
 from metaserver import keys as K
 from metaserver.namespace import NOW, Cred, Namespace
+from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
 from metaserver.store import LmdbStore, Store, WriteTxn
-from pfs import auth, caps
-from pfs.auth import ClientAuth, ServerAuth
-from pfs.config import ConfigError, MetaConfig
+from pfs import caps
+from pfs.config import MetaConfig
 from pfs.layout import object_size
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
@@ -75,38 +75,9 @@ class _Live:
     seen: float  # time.monotonic() of the last register/heartbeat
 
 
-# Methods a peer with the "server" role (a data server) may call; every other one
-# needs a client (or, on an unsecured cluster, anyone).
-SERVER_METHODS = frozenset({"hello", "register", "heartbeat", "servers", "statfs"})
-
-
 def rights_of(flags: int) -> int:
     acc = flags & os.O_ACCMODE
     return {os.O_RDONLY: caps.READ, os.O_WRONLY: caps.WRITE}.get(acc, caps.READ | caps.WRITE)
-
-
-def meta_security(config: MetaConfig) -> tuple[ServerAuth, ClientAuth, dict[str, bytes]]:
-    """From the config: how peers authenticate to the metaserver, how it authenticates
-    to data servers, and the data-plane keys it hands to registered data servers."""
-    tls = auth.server_tls_from(config.tls_cert, config.tls_key, config.tls_ca)
-    keys: dict[str, tuple[bytes, auth.Identity]] = {}
-    data_keys: dict[str, bytes] = {}
-    if config.key_file:
-        keys[auth.CLUSTER] = (auth.read_secret_file(config.key_file),
-                              auth.Identity(auth.CLUSTER, "server"))
-    elif config.node_keys and tls is None:
-        raise ConfigError("node_keys need key_file (the cluster key) as well")
-    for nk in config.node_keys:
-        k = auth.read_secret_file(nk.file)
-        keys[nk.name] = (k, auth.Identity(nk.name, "client", (nk.uids[0], nk.uids[1]),
-                                          (nk.gids[0], nk.gids[1])))
-        data_keys[nk.name] = auth.data_plane_key(k)
-    if tls is not None:
-        own = auth.client_auth(tls_cert=config.tls_cert, tls_key=config.tls_key,
-                               tls_ca=config.tls_ca)
-        return ServerAuth(tls=tls), own, {}
-    own = auth.client_auth(key_file=config.key_file)
-    return ServerAuth(keys=keys), own, data_keys
 
 
 def _time(req: Request, key: str) -> int | str | None:
@@ -138,14 +109,14 @@ class MetaService(RpcService):
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
-                 security: tuple[ServerAuth, ClientAuth, dict[str, bytes]] | None = None
-                 ) -> None:
+                 security: MetaSecurity | None = None) -> None:
         cfg = config or MetaConfig()
-        server_auth, self._own_auth, self._data_keys = security or meta_security(cfg)
-        if server_auth.mode == "open":
+        sec = security or meta_security(cfg)
+        self._own_auth, self._data_keys = sec.own, sec.data_keys
+        if sec.server.mode == "open":
             log.warning("metaserver: no cluster key or TLS configured: UNSECURED, every peer "
                         "is trusted (development only; see docs/security.md)")
-        super().__init__(limits, server_auth)
+        super().__init__(limits, sec.server)
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
@@ -855,9 +826,7 @@ async def serve_meta(config: MetaConfig, *, store: Store | None = None,
     security = meta_security(config)  # key files are checked before anything starts
     st: Store = LmdbStore(config.db, config.map_size) if store is None else store
     try:
-        signer = (caps.CapSigner.load_or_create(os.path.join(config.db, caps.KEY_FILE),
-                                                config.cap_ttl)
-                  if owned else caps.CapSigner.generate(config.cap_ttl))
+        signer = cap_signer(config, persistent=owned)
         service = MetaService(st, config, signer=signer, security=security)
         await service.serve_all(config.host, config.port, task_status=task_status)
     finally:
