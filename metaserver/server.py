@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import trio
 
 from metaserver import keys as K
 from metaserver.namespace import NOW, Cred, Namespace
+from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
 from metaserver.store import LmdbStore, Store, WriteTxn
 from pfs import caps
@@ -64,15 +64,6 @@ class _Op:
 
 class _Undo(Exception):
     """Rolls back a nested transaction that only checked what an operation would do."""
-
-
-@dataclass(slots=True)
-class _Live:
-    host: str
-    port: int
-    total: int
-    free: int
-    seen: float  # time.monotonic() of the last register/heartbeat
 
 
 def rights_of(flags: int) -> int:
@@ -120,9 +111,11 @@ class MetaService(RpcService):
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
-        self.ns = Namespace(self.config.layout, servers=self._alive_free, opened=self._opened,
+        self.registry = Registry(cfg.heartbeat_timeout)
+        self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
+                            opened=self._opened,
                             is_open=self._is_open, deleting=self._deleting_objects)
-        # shared with the writer thread: open counts, inodes being deleted, live servers
+        # shared with the writer thread: open counts, inodes being deleted
         self._lock = threading.Lock()
         self._open: dict[int, int] = {}
         self._dying: set[int] = set()
@@ -130,7 +123,6 @@ class MetaService(RpcService):
         # inodes whose last link went while open (perhaps in a batch that then failed:
         # a hint, checked against the store when their last handle closes)
         self._orphan_hint: set[int] = set()
-        self._live: dict[str, _Live] = {}
         self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
         self._wake_deleter = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -362,29 +354,17 @@ class MetaService(RpcService):
                 self._send.send_nowait(_Op(functools.partial(self._reclaim, ino), None))
 
     # ------------------------------------------------------------------ data servers
-    def _alive_free(self) -> dict[str, int]:
-        limit = time.monotonic() - self.config.heartbeat_timeout
-        with self._lock:
-            return {sid: s.free for sid, s in self._live.items() if s.seen >= limit}
-
-    def _alive(self, sid: str) -> _Live | None:
-        with self._lock:
-            s = self._live.get(sid)
-        if s is None or s.seen < time.monotonic() - self.config.heartbeat_timeout:
-            return None
-        return s
-
     async def _dclient(self, sid: str) -> RpcClient:
         lock = self._dlocks.setdefault(sid, trio.Lock())
         async with lock:
             client = self._dclients.get(sid)
             if client is not None and client.alive:
                 return client
-            s = self._alive(sid)
-            if s is None:
+            addr = self.registry.address(sid)
+            if addr is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
             assert self._nursery is not None
-            client = await self._own_auth.open_rpc(self._nursery, s.host, s.port,
+            client = await self._own_auth.open_rpc(self._nursery, addr[0], addr[1],
                                                    limits=self.limits, timeout=DATA_TIMEOUT)
             self._dclients[sid] = client
             return client
@@ -723,10 +703,7 @@ class MetaService(RpcService):
         return {"entries": entries, "eof": eof}
 
     async def rpc_statfs(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        limit = time.monotonic() - self.config.heartbeat_timeout
-        with self._lock:
-            alive = [s for s in self._live.values() if s.seen >= limit]
-        total, free = sum(s.total for s in alive), sum(s.free for s in alive)
+        total, free = self.registry.capacity()
         with self.store.read() as txn:
             return self.ns.statfs(txn, total, free)
 
@@ -765,16 +742,7 @@ class MetaService(RpcService):
     async def rpc_servers(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         with self.store.read() as txn:
             stored = self.ns.list_servers(txn)
-        limit = time.monotonic() - self.config.heartbeat_timeout
-        out: dict[str, Any] = {}
-        with self._lock:
-            for sid, rec in stored.items():
-                live = self._live.get(sid)
-                if live is not None:
-                    rec = {"host": live.host, "port": live.port, "total": live.total,
-                           "free": live.free}
-                out[sid] = {**rec, "alive": live is not None and live.seen >= limit}
-        return {"servers": out}
+        return {"servers": self.registry.describe(stored)}
 
     async def rpc_register(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         if ctx.identity is None or not ctx.identity.may_serve:
@@ -787,8 +755,7 @@ class MetaService(RpcService):
             raise OSError(errno.EINVAL, "register: bad port, sizes or sid")
         await self._mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free))
-        with self._lock:
-            self._live[sid] = _Live(host, port, total, free, time.monotonic())
+        self.registry.register(sid, host, port, total, free)
         old = self._dclients.pop(sid, None)
         if old is not None:
             old.close()
@@ -804,17 +771,13 @@ class MetaService(RpcService):
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.str("sid"), req.int("total"), req.int("free")
-        with self._lock:
-            live = self._live.get(sid)
-            if live is not None:
-                live.total, live.free, live.seen = total, free, time.monotonic()
-                return {}
+        if self.registry.heartbeat(sid, total, free):
+            return {}
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
-        with self._lock:
-            self._live[sid] = _Live(rec["host"], rec["port"], total, free, time.monotonic())
+        self.registry.register(sid, rec["host"], rec["port"], total, free)
         return {}
 
 

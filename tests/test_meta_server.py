@@ -440,14 +440,13 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
     """A create or O_TRUNC open whose handler is cancelled (its connection reset) while
     the operation waits in the group-commit queue must not leave the inode counted as
     open: unlinking it later deletes it instead of keeping an orphan forever."""
-    from metaserver.server import _Live
     from metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             svc = MetaService(MemoryStore(), MetaConfig(port=0))
             await nursery.start(svc.run)
-            svc._live["s1"] = _Live("127.0.0.1", 1, 1 << 30, 1 << 29, 1e18)
+            svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
             ctx = ConnContext(None, "test")  # type: ignore[arg-type]
             flags = os.O_CREAT | os.O_RDWR
             with trio.CancelScope() as scope:
