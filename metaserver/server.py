@@ -21,17 +21,16 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import math
 import os
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from metaserver import keys as K
+from metaserver.commit import CommitQueue, dry_run
 from metaserver.namespace import NOW, Cred, Namespace
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
@@ -45,25 +44,12 @@ from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-MAX_BATCH = 256  # operations per group commit (bounds how long one commit holds the loop)
 DELETE_CHUNK = 1024  # object ids per delete request
 DELETE_BATCH = 256  # queue entries per deletion round
 DELETE_RETRY = 2.0  # seconds before retrying deletions that failed
 DELETE_COALESCE = 0.25  # seconds queued deletions wait to be sent together
 DATA_TIMEOUT = 30.0  # seconds per call to a data server
 MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
-
-
-@dataclass(slots=True, eq=False)
-class _Op:
-    fn: Callable[[WriteTxn], Any]
-    done: trio.Event | None
-    result: Any = None
-    error: BaseException | None = None
-
-
-class _Undo(Exception):
-    """Rolls back a nested transaction that only checked what an operation would do."""
 
 
 def rights_of(flags: int) -> int:
@@ -111,6 +97,7 @@ class MetaService(RpcService):
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
+        self.commit = CommitQueue(store, self._batch_committed)
         self.registry = Registry(cfg.heartbeat_timeout)
         self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
                             opened=self._opened,
@@ -123,27 +110,25 @@ class MetaService(RpcService):
         # inodes whose last link went while open (perhaps in a batch that then failed:
         # a hint, checked against the store when their last handle closes)
         self._orphan_hint: set[int] = set()
-        self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
         self._wake_deleter = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._dclients: dict[str, RpcClient] = {}
         self._dlocks: dict[str, trio.Lock] = {}
-        self._closed = False
         self._delq_from = 0  # deletion queue sequence number the next round starts at
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Format or recover the store, then run the writer and the deleter."""
-        await self._in_writer_thread(self._startup)
+        await self.commit.write_alone(self._startup)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._writer, name="meta-writer")
+                nursery.start_soon(self.commit.run, name="meta-writer")
                 nursery.start_soon(self._deleter, name="meta-deleter")
                 task_status.started()
         finally:
-            self._closed = True
+            self.commit.close()
             for client in self._dclients.values():
                 client.close()
 
@@ -154,67 +139,19 @@ class MetaService(RpcService):
             bound = await nursery.start(self.serve, host, port)
             task_status.started(bound)
 
-    def _startup(self) -> None:
-        with self.store.write() as txn:
-            if self.ns.format(txn):
-                log.info("formatted a new metadata store")
-            orphans = self.ns.orphans(txn)
-            for ino in orphans:
-                self.ns.reclaim(txn, ino)
-            if orphans:
-                log.info("reclaimed %d orphaned inode(s) from the previous run", len(orphans))
+    def _startup(self, txn: WriteTxn) -> None:
+        if self.ns.format(txn):
+            log.info("formatted a new metadata store")
+        orphans = self.ns.orphans(txn)
+        for ino in orphans:
+            self.ns.reclaim(txn, ino)
+        if orphans:
+            log.info("reclaimed %d orphaned inode(s) from the previous run", len(orphans))
 
-    async def _in_writer_thread(self, fn: Callable[[], Any]) -> Any:
-        if self.store.threaded:
-            return await trio.to_thread.run_sync(fn)
-        return fn()
-
-    # ------------------------------------------------------------------ group commit
-    async def _mutate(self, fn: Callable[[WriteTxn], Any]) -> Any:
-        op = _Op(fn, trio.Event())
-        self._send.send_nowait(op)
-        assert op.done is not None
-        await op.done.wait()
-        if op.error is not None:
-            raise op.error
-        return op.result
-
-    async def _writer(self) -> None:
-        while True:
-            batch = [await self._recv.receive()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            # The batch runs and commits in the event loop's own thread: handing it to a
-            # worker thread costs more (~300 us here) than the loop loses by waiting for
-            # the fsync, and requests arriving meanwhile simply join the next batch.
-            self._run_batch(batch)
-            await trio.lowlevel.checkpoint()
-            with self._lock:
-                self._dying.clear()
-            for op in batch:
-                if op.done is not None:
-                    op.done.set()
-                elif op.error is not None:
-                    log.warning("background metadata update failed: %s", op.error)
-            self._wake_deleter.set()
-
-    def _run_batch(self, batch: list[_Op]) -> None:
-        try:
-            with self.store.write() as txn:
-                for op in batch:
-                    try:
-                        with txn.nested() as sub:
-                            op.result = op.fn(sub)
-                    except Exception as exc:  # noqa: BLE001 - re-raised in the op's handler
-                        op.error = exc
-        except OSError as exc:  # the commit itself failed: nothing of the batch is stored
-            log.error("metadata commit of %d operation(s) failed: %s", len(batch), exc)
-            for op in batch:
-                if op.error is None:
-                    op.error = exc
+    def _batch_committed(self) -> None:
+        with self._lock:
+            self._dying.clear()
+        self._wake_deleter.set()
 
     # ------------------------------------------------------------------ open counts
     def _opened(self, ino: int) -> bool:
@@ -256,7 +193,7 @@ class MetaService(RpcService):
             if ino not in self._orphan_hint:
                 return False  # never made an orphan while open: no store read per close
             self._orphan_hint.discard(ino)
-        if self._closed:
+        if self.commit.closed:
             return False
         with self.store.read() as txn:
             return txn.get(K.orphan(ino)) is not None
@@ -307,8 +244,8 @@ class MetaService(RpcService):
                 continue
             ctx.state.get("rights", {}).pop(fh, None)
             ctx.state.get("fh_user", set()).discard(fh)
-            if self._unref(ino) and not self._closed:  # the last handle of an orphan
-                self._send.send_nowait(_Op(functools.partial(self._reclaim, ino), None))
+            if self._unref(ino):  # the last handle of an orphan
+                self.commit.submit(functools.partial(self._reclaim, ino))
 
     async def rpc_release(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         """Only its ``closes`` (handled in ``dispatch``): what a client sends when no
@@ -350,8 +287,8 @@ class MetaService(RpcService):
     def connection_lost(self, ctx: ConnContext) -> None:
         fhs: dict[int, int] = ctx.state.pop("fhs", {})
         for ino in fhs.values():
-            if self._unref(ino) and not self._closed:
-                self._send.send_nowait(_Op(functools.partial(self._reclaim, ino), None))
+            if self._unref(ino):
+                self.commit.submit(functools.partial(self._reclaim, ino))
 
     # ------------------------------------------------------------------ data servers
     async def _dclient(self, sid: str) -> RpcClient:
@@ -458,7 +395,7 @@ class MetaService(RpcService):
             def finish(txn: WriteTxn) -> None:
                 for seq in done:
                     self.ns.delq_done(txn, seq)
-            await self._mutate(finish)
+            await self.commit.mutate(finish)
         if self._delq_from and not errors:
             self._wake_deleter.set()  # more queued than one round takes
         return bool(errors)
@@ -494,19 +431,14 @@ class MetaService(RpcService):
             if plan is not None:
                 if any(v is not None for k, v in kw.items() if k != "size"):
                     # the other changes must be allowed before any object is cut
-                    await self._mutate(functools.partial(self._try_setattr, cred, ino, kw))
+                    await self.commit.mutate(functools.partial(self._try_setattr, cred, ino, kw))
                 await self._truncate_objects(ino, plan[0], size)
-        attr = await self._mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
+        attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return {"attr": attr}
 
     def _try_setattr(self, cred: Cred, ino: int, kw: dict[str, Any], txn: WriteTxn) -> None:
         """Raise what ``setattr`` would raise; change nothing."""
-        try:
-            with txn.nested() as sub:
-                self.ns.setattr(sub, cred, ino, **kw)
-                raise _Undo
-        except _Undo:
-            pass
+        dry_run(txn, lambda sub: self.ns.setattr(sub, cred, ino, **kw))
 
     async def rpc_access(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, mask = self._cred(ctx, req), req.int("ino"), req.int("mask")
@@ -525,7 +457,7 @@ class MetaService(RpcService):
         def op(txn: WriteTxn) -> tuple[Any, Any]:
             return fn(txn), self.ns.getattr(txn, parent) if want else None
 
-        result, parent_attr = await self._mutate(op)
+        result, parent_attr = await self.commit.mutate(op)
         out: dict[str, Any] = {} if result is None else {"attr": result}
         if parent_attr is not None:
             out["parent_attr"] = parent_attr
@@ -565,7 +497,7 @@ class MetaService(RpcService):
             return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
 
         try:
-            attr, layout, parent_attr = await self._mutate(op)
+            attr, layout, parent_attr = await self.commit.mutate(op)
         except BaseException:
             abandoned = True  # the op may still be queued
             for ino in opened:  # the op ran but the batch did not commit
@@ -603,7 +535,7 @@ class MetaService(RpcService):
             return result
 
         try:
-            attr, layout = await self._mutate(op)
+            attr, layout = await self.commit.mutate(op)
         except BaseException:
             abandoned = True
             for i in opened:
@@ -613,7 +545,7 @@ class MetaService(RpcService):
 
     async def _release(self, ino: int) -> None:
         if self._unref(ino):
-            await self._mutate(lambda t: self.ns.reclaim(t, ino))
+            await self.commit.mutate(lambda t: self.ns.reclaim(t, ino))
 
     def _fh(self, ctx: ConnContext, req: Request, pop: bool = False) -> int:
         fh = req.int("fh")
@@ -642,7 +574,7 @@ class MetaService(RpcService):
         try:
             if written_end is not None or mtime is not None:
                 try:
-                    await self._mutate(
+                    await self.commit.mutate(
                         lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))
                 except FileNotFoundError:
                     pass
@@ -654,7 +586,7 @@ class MetaService(RpcService):
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
         ino = self._fh(ctx, req)
         root = req.int("fh") not in ctx.state.get("fh_user", set())
-        return {"attr": await self._mutate(
+        return {"attr": await self.commit.mutate(
             lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))}
 
     async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -674,14 +606,14 @@ class MetaService(RpcService):
         parent, name = self._at(req, cred)
         newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
         flags = req.int("flags", 0)
-        await self._mutate(
+        await self.commit.mutate(
             lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
         return {}
 
     async def rpc_link(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino = self._cred(ctx, req), req.int("ino")
         newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
-        return {"attr": await self._mutate(
+        return {"attr": await self.commit.mutate(
             lambda t: self.ns.link(t, cred, ino, newparent, newname))}
 
     async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -715,7 +647,7 @@ class MetaService(RpcService):
     async def rpc_setxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
         value, flags = req.bytes("value"), req.int("flags", 0)
-        await self._mutate(lambda t: self.ns.setxattr(t, cred, ino, name, value, flags))
+        await self.commit.mutate(lambda t: self.ns.setxattr(t, cred, ino, name, value, flags))
         return {}
 
     async def rpc_listxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -725,7 +657,7 @@ class MetaService(RpcService):
 
     async def rpc_removexattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
-        await self._mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
+        await self.commit.mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
         return {}
 
     async def rpc_get_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -736,7 +668,7 @@ class MetaService(RpcService):
     async def rpc_set_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino = self._cred(ctx, req), req.int("ino")
         unit, count, replicas = req.int("unit", 0), req.int("count", 0), req.int("replicas", 0)
-        return {"layout": await self._mutate(
+        return {"layout": await self.commit.mutate(
             lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas))}
 
     async def rpc_servers(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
@@ -753,7 +685,7 @@ class MetaService(RpcService):
         total, free = req.int("total"), req.int("free")
         if not 0 < port < 65536 or total < 0 or free < 0 or len(sid) > 128:
             raise OSError(errno.EINVAL, "register: bad port, sizes or sid")
-        await self._mutate(
+        await self.commit.mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free))
         self.registry.register(sid, host, port, total, free)
         old = self._dclients.pop(sid, None)

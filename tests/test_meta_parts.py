@@ -2,14 +2,32 @@
 the data-server registry, open handles and orphans, the commit queue."""
 from __future__ import annotations
 
+import errno
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
+from metaserver import commit
+from metaserver.commit import CommitQueue, dry_run
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, cap_signer, meta_security
+from metaserver.store import MemoryStore, WriteTxn
 from pfs import auth
 from pfs.config import ConfigError, MetaConfig, NodeKey
+
+
+def trio_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> None:
+        trio.run(functools.partial(fn, *args, **kw))
+    return wrapper
 
 
 # ---------------------------------------------------------------------- security
@@ -83,3 +101,152 @@ def test_registry_describes_stored_servers() -> None:
         "c": {"host": "hc", "port": 7, "total": 5, "free": 4, "alive": False}}
     clock.now += 16
     assert reg.describe(stored)["a"]["alive"] is False
+
+
+# ---------------------------------------------------------------------- commit queue
+class CountingStore(MemoryStore):
+    """Counts commits; ``fail`` makes the next commit fail after its operations ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commits = 0
+        self.fail = False
+
+    @contextmanager
+    def write(self) -> Iterator[Any]:
+        with super().write() as txn:
+            yield txn
+            if self.fail:
+                self.fail = False
+                raise OSError(errno.EIO, "disk trouble")
+            self.commits += 1
+
+    def value(self, key: bytes) -> bytes | None:
+        with self.read() as txn:
+            return txn.get(key)
+
+
+def put(key: bytes, result: Any = None) -> Callable[[WriteTxn], Any]:
+    def fn(txn: WriteTxn) -> Any:
+        txn.put(key, b"v")
+        return result
+    return fn
+
+
+def put_then_fail(key: bytes) -> Callable[[WriteTxn], Any]:
+    def fn(txn: WriteTxn) -> Any:
+        txn.put(key, b"v")
+        raise OSError(errno.EEXIST, "refused")
+    return fn
+
+
+async def settle(queue: CommitQueue, nursery: trio.Nursery, *,
+                 results: dict[bytes, Any], fns: dict[bytes, Callable[[WriteTxn], Any]]
+                 ) -> None:
+    """Queue every ``fns`` operation before the writer runs, then run it."""
+    async def call(key: bytes, fn: Callable[[WriteTxn], Any]) -> None:
+        try:
+            results[key] = await queue.mutate(fn)
+        except OSError as exc:
+            results[key] = exc
+
+    async with trio.open_nursery() as callers:
+        for key, fn in fns.items():
+            callers.start_soon(call, key, fn)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(queue.run)
+
+
+@trio_test
+async def test_concurrent_mutations_share_one_commit() -> None:
+    store = CountingStore()
+    batches: list[int] = []
+    queue = CommitQueue(store, lambda: batches.append(store.commits))
+    results: dict[bytes, Any] = {}
+    async with trio.open_nursery() as nursery:
+        await settle(queue, nursery, results=results,
+                     fns={b"k%d" % i: put(b"k%d" % i, i) for i in range(20)})
+        nursery.cancel_scope.cancel()
+    assert results == {b"k%d" % i: i for i in range(20)}
+    assert store.commits == 1 and batches == [1]  # after_batch ran once, after the commit
+
+
+@trio_test
+async def test_a_failing_operation_rolls_back_alone() -> None:
+    store = CountingStore()
+    queue = CommitQueue(store)
+    results: dict[bytes, Any] = {}
+    async with trio.open_nursery() as nursery:
+        await settle(queue, nursery, results=results,
+                     fns={b"a": put(b"a", 1), b"bad": put_then_fail(b"bad"),
+                          b"c": put(b"c", 3)})
+        nursery.cancel_scope.cancel()
+    assert results[b"a"] == 1 and results[b"c"] == 3
+    assert isinstance(results[b"bad"], OSError) and results[b"bad"].errno == errno.EEXIST
+    assert store.commits == 1
+    assert store.value(b"a") == store.value(b"c") == b"v" and store.value(b"bad") is None
+
+
+@trio_test
+async def test_a_failed_commit_fails_its_batch_and_the_writer_goes_on() -> None:
+    store = CountingStore()
+    store.fail = True
+    queue = CommitQueue(store)
+    results: dict[bytes, Any] = {}
+    async with trio.open_nursery() as nursery:
+        await settle(queue, nursery, results=results,
+                     fns={b"a": put(b"a"), b"bad": put_then_fail(b"bad")})
+        assert await queue.mutate(put(b"later", "ok")) == "ok"
+        nursery.cancel_scope.cancel()
+    assert results[b"a"].errno == errno.EIO  # type: ignore[union-attr]
+    assert results[b"bad"].errno == errno.EEXIST  # type: ignore[union-attr]  # its own error
+    assert store.value(b"a") is None and store.value(b"later") == b"v"
+
+
+@trio_test
+async def test_batches_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commit, "MAX_BATCH", 4)
+    store = CountingStore()
+    queue = CommitQueue(store)
+    results: dict[bytes, Any] = {}
+    async with trio.open_nursery() as nursery:
+        await settle(queue, nursery, results=results,
+                     fns={b"k%d" % i: put(b"k%d" % i, i) for i in range(10)})
+        nursery.cancel_scope.cancel()
+    assert len(results) == 10 and store.commits == 3
+
+
+@trio_test
+async def test_background_operations(caplog: pytest.LogCaptureFixture) -> None:
+    store = CountingStore()
+    queue = CommitQueue(store)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        with caplog.at_level(logging.WARNING, logger="metaserver.commit"):
+            queue.submit(put_then_fail(b"bad"))
+            queue.submit(put(b"bg"))
+            await queue.mutate(put(b"fg"))  # queued after them: done after them
+        assert store.value(b"bg") == b"v" and store.value(b"bad") is None
+        assert "background metadata update failed" in caplog.text
+        queue.close()
+        assert queue.closed
+        queue.submit(put(b"dropped"))
+        await queue.mutate(put(b"fg2"))
+        assert store.value(b"dropped") is None
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_write_alone_and_dry_run() -> None:
+    store = CountingStore()
+    queue = CommitQueue(store)
+    assert await queue.write_alone(put(b"boot", 7)) == 7
+    assert store.value(b"boot") == b"v" and store.commits == 1
+
+    def check(txn: WriteTxn) -> None:
+        dry_run(txn, put(b"tried"))
+        with pytest.raises(OSError):
+            dry_run(txn, put_then_fail(b"refused"))
+
+    await queue.write_alone(check)
+    assert store.value(b"tried") is None and store.value(b"refused") is None

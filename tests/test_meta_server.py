@@ -453,7 +453,7 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
                 scope.cancel()
                 await svc.rpc_create(ctx, Request("create", {
                     "parent": 1, "name": b"f", "mode": 0o644, "flags": flags, "cred": ROOTC}, None))
-            await svc._mutate(lambda t: None)  # the queued create has run
+            await svc.commit.mutate(lambda t: None)  # the queued create has run
             got = await svc.rpc_lookup(ctx, Request("lookup", {
                 "parent": 1, "name": b"f", "cred": ROOTC}, None))
             ino = got["attr"]["ino"]
@@ -462,7 +462,7 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
                 scope.cancel()
                 await svc.rpc_open(ctx, Request("open", {
                     "ino": ino, "flags": os.O_RDWR | os.O_TRUNC, "cred": ROOTC}, None))
-            await svc._mutate(lambda t: None)
+            await svc.commit.mutate(lambda t: None)
             assert svc._open == {}
             await svc.rpc_unlink(ctx, Request("unlink", {"parent": 1, "name": b"f",
                                                          "cred": ROOTC}, None))
