@@ -31,6 +31,7 @@ import trio
 
 from metaserver import keys as K
 from metaserver.commit import CommitQueue, dry_run
+from metaserver.handles import OpenFiles, rights_of
 from metaserver.namespace import NOW, Cred, Namespace
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
@@ -49,12 +50,6 @@ DELETE_BATCH = 256  # queue entries per deletion round
 DELETE_RETRY = 2.0  # seconds before retrying deletions that failed
 DELETE_COALESCE = 0.25  # seconds queued deletions wait to be sent together
 DATA_TIMEOUT = 30.0  # seconds per call to a data server
-MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
-
-
-def rights_of(flags: int) -> int:
-    acc = flags & os.O_ACCMODE
-    return {os.O_RDONLY: caps.READ, os.O_WRONLY: caps.WRITE}.get(acc, caps.READ | caps.WRITE)
 
 
 def _time(req: Request, key: str) -> int | str | None:
@@ -99,17 +94,13 @@ class MetaService(RpcService):
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
         self.commit = CommitQueue(store, self._batch_committed)
         self.registry = Registry(cfg.heartbeat_timeout)
+        self.handles = OpenFiles(store, self.commit, self._reclaim)
         self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
-                            opened=self._opened,
-                            is_open=self._is_open, deleting=self._deleting_objects)
-        # shared with the writer thread: open counts, inodes being deleted
+                            opened=self.handles.opened, is_open=self.handles.is_open,
+                            deleting=self._deleting_objects)
+        # shared with the writer thread: inodes being deleted
         self._lock = threading.Lock()
-        self._open: dict[int, int] = {}
-        self._dying: set[int] = set()
         self._deleting: set[int] = set()  # live inodes the deleter is deleting objects of
-        # inodes whose last link went while open (perhaps in a batch that then failed:
-        # a hint, checked against the store when their last handle closes)
-        self._orphan_hint: set[int] = set()
         self._wake_deleter = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._dclients: dict[str, RpcClient] = {}
@@ -149,26 +140,11 @@ class MetaService(RpcService):
             log.info("reclaimed %d orphaned inode(s) from the previous run", len(orphans))
 
     def _batch_committed(self) -> None:
-        with self._lock:
-            self._dying.clear()
+        self.handles.batch_committed()
         self._wake_deleter.set()
 
-    # ------------------------------------------------------------------ open counts
-    def _opened(self, ino: int) -> bool:
-        """Namespace hook (writer thread): keep ``ino`` as an orphan if open; else mark
-        it dying so an ``open`` racing with its deletion fails."""
-        with self._lock:
-            if self._open.get(ino, 0) > 0:
-                self._orphan_hint.add(ino)
-                return True
-            self._dying.add(ino)
-            return False
-
-    def _is_open(self, ino: int) -> bool:
-        """Namespace hook (writer thread): whether ``ino`` has open handles; unlike
-        :meth:`_opened` it marks nothing."""
-        with self._lock:
-            return self._open.get(ino, 0) > 0
+    def _reclaim(self, txn: WriteTxn, ino: int) -> bool:
+        return self.ns.reclaim(txn, ino)
 
     def _deleting_objects(self, ino: int) -> bool:
         """Namespace hook: whether objects of an old layout of ``ino`` are being deleted
@@ -176,46 +152,11 @@ class MetaService(RpcService):
         with self._lock:
             return ino in self._deleting
 
-    def _ref(self, ino: int) -> None:
-        with self._lock:
-            if ino in self._dying:
-                raise OSError(errno.ENOENT, f"inode {ino} is being removed")
-            self._open[ino] = self._open.get(ino, 0) + 1
-
-    def _unref(self, ino: int) -> bool:
-        """One handle fewer; True when that was the last one and ``ino`` is an orphan."""
-        with self._lock:
-            n = self._open.get(ino, 0) - 1
-            if n > 0:
-                self._open[ino] = n
-                return False
-            self._open.pop(ino, None)
-            if ino not in self._orphan_hint:
-                return False  # never made an orphan while open: no store read per close
-            self._orphan_hint.discard(ino)
-        if self.commit.closed:
-            return False
-        with self.store.read() as txn:
-            return txn.get(K.orphan(ino)) is not None
-
-    def _reclaim(self, ino: int, txn: WriteTxn) -> bool:
-        return self.ns.reclaim(txn, ino)
-
-    def _new_fh(self, ctx: ConnContext, ino: int, flags: int = os.O_RDONLY) -> int:
-        fhs = ctx.state.setdefault("fhs", {})
-        fh = ctx.state.get("next_fh", 1)
-        ctx.state["next_fh"] = fh + 1
-        fhs[fh] = ino
-        ctx.state.setdefault("rights", {})[fh] = rights_of(flags)
-        return fh
-
     def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
                       flags: int, cred: Cred) -> dict[str, Any]:
         """An open/create reply: the handle, and a capability for its data."""
         ino = attr["ino"]
-        fh = self._new_fh(ctx, ino, flags)
-        if not cred.root:  # its writes drop setuid/setgid (see Namespace.commit_size)
-            ctx.state.setdefault("fh_user", set()).add(fh)
+        fh = self.handles.new_handle(ctx, ino, flags, cred.root)
         cap, ttl = self.signer.issue(ino, rights_of(flags))
         return {"attr": attr, "fh": fh, "layout": layout, "cap": cap, "cap_ttl": ttl}
 
@@ -226,26 +167,8 @@ class MetaService(RpcService):
             raise OSError(errno.EACCES, f"{req.method}: data server credentials give no "
                                         "access to the namespace")
         if "closes" in req.fields:
-            self._release_closed(ctx, req.list("closes"))
+            self.handles.release_closed(ctx, req.list("closes"))
         return await super().dispatch(ctx, req)
-
-    def _release_closed(self, ctx: ConnContext, fhs: list[Any]) -> None:
-        """Handles the client closed with nothing to commit, sent along with its next
-        request (docs/rpc.md, ``closes``) and released before it: a close without a
-        round trip of its own. Unknown handles are skipped (already released)."""
-        if len(fhs) > MAX_CLOSES:
-            raise OSError(errno.EINVAL, f"closes: {len(fhs)} handles, at most {MAX_CLOSES}")
-        if not all(isinstance(fh, int) and not isinstance(fh, bool) for fh in fhs):
-            raise OSError(errno.EINVAL, "closes: handles must be integers")
-        open_fhs: dict[int, int] = ctx.state.get("fhs", {})
-        for fh in fhs:
-            ino = open_fhs.pop(fh, None)
-            if ino is None:
-                continue
-            ctx.state.get("rights", {}).pop(fh, None)
-            ctx.state.get("fh_user", set()).discard(fh)
-            if self._unref(ino):  # the last handle of an orphan
-                self.commit.submit(functools.partial(self._reclaim, ino))
 
     async def rpc_release(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         """Only its ``closes`` (handled in ``dispatch``): what a client sends when no
@@ -285,10 +208,7 @@ class MetaService(RpcService):
         return cred
 
     def connection_lost(self, ctx: ConnContext) -> None:
-        fhs: dict[int, int] = ctx.state.pop("fhs", {})
-        for ino in fhs.values():
-            if self._unref(ino):
-                self.commit.submit(functools.partial(self._reclaim, ino))
+        self.handles.connection_lost(ctx)
 
     # ------------------------------------------------------------------ data servers
     async def _dclient(self, sid: str) -> RpcClient:
@@ -492,7 +412,7 @@ class MetaService(RpcService):
         def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
             attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
             if not abandoned:
-                self._ref(attr["ino"])
+                self.handles.ref(attr["ino"])
                 opened.append(attr["ino"])
             return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
 
@@ -501,7 +421,7 @@ class MetaService(RpcService):
         except BaseException:
             abandoned = True  # the op may still be queued
             for ino in opened:  # the op ran but the batch did not commit
-                await self._release(ino)
+                await self.handles.release(ino)
             raise
         reply = self._opened_reply(ctx, attr, layout, flags, cred)
         if parent_attr is not None:
@@ -511,12 +431,12 @@ class MetaService(RpcService):
     async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         cred, ino, flags = self._cred(ctx, req), req.int("ino"), req.int("flags", os.O_RDONLY)
         if not flags & os.O_TRUNC:
-            self._ref(ino)
+            self.handles.ref(ino)
             try:
                 with self.store.read() as txn:
                     attr, layout = self.ns.open(txn, cred, ino, flags)
             except BaseException:
-                await self._release(ino)
+                await self.handles.release(ino)
                 raise
             return self._opened_reply(ctx, attr, layout, flags, cred)
         with self.store.read() as txn:
@@ -530,7 +450,7 @@ class MetaService(RpcService):
         def op(txn: WriteTxn) -> tuple[dict[str, Any], Any]:
             result = self.ns.open(txn, cred, ino, flags)
             if not abandoned:
-                self._ref(ino)
+                self.handles.ref(ino)
                 opened.append(ino)
             return result
 
@@ -539,38 +459,21 @@ class MetaService(RpcService):
         except BaseException:
             abandoned = True
             for i in opened:
-                await self._release(i)
+                await self.handles.release(i)
             raise
         return self._opened_reply(ctx, attr, layout, flags, cred)
-
-    async def _release(self, ino: int) -> None:
-        if self._unref(ino):
-            await self.commit.mutate(lambda t: self.ns.reclaim(t, ino))
-
-    def _fh(self, ctx: ConnContext, req: Request, pop: bool = False) -> int:
-        fh = req.int("fh")
-        fhs: dict[int, int] = ctx.state.get("fhs", {})
-        ino = fhs.pop(fh, None) if pop else fhs.get(fh)
-        if ino is None:
-            raise OSError(errno.EBADF, f"no open file handle {fh}")
-        if pop:
-            ctx.state.get("rights", {}).pop(fh, None)
-        return ino
 
     async def rpc_renew(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         """A fresh capability for an open handle (before the old one expires, or after
         a truncation made it stale)."""
-        ino = self._fh(ctx, req)
-        cap, ttl = self.signer.issue(ino, ctx.state["rights"][req.int("fh")])
+        h = self.handles.handle(ctx, req.int("fh"))
+        cap, ttl = self.signer.issue(h.ino, h.rights)
         return {"cap": cap, "cap_ttl": ttl}
 
     async def rpc_close(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
-        fh = req.int("fh")
-        ino = self._fh(ctx, req, pop=True)
-        users: set[int] = ctx.state.get("fh_user", set())
-        root = fh not in users
-        users.discard(fh)
+        h = self.handles.close_handle(ctx, req.int("fh"))
+        ino, root = h.ino, h.root
         try:
             if written_end is not None or mtime is not None:
                 try:
@@ -579,13 +482,13 @@ class MetaService(RpcService):
                 except FileNotFoundError:
                     pass
         finally:
-            await self._release(ino)
+            await self.handles.release(ino)
         return {}
 
     async def rpc_commit_size(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
-        ino = self._fh(ctx, req)
-        root = req.int("fh") not in ctx.state.get("fh_user", set())
+        h = self.handles.handle(ctx, req.int("fh"))
+        ino, root = h.ino, h.root
         return {"attr": await self.commit.mutate(
             lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))}
 

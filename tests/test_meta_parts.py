@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,12 +16,15 @@ import trio
 import trio.testing
 
 from metaserver import commit
+from metaserver import keys as K
 from metaserver.commit import CommitQueue, dry_run
+from metaserver.handles import MAX_CLOSES, OpenFiles
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, cap_signer, meta_security
 from metaserver.store import MemoryStore, WriteTxn
-from pfs import auth
+from pfs import auth, caps
 from pfs.config import ConfigError, MetaConfig, NodeKey
+from pfs.wire.rpc import ConnContext
 
 
 def trio_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
@@ -250,3 +254,137 @@ async def test_write_alone_and_dry_run() -> None:
 
     await queue.write_alone(check)
     assert store.value(b"tried") is None and store.value(b"refused") is None
+
+
+# ---------------------------------------------------------------------- open files
+def conn() -> ConnContext:
+    return ConnContext(None, "test")  # type: ignore[arg-type]
+
+
+class Orphans:
+    """A store where inodes can be orphans, and a reclaim that records its calls."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.reclaimed: list[int] = []
+
+    def make_orphan(self, ino: int) -> None:
+        with self.store.write() as txn:
+            txn.put(K.orphan(ino), b"")
+
+    def reclaim(self, txn: WriteTxn, ino: int) -> bool:
+        txn.delete(K.orphan(ino))
+        self.reclaimed.append(ino)
+        return True
+
+
+def open_files(orphans: Orphans) -> tuple[OpenFiles, CommitQueue]:
+    queue = CommitQueue(orphans.store)
+    return OpenFiles(orphans.store, queue, orphans.reclaim), queue
+
+
+def test_handles_belong_to_their_connection() -> None:
+    files, _ = open_files(Orphans())
+    a, b = conn(), conn()
+    fa = files.new_handle(a, 7, os.O_RDONLY, root=True)
+    fw = files.new_handle(a, 8, os.O_WRONLY, root=False)
+    fb = files.new_handle(b, 9, os.O_RDWR, root=False)
+    assert fb == fa  # numbered per connection
+    h = files.handle(a, fa)
+    assert (h.ino, h.rights, h.root) == (7, caps.READ, True)
+    assert files.handle(a, fw).rights == caps.WRITE and not files.handle(a, fw).root
+    assert files.handle(b, fb).rights == caps.READ | caps.WRITE
+    assert files.close_handle(a, fa).ino == 7
+    for call in (files.handle, files.close_handle):
+        with pytest.raises(OSError) as e:
+            call(a, fa)
+        assert e.value.errno == errno.EBADF
+    assert files.handle(b, fb).ino == 9  # another connection's handle of that number
+
+
+def test_open_counts_and_the_namespace_hooks() -> None:
+    files, _ = open_files(Orphans())
+    files.ref(5)
+    files.ref(5)
+    assert files.is_open(5) and not files.is_open(6)
+    assert files.opened(5)  # last link dropped while open: keep it (an orphan)
+    assert not files.opened(6)  # not open: deleted now, and dying until the commit
+    with pytest.raises(OSError) as e:
+        files.ref(6)
+    assert e.value.errno == errno.ENOENT
+    assert not files.is_open(6)
+    files.batch_committed()
+    files.ref(6)  # gone from the store by now; the namespace's open refuses it
+    assert files.is_open(6)
+
+
+@trio_test
+async def test_the_last_close_of_an_orphan_reclaims_it() -> None:
+    orphans = Orphans()
+    files, queue = open_files(orphans)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        files.ref(5)
+        files.ref(5)
+        files.ref(6)
+        assert files.opened(5)  # unlinked while open: an orphan
+        orphans.make_orphan(5)
+        await files.release(5)
+        assert orphans.reclaimed == [] and files.is_open(5)
+        await files.release(5)  # the last handle
+        assert orphans.reclaimed == [5] and not files.is_open(5)
+        await files.release(6)  # never an orphan
+        assert orphans.reclaimed == [5]
+        files.ref(7)
+        assert files.opened(7)  # its unlink's batch then failed: no orphan key
+        await files.release(7)
+        assert orphans.reclaimed == [5]
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_deferred_closes_and_lost_connections_release_handles() -> None:
+    orphans = Orphans()
+    files, queue = open_files(orphans)
+    ctx = conn()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        fhs = []
+        for ino in (5, 6, 7):
+            files.ref(ino)
+            fhs.append(files.new_handle(ctx, ino, os.O_RDONLY, root=True))
+            assert files.opened(ino)
+            orphans.make_orphan(ino)
+        for bad in ([1] * (MAX_CLOSES + 1), ["x"], [True]):
+            with pytest.raises(OSError) as e:
+                files.release_closed(ctx, bad)
+            assert e.value.errno == errno.EINVAL
+        files.release_closed(ctx, [fhs[0], 999])  # unknown handles are skipped
+        await queue.mutate(lambda t: None)  # the reclaim went before it
+        assert orphans.reclaimed == [5]
+        with pytest.raises(OSError):
+            files.handle(ctx, fhs[0])
+        files.connection_lost(ctx)
+        await queue.mutate(lambda t: None)
+        assert sorted(orphans.reclaimed) == [5, 6, 7]
+        assert not any(files.is_open(i) for i in (5, 6, 7))
+        nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_nothing_is_reclaimed_once_stopped() -> None:
+    orphans = Orphans()
+    files, queue = open_files(orphans)
+    ctx = conn()
+    files.ref(5)
+    files.new_handle(ctx, 5, os.O_RDONLY, root=True)
+    assert files.opened(5)
+    orphans.make_orphan(5)
+    queue.close()
+    files.connection_lost(ctx)  # left for the next start's reclaim of orphans
+    assert not files.is_open(5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        await queue.mutate(lambda t: None)
+        nursery.cancel_scope.cancel()
+    assert orphans.reclaimed == []

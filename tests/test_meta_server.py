@@ -457,13 +457,13 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
             got = await svc.rpc_lookup(ctx, Request("lookup", {
                 "parent": 1, "name": b"f", "cred": ROOTC}, None))
             ino = got["attr"]["ino"]
-            assert svc._open == {}
+            assert not svc.handles.is_open(ino)
             with trio.CancelScope() as scope:
                 scope.cancel()
                 await svc.rpc_open(ctx, Request("open", {
                     "ino": ino, "flags": os.O_RDWR | os.O_TRUNC, "cred": ROOTC}, None))
             await svc.commit.mutate(lambda t: None)
-            assert svc._open == {}
+            assert not svc.handles.is_open(ino)
             await svc.rpc_unlink(ctx, Request("unlink", {"parent": 1, "name": b"f",
                                                          "cred": ROOTC}, None))
             await expect(errno.ENOENT, svc.rpc_getattr(ctx, Request("getattr", {"ino": ino}, None)))
