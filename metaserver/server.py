@@ -1,20 +1,21 @@
 """The metadata service: ``docs/rpc.md``'s metaserver methods over :mod:`namespace`.
 
-Reads (getattr, lookup, readdir, ...) run in a read transaction on the event loop.
-Mutations go through **group commit**: a handler queues its operation and waits; one
-writer task drains the queue, runs every queued operation in one write transaction
-(each in a nested transaction, so a failing one rolls back alone), commits once (LMDB
-``sync=True``: one fsync per batch) and only then wakes the handlers, which reply. An
-acknowledged mutation is therefore on disk.
+``MetaService`` holds the RPC handlers and wires the parts they use, each a module:
 
-Open files: a handle (``fh``) belongs to a connection; the service counts open handles
-per inode. Dropping the last link of an open inode keeps it as an orphan (key ``O``)
-until its last handle is closed or its connection ends; orphans left by a crash are
-reclaimed at start. Deleted files' objects go to the deletion queue (key ``Q``) in the
-same transaction; a background task asks the data servers to delete them.
-
-Shrinking a file (setattr size, O_TRUNC) first truncates its objects on the data
-servers, then commits the new size, so old bytes never reappear past a later extension.
+- :mod:`metaserver.commit`: group commit. Reads (getattr, lookup, readdir, ...) run in a
+  read transaction on the event loop; every mutation goes through the commit queue, and
+  a handler replies only once its batch is on disk.
+- :mod:`metaserver.handles`: open handles per connection, open counts per inode, orphans
+  (unlinked while open) and their reclaim.
+- :mod:`metaserver.registry`: which data servers are up, from registrations and
+  heartbeats; placement and ``statfs`` read it.
+- :mod:`metaserver.dataplane`: the connections to data servers; truncation and deletion
+  of objects. Shrinking a file (setattr size, O_TRUNC) first truncates its objects on the
+  data servers, then commits the new size, so old bytes never reappear past a later
+  extension.
+- :mod:`metaserver.deleter`: deleted files' objects, queued (key ``Q``) in the
+  transaction that drops them, deleted on the data servers in the background.
+- :mod:`metaserver.security`: keys, peer authentication, the capability signer.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import errno
 import functools
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +31,8 @@ import trio
 
 from metaserver import keys as K
 from metaserver.commit import CommitQueue, dry_run
+from metaserver.dataplane import DataPlane
+from metaserver.deleter import Deleter
 from metaserver.handles import OpenFiles, rights_of
 from metaserver.namespace import NOW, Cred, Namespace
 from metaserver.registry import Registry
@@ -38,18 +40,12 @@ from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_s
 from metaserver.store import LmdbStore, Store, WriteTxn
 from pfs import caps
 from pfs.config import MetaConfig
-from pfs.layout import object_size
 from pfs.wire.protocol import Limits
-from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.wire.rpc import ConnContext, Request, RpcService
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-DELETE_CHUNK = 1024  # object ids per delete request
-DELETE_BATCH = 256  # queue entries per deletion round
-DELETE_RETRY = 2.0  # seconds before retrying deletions that failed
-DELETE_COALESCE = 0.25  # seconds queued deletions wait to be sent together
-DATA_TIMEOUT = 30.0  # seconds per call to a data server
 
 
 def _time(req: Request, key: str) -> int | str | None:
@@ -84,7 +80,7 @@ class MetaService(RpcService):
                  security: MetaSecurity | None = None) -> None:
         cfg = config or MetaConfig()
         sec = security or meta_security(cfg)
-        self._own_auth, self._data_keys = sec.own, sec.data_keys
+        self._data_keys = sec.data_keys
         if sec.server.mode == "open":
             log.warning("metaserver: no cluster key or TLS configured: UNSECURED, every peer "
                         "is trusted (development only; see docs/security.md)")
@@ -98,14 +94,8 @@ class MetaService(RpcService):
         self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
                             opened=self.handles.opened, is_open=self.handles.is_open,
                             deleting=self._deleting_objects)
-        # shared with the writer thread: inodes being deleted
-        self._lock = threading.Lock()
-        self._deleting: set[int] = set()  # live inodes the deleter is deleting objects of
-        self._wake_deleter = trio.Event()
-        self._nursery: trio.Nursery | None = None
-        self._dclients: dict[str, RpcClient] = {}
-        self._dlocks: dict[str, trio.Lock] = {}
-        self._delq_from = 0  # deletion queue sequence number the next round starts at
+        self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
+        self.deleter = Deleter(store, self.ns, self.commit, self.dataplane)
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -114,14 +104,12 @@ class MetaService(RpcService):
         await self.commit.write_alone(self._startup)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                await nursery.start(self.dataplane.run, name="meta-dataplane")
                 nursery.start_soon(self.commit.run, name="meta-writer")
-                nursery.start_soon(self._deleter, name="meta-deleter")
+                nursery.start_soon(self.deleter.run, name="meta-deleter")
                 task_status.started()
         finally:
             self.commit.close()
-            for client in self._dclients.values():
-                client.close()
 
     async def serve_all(self, host: str, port: int, *,
                         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -141,16 +129,15 @@ class MetaService(RpcService):
 
     def _batch_committed(self) -> None:
         self.handles.batch_committed()
-        self._wake_deleter.set()
+        self.deleter.wake()
 
+    # the namespace asks the open files and the deleter, and they use it: these hooks
+    # close the loop once all three exist
     def _reclaim(self, txn: WriteTxn, ino: int) -> bool:
         return self.ns.reclaim(txn, ino)
 
     def _deleting_objects(self, ino: int) -> bool:
-        """Namespace hook: whether objects of an old layout of ``ino`` are being deleted
-        right now (its layout must not change meanwhile)."""
-        with self._lock:
-            return ino in self._deleting
+        return self.deleter.deleting(ino)
 
     def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
                       flags: int, cred: Cred) -> dict[str, Any]:
@@ -210,116 +197,6 @@ class MetaService(RpcService):
     def connection_lost(self, ctx: ConnContext) -> None:
         self.handles.connection_lost(ctx)
 
-    # ------------------------------------------------------------------ data servers
-    async def _dclient(self, sid: str) -> RpcClient:
-        lock = self._dlocks.setdefault(sid, trio.Lock())
-        async with lock:
-            client = self._dclients.get(sid)
-            if client is not None and client.alive:
-                return client
-            addr = self.registry.address(sid)
-            if addr is None:
-                raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
-            assert self._nursery is not None
-            client = await self._own_auth.open_rpc(self._nursery, addr[0], addr[1],
-                                                   limits=self.limits, timeout=DATA_TIMEOUT)
-            self._dclients[sid] = client
-            return client
-
-    async def _call_servers(self, calls: dict[str, list[tuple[str, dict[str, Any]]]]
-                            ) -> dict[str, OSError]:
-        """Run each server's calls in order, servers in parallel; errors by server."""
-        errors: dict[str, OSError] = {}
-
-        async def one(sid: str, todo: list[tuple[str, dict[str, Any]]]) -> None:
-            try:
-                client = await self._dclient(sid)
-                for method, fields in todo:
-                    # an admin capability for this server only; its generation fences
-                    # the inode (every capability issued before is stale for writing)
-                    ino = fields["obj"][0] if "obj" in fields else 0
-                    cap, _ = self.signer.issue(ino, caps.ADMIN, ttl=DATA_TIMEOUT * 2, sid=sid)
-                    await client.call(method, {**fields, "cap": cap})
-            except OSError as exc:
-                errors[sid] = exc
-
-        async with trio.open_nursery() as nursery:
-            for sid, todo in calls.items():
-                nursery.start_soon(one, sid, todo)
-        return errors
-
-    async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
-        unit, count = layout["unit"], layout["count"]
-        calls: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        for stripe, sids in enumerate(layout["servers"]):
-            fields = {"obj": [ino, stripe], "size": object_size(unit, count, stripe, size)}
-            for sid in sids:
-                calls.setdefault(sid, []).append(("truncate", fields))
-        # reach every server before cutting any object: a replica cut while another
-        # cannot be leaves copies that disagree about data the file (its size unchanged
-        # by the failed truncation) still has
-        errors = await self._call_servers({sid: [] for sid in calls})
-        if not errors:
-            errors = await self._call_servers(calls)
-        if errors:
-            sid, exc = next(iter(errors.items()))
-            raise OSError(errno.EIO, f"cannot truncate inode {ino} on data server {sid}: {exc}")
-
-    async def _deleter(self) -> None:
-        while True:
-            with trio.move_on_after(30):
-                await self._wake_deleter.wait()
-            # let deletions pile up a moment: one round (a delete per data server and
-            # one commit) then serves many unlinks instead of costing each its own
-            await trio.sleep(DELETE_COALESCE)
-            self._wake_deleter = trio.Event()
-            try:
-                failed = await self._delete_round()
-            except OSError as exc:  # its commit failed: the entries stay queued
-                log.warning("deletion round failed, will retry: %s", exc)
-                failed = True
-            if failed:
-                await trio.sleep(DELETE_RETRY)
-                self._wake_deleter.set()  # retry then, not when some change next wakes us
-
-    async def _delete_round(self) -> bool:
-        """Send one round of queued deletions; True if some must be retried."""
-        with self.store.read() as txn:
-            entries = self.ns.delq_entries(txn, DELETE_BATCH, self._delq_from)
-            if not entries and self._delq_from:
-                self._delq_from = 0
-                entries = self.ns.delq_entries(txn, DELETE_BATCH)
-        if not entries:
-            return False
-        # the next round goes on after this one's entries, so a round's worth that one
-        # server keeps refusing cannot hold back the ones behind them
-        self._delq_from = entries[-1][0] + 1 if len(entries) >= DELETE_BATCH else 0
-        with self.store.read() as txn:
-            objs, needs, live = self.ns.deletion_plan(txn, entries)
-        calls = {sid: [("delete", {"objs": lst[i:i + DELETE_CHUNK]})
-                       for i in range(0, len(lst), DELETE_CHUNK)]
-                 for sid, lst in objs.items()}
-        # the plan spared the objects of these inodes' current layouts: until the
-        # deletes are done, a new layout could take back one of those being deleted
-        with self._lock:
-            self._deleting |= live
-        try:
-            errors = await self._call_servers(calls)
-        finally:
-            with self._lock:
-                self._deleting -= live
-        for sid, exc in errors.items():
-            log.debug("deletion on data server %s deferred: %s", sid, exc)
-        done = [seq for seq, sids in needs.items() if not sids & errors.keys()]
-        if done:
-            def finish(txn: WriteTxn) -> None:
-                for seq in done:
-                    self.ns.delq_done(txn, seq)
-            await self.commit.mutate(finish)
-        if self._delq_from and not errors:
-            self._wake_deleter.set()  # more queued than one round takes
-        return bool(errors)
-
     # ------------------------------------------------------------------ handlers
     async def rpc_hello(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
         ctx.state["client"] = req.str("client", "")
@@ -352,7 +229,7 @@ class MetaService(RpcService):
                 if any(v is not None for k, v in kw.items() if k != "size"):
                     # the other changes must be allowed before any object is cut
                     await self.commit.mutate(functools.partial(self._try_setattr, cred, ino, kw))
-                await self._truncate_objects(ino, plan[0], size)
+                await self.dataplane.truncate_objects(ino, plan[0], size)
         attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return {"attr": attr}
 
@@ -404,7 +281,7 @@ class MetaService(RpcService):
             with self.store.read() as txn:
                 plan = self.ns.create_plan(txn, cred, parent, name, flags)
             if plan is not None:
-                await self._truncate_objects(plan[0], plan[1], 0)
+                await self.dataplane.truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
         want_parent = req.bool("want_parent")
@@ -443,7 +320,7 @@ class MetaService(RpcService):
             self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
             plan = self.ns.truncate_plan(txn, cred, ino, 0)
         if plan is not None:
-            await self._truncate_objects(ino, plan[0], 0)
+            await self.dataplane.truncate_objects(ino, plan[0], 0)
         opened: list[int] = []
         abandoned = False
 
@@ -591,9 +468,7 @@ class MetaService(RpcService):
         await self.commit.mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free))
         self.registry.register(sid, host, port, total, free)
-        old = self._dclients.pop(sid, None)
-        if old is not None:
-            old.close()
+        self.dataplane.forget(sid)
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
                  sid, host, port, free, total)
         # what it needs to check clients: the capability key, the generation floor

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trio
 
+from metaserver import deleter
 from metaserver.server import MetaService, serve_meta
 from metaserver.store import LmdbStore
 from pfs.config import LayoutDefaults, MetaConfig
@@ -508,8 +509,7 @@ async def test_deletions_stuck_on_one_server_do_not_block_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full round's worth of queued deletions that one data server keeps refusing
     (a failed disk, a server gone for good) must not stop deletions on the others."""
-    import metaserver.server as srv
-    monkeypatch.setattr(srv, "DELETE_BATCH", 2)
+    monkeypatch.setattr(deleter, "DELETE_BATCH", 2)
     async with running(tmp_path, servers=0) as env:
         await env.call("set_layout", ino=1, unit=UNIT, count=1, replicas=1, cred=ROOTC)
         bad = FlakyData()

@@ -1,0 +1,115 @@
+"""The metaserver's side of the data plane: its connections to data servers, and the two
+things it asks of them, truncating and deleting objects. Each call carries an admin
+capability for that one server; its generation fences the inode, so every capability
+issued before is stale for writing (pfs/caps.py)."""
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import trio
+
+from metaserver.registry import Registry
+from pfs import caps
+from pfs.auth import ClientAuth
+from pfs.layout import object_size
+from pfs.wire.protocol import Limits
+from pfs.wire.rpc import RpcClient
+
+DATA_TIMEOUT = 30.0  # seconds per call to a data server
+DELETE_CHUNK = 1024  # object ids per delete request
+
+Calls = dict[str, list[tuple[str, dict[str, Any]]]]  # sid -> [(method, fields)], in order
+
+
+class DataPlane:
+    def __init__(self, auth: ClientAuth, limits: Limits, registry: Registry,
+                 signer: caps.CapSigner) -> None:
+        self._auth = auth
+        self._limits = limits
+        self._registry = registry
+        self._signer = signer
+        self._nursery: trio.Nursery | None = None  # where the connections' readers run
+        self._clients: dict[str, RpcClient] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Keep connections until cancelled, then close them."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            for client in self._clients.values():
+                client.close()
+
+    def forget(self, sid: str) -> None:
+        """``sid`` registered again (perhaps restarted, perhaps elsewhere): the next call
+        connects anew."""
+        old = self._clients.pop(sid, None)
+        if old is not None:
+            old.close()
+
+    async def _client(self, sid: str) -> RpcClient:
+        lock = self._connecting.setdefault(sid, trio.Lock())
+        async with lock:
+            client = self._clients.get(sid)
+            if client is not None and client.alive:
+                return client
+            addr = self._registry.address(sid)
+            if addr is None:
+                raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
+            assert self._nursery is not None, "DataPlane.run is not running"
+            client = await self._auth.open_rpc(self._nursery, addr[0], addr[1],
+                                               limits=self._limits, timeout=DATA_TIMEOUT)
+            self._clients[sid] = client
+            return client
+
+    async def call_servers(self, calls: Calls) -> dict[str, OSError]:
+        """Run each server's calls in order, servers in parallel; errors by server."""
+        errors: dict[str, OSError] = {}
+
+        async def one(sid: str, todo: list[tuple[str, dict[str, Any]]]) -> None:
+            try:
+                client = await self._client(sid)
+                for method, fields in todo:
+                    # an admin capability for this server only; its generation fences
+                    # the inode (every capability issued before is stale for writing)
+                    ino = fields["obj"][0] if "obj" in fields else 0
+                    cap, _ = self._signer.issue(ino, caps.ADMIN, ttl=DATA_TIMEOUT * 2, sid=sid)
+                    await client.call(method, {**fields, "cap": cap})
+            except OSError as exc:
+                errors[sid] = exc
+
+        async with trio.open_nursery() as nursery:
+            for sid, todo in calls.items():
+                nursery.start_soon(one, sid, todo)
+        return errors
+
+    async def truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
+        """Cut ``ino``'s objects to a file size of ``size`` on every replica, or none
+        (``EIO`` naming a server that could not be reached)."""
+        unit, count = layout["unit"], layout["count"]
+        calls: Calls = {}
+        for stripe, sids in enumerate(layout["servers"]):
+            fields = {"obj": [ino, stripe], "size": object_size(unit, count, stripe, size)}
+            for sid in sids:
+                calls.setdefault(sid, []).append(("truncate", fields))
+        # reach every server before cutting any object: a replica cut while another
+        # cannot be leaves copies that disagree about data the file (its size unchanged
+        # by the failed truncation) still has
+        errors = await self.call_servers({sid: [] for sid in calls})
+        if not errors:
+            errors = await self.call_servers(calls)
+        if errors:
+            sid, exc = next(iter(errors.items()))
+            raise OSError(errno.EIO, f"cannot truncate inode {ino} on data server {sid}: {exc}")
+
+    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
+        """Delete objects (``{sid: [[ino, stripe], ...]}``); errors by server."""
+        return await self.call_servers(
+            {sid: [("delete", {"objs": lst[i:i + DELETE_CHUNK]})
+                   for i in range(0, len(lst), DELETE_CHUNK)]
+             for sid, lst in objs.items()})
