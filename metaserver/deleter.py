@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Protocol
 
 import trio
 
 from metaserver.commit import CommitQueue
-from metaserver.dataplane import DataPlane
 from metaserver.namespace import Namespace
 from metaserver.store import Store, WriteTxn
 
@@ -24,13 +24,21 @@ DELETE_COALESCE = 0.25  # seconds queued deletions wait to be sent together
 IDLE_CHECK = 30.0  # seconds between rounds when nothing wakes the deleter
 
 
+class ObjectDeletion(Protocol):
+    """What the deleter needs of the data plane (:class:`metaserver.dataplane.DataPlane`)."""
+
+    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
+        """Delete ``{sid: [[ino, stripe], ...]}``; the servers that failed, with why."""
+        ...
+
+
 class Deleter:
     def __init__(self, store: Store, ns: Namespace, commit: CommitQueue,
-                 dataplane: DataPlane) -> None:
+                 objects: ObjectDeletion) -> None:
         self._store = store
         self._ns = ns
         self._commit = commit
-        self._dataplane = dataplane
+        self._objects = objects
         self._wake = trio.Event()
         self._from = 0  # deletion queue sequence number the next round starts at
         # live inodes whose old layout's objects are being deleted (read by the
@@ -84,7 +92,7 @@ class Deleter:
         with self._lock:
             self._deleting |= live
         try:
-            errors = await self._dataplane.delete_objects(objs)
+            errors = await self._objects.delete_objects(objs)
         finally:
             with self._lock:
                 self._deleting -= live

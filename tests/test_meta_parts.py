@@ -1,5 +1,5 @@
 """The metaserver's parts on their own, without processes or sockets: security set-up,
-the data-server registry, open handles and orphans, the commit queue."""
+the data-server registry, open handles and orphans, the commit queue, the deleter."""
 from __future__ import annotations
 
 import errno
@@ -16,14 +16,17 @@ import trio
 import trio.testing
 
 from metaserver import commit
+from metaserver import deleter as deleter_module
 from metaserver import keys as K
 from metaserver.commit import CommitQueue, dry_run
+from metaserver.deleter import Deleter
 from metaserver.handles import MAX_CLOSES, OpenFiles
+from metaserver.namespace import Cred, Namespace
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, cap_signer, meta_security
 from metaserver.store import MemoryStore, WriteTxn
 from pfs import auth, caps
-from pfs.config import ConfigError, MetaConfig, NodeKey
+from pfs.config import ConfigError, LayoutDefaults, MetaConfig, NodeKey
 from pfs.wire.rpc import ConnContext
 
 
@@ -388,3 +391,78 @@ async def test_nothing_is_reclaimed_once_stopped() -> None:
         await queue.mutate(lambda t: None)
         nursery.cancel_scope.cancel()
     assert orphans.reclaimed == []
+
+
+# ---------------------------------------------------------------------- deleter
+ROOT = Cred(0, 0, ())
+
+
+class FakeObjects:
+    """Records deletions; a server in ``refuse`` fails that many rounds."""
+
+    def __init__(self, refuse: dict[str, int]) -> None:
+        self.rounds: list[dict[str, list[list[int]]]] = []
+        self.refuse = refuse
+        self.sent = trio.Event()
+
+    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
+        self.rounds.append(objs)
+        self.sent.set()
+        errors = {}
+        for sid in objs:
+            if self.refuse.get(sid, 0) > 0:
+                self.refuse[sid] -= 1
+                errors[sid] = OSError(errno.EIO, "disk hiccup")
+        return errors
+
+
+def queued(store: MemoryStore) -> int:
+    with store.read() as txn:
+        return len(list(txn.scan(K.DELQ)))
+
+
+def test_deleter_sends_queued_deletions_together_and_retries_failures() -> None:
+    clock = trio.testing.MockClock(autojump_threshold=0)  # its sleeps take no time
+
+    async def main() -> None:
+        store = MemoryStore()
+        queue = CommitQueue(store)
+        ns = Namespace(LayoutDefaults(unit=4096, count=2, replicas=1),
+                       servers=lambda: {"s1": 100, "s2": 100})
+        objects = FakeObjects({"s2": 1})
+        deleter = Deleter(store, ns, queue, objects)
+        await queue.write_alone(ns.format)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(queue.run)
+            def create(name: bytes) -> Callable[[WriteTxn], Any]:
+                return lambda t: ns.create(t, ROOT, 1, name, 0o644, os.O_RDWR)
+
+            def unlink(name: bytes) -> Callable[[WriteTxn], Any]:
+                return lambda t: ns.unlink(t, ROOT, 1, name)
+
+            inos = []
+            for name in (b"a", b"b", b"c"):
+                attr, _, _ = await queue.mutate(create(name))
+                inos.append(attr["ino"])
+            nursery.start_soon(deleter.run)
+            for name in (b"a", b"b", b"c"):
+                await queue.mutate(unlink(name))
+                deleter.wake()
+            assert queued(store) == 3
+            await objects.sent.wait()
+            start = trio.current_time()
+            want = sorted([ino, s] for ino in inos for s in (0, 1))
+            first = objects.rounds[0]
+            assert sorted(first["s1"] + first["s2"]) == want  # one round for all three
+            await trio.testing.wait_all_tasks_blocked()
+            assert queued(store) == 3  # s2 refused: every entry waits for it
+            objects.sent = trio.Event()
+            await objects.sent.wait()
+            waited = trio.current_time() - start  # retried soon, not at the idle check
+            assert deleter_module.DELETE_RETRY <= waited < deleter_module.IDLE_CHECK
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(objects.rounds) == 2 and queued(store) == 0
+            assert not any(deleter.deleting(ino) for ino in inos)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
