@@ -100,6 +100,10 @@ class WriteBack:
     def busy(self, ino: int) -> bool:
         return ino in self._inodes
 
+    def in_flight(self, ino: int) -> int:
+        fl = self._inodes.get(ino)
+        return len(fl.ranges) if fl is not None else 0
+
     async def wait(self, ino: int, start: int = 0, end: int = _EVERYTHING) -> None:
         """Wait for the writes of ``ino`` in flight now that overlap ``[start, end)``."""
         fl = self._inodes.get(ino)
