@@ -48,7 +48,6 @@ class HandleWrites:
     first error among them, kept until the handle reports it."""
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
         self.slots = trio.Semaphore(limit)
         self.error: OSError | None = None
         self.error_off = 0
