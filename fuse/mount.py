@@ -131,7 +131,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
                     await client.meta.call("hello", client=f"pfs-fuse-{os.getpid()}")
                 except OSError as exc:
                     raise MountError(f"metaserver {cfg.meta}: {exc.strerror or exc}") from None
-                ops = PfsOperations(client, opts.tuning, nursery)
+                ops = PfsOperations(client, opts.tuning)
                 try:
                     pyfuse3.init(ops, mountpoint, opts.fuse_options(cfg.meta))
                 except RuntimeError as exc:

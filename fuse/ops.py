@@ -1,11 +1,15 @@
 """The FUSE operations: kernel requests mapped onto the pfs async client.
 
 A thin adapter. Each handler converts pyfuse3's arguments, calls ``client.meta`` (the
-metaserver, by inode) or a :class:`~pfs.client.aio.FileHandle`, and turns the
-``OSError`` it raises into ``pyfuse3.FUSEError`` with the same errno. Permission checks,
-POSIX rules and errno values all come from the metaserver; what lives here is only what
-the kernel protocol needs: credentials of the calling process, the table of open file and
-directory handles, lookup counts, and the kernel cache hints (timeouts, ``keep_cache``).
+metaserver, by inode), the :class:`~pfs.client.aio.AsyncClient` or a
+:class:`~pfs.client.aio.FileHandle`, and turns the ``OSError`` it raises into
+``pyfuse3.FUSEError`` with the same errno. Permission checks, POSIX rules and errno values
+all come from the metaserver; write-behind and the sizes written here from the client
+(``FileHandle.write_behind``, :mod:`pfs.client.writeback`). What lives here is only what
+the kernel protocol needs: credentials of the calling process, the tables of open file
+and directory handles, lookup counts, the kernel cache hints (timeouts, ``keep_cache``)
+and two small caches that answer requests the kernel repeats (see ``getattr`` and
+``getxattr``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyfuse3
-import trio
 
 from fuse.options import MountTuning
 from pfs.client.aio import AsyncClient, FileHandle
@@ -104,22 +107,6 @@ class _GroupCache:
         return groups
 
 
-class _InFlight:
-    """Writes of one inode accepted from the kernel and still on their way to the data
-    servers (write-behind): their ranges, for ordering overlapping writes and reads."""
-
-    def __init__(self) -> None:
-        self.ranges: dict[int, tuple[int, int, trio.Event]] = {}
-        self.end = 0  # the file is at least this long once they land
-
-    def overlapping(self, start: int, end: int) -> list[trio.Event]:
-        return [ev for s, e, ev in self.ranges.values() if s < end and start < e]
-
-    async def wait(self, start: int = 0, end: int = 1 << 63) -> None:
-        for ev in self.overlapping(start, end):
-            await ev.wait()
-
-
 @dataclass
 class _DirHandle:
     ino: int
@@ -136,10 +123,8 @@ class PfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, client: AsyncClient, tuning: MountTuning | None = None,
-                 nursery: trio.Nursery | None = None) -> None:
+    def __init__(self, client: AsyncClient, tuning: MountTuning | None = None) -> None:
         super().__init__()
-        self._nursery = nursery  # runs write-behind; None: every write waits
         self.client = client
         self.meta = client.meta
         self.tuning = tuning or MountTuning()
@@ -152,15 +137,12 @@ class PfsOperations(pyfuse3.Operations):
         # next open means the kernel's cached pages are still good (keep_cache)
         self._seen: dict[int, tuple[int, int]] = {}
         self._wrote: set[int] = set()  # handles that wrote (their inode's pages changed)
-        self._inflight: dict[int, _InFlight] = {}  # by inode
-        self._slots: dict[int, trio.Semaphore] = {}  # by handle: bounds its write-behind
-        self._write_errors: dict[int, OSError] = {}  # by handle: reported at flush/fsync
         self._no_caps: dict[int, float] = {}  # inode -> until when it has no CAPS_XATTR
         # directory -> (until when, its attributes after an entry change made here): the
         # kernel's next GETATTR of it is answered from them, once (see _parent_changed)
         self._dir_attrs: dict[int, tuple[float, StatResult]] = {}
-        client.meta.on_parent_attr = self._parent_changed
-        self._ids = 0
+        # entry changes ask the metaserver for their directory's new attributes
+        self._want_parent = self.tuning.attr_timeout > 0
 
     # -- helpers ---------------------------------------------------------------
     def cred(self, ctx: pyfuse3.RequestContext) -> Cred:
@@ -171,10 +153,7 @@ class PfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
 
     def entry(self, attr: StatResult) -> pyfuse3.EntryAttributes:
-        a = self.client.merged_attr(attr)
-        fl = self._inflight.get(a.st_ino)
-        if fl is not None and fl.end > a.st_size:
-            a = a.with_size(fl.end)
+        a = self.client.merged_attr(attr)  # sizes written here, in flight too
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.st_ino
         e.generation = 0
@@ -217,9 +196,6 @@ class PfsOperations(pyfuse3.Operations):
             if exc.errno not in (errno.ENOENT, errno.ENOSYS):
                 log.warning("invalidating the attributes of inode %d: %s", ino, exc)
 
-    def _handles_of(self, ino: int) -> list[FileHandle]:
-        return [h for h in self._files.values() if h.ino == ino]
-
     # -- names -----------------------------------------------------------------
     async def lookup(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -246,13 +222,13 @@ class PfsOperations(pyfuse3.Operations):
                 self._no_caps.pop(ino, None)
                 self._dir_attrs.pop(ino, None)
 
-    def _parent_changed(self, ino: int, attr: StatResult) -> None:
+    def _parent_changed(self, ino: int, attr: StatResult | None) -> None:
         """A create, unlink, mkdir, ... here changed directory ``ino``: the kernel drops
         its cached attributes and (default_permissions) asks for them before the next
-        operation in it. The metaserver's reply carried them, as fresh as a GETATTR
-        would be now; they answer that one request, within attr_timeout (the staleness
-        the kernel's own cache allows)."""
-        if self.tuning.attr_timeout > 0:
+        operation in it. The metaserver's reply carried them (``want_parent``), as fresh
+        as a GETATTR would be now; they answer that one request, within attr_timeout
+        (the staleness the kernel's own cache allows)."""
+        if attr is not None and self.tuning.attr_timeout > 0:
             if len(self._dir_attrs) >= CACHE_MAX:
                 self._dir_attrs.clear()
             self._dir_attrs[ino] = (time.monotonic() + self.tuning.attr_timeout, attr)
@@ -280,11 +256,14 @@ class PfsOperations(pyfuse3.Operations):
             if fields.update_mtime or fields.update_size:
                 # sizes and times written here reach the metaserver before the new
                 # ones do, so a later close cannot overwrite them (cp -a, tar, rsync)
-                await self._drain(inode)
-                for h in self._handles_of(inode):
-                    await h.commit()
+                await self.client.commit_writes(inode)
             if fields.update_size:
-                result = await self._truncate(inode, attr.st_size, fh, cred)
+                via = self._files.get(fh) if fh is not None else None
+                if fh is not None and via is not None and via.writable:
+                    self._wrote.add(fh)  # an ftruncate: as a write through fh
+                else:
+                    self._seen.pop(inode, None)  # pages of the old size are stale
+                result = await self.client.truncate_ino(inode, attr.st_size, cred, via)
             changes: dict[str, Any] = {}
             if fields.update_mode:
                 changes["mode"] = attr.st_mode & 0o7777
@@ -315,24 +294,6 @@ class PfsOperations(pyfuse3.Operations):
                 raise
             return await self.meta.setattr(ino, cred, **{k: "now" for k in times})
 
-    async def _truncate(self, ino: int, size: int, fh: int | None, cred: Cred) -> StatResult:
-        h = self._files.get(fh) if fh is not None else None
-        if h is not None and h.writable:
-            # ftruncate: the descriptor's write access was checked when it was opened
-            await h.truncate(size)
-            self._wrote.add(fh)  # type: ignore[arg-type]
-            return await self.client.getattr(ino)
-        others = self._handles_of(ino)
-        for other in others:  # sizes written here must reach the metaserver first
-            await other.commit()
-        attr = await self.meta.setattr(ino, cred, size=size)
-        if others:
-            st = others[0].state  # one state per inode, shared by its handles
-            st.size = attr.st_size
-            st.written_end = min(st.written_end, size)
-        self._seen.pop(ino, None)
-        return attr
-
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         with fs_errors():
             return await self.meta.readlink(inode)
@@ -341,32 +302,39 @@ class PfsOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         with fs_errors():
-            attr = await self.meta.mknod(parent_inode, name, mode & ~ctx.umask, rdev,
-                                         self.cred(ctx))
+            attr, pa = await self.meta.mknod(parent_inode, name, mode & ~ctx.umask, rdev,
+                                             self.cred(ctx), self._want_parent)
+        self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         with fs_errors():
-            attr = await self.meta.mkdir(parent_inode, name, mode & ~ctx.umask, self.cred(ctx))
+            attr, pa = await self.meta.mkdir(parent_inode, name, mode & ~ctx.umask,
+                                             self.cred(ctx), self._want_parent)
+        self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         with fs_errors():
-            await self.meta.unlink(parent_inode, name, self.cred(ctx))
+            pa = await self.meta.unlink(parent_inode, name, self.cred(ctx), self._want_parent)
+        self._parent_changed(parent_inode, pa)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         with fs_errors():
-            await self.meta.rmdir(parent_inode, name, self.cred(ctx))
+            pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx), self._want_parent)
+        self._parent_changed(parent_inode, pa)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         with fs_errors():
-            attr = await self.meta.symlink(parent_inode, name, target, self.cred(ctx))
+            attr, pa = await self.meta.symlink(parent_inode, name, target, self.cred(ctx),
+                                               self._want_parent)
+        self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
@@ -423,8 +391,9 @@ class PfsOperations(pyfuse3.Operations):
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._check_writable()
         with fs_errors():
-            h = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
-                                            self.cred(ctx))
+            h, pa = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
+                                                self.cred(ctx), self._want_parent)
+        self._parent_changed(parent_inode, pa)
         assert h.attr is not None
         key = self._key(h)
         # the kernel sends CREATE only for a name it holds nothing for, so it has no
@@ -434,105 +403,50 @@ class PfsOperations(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._file(fh)
-        fl = self._inflight.get(h.ino)
-        if fl is not None:  # bytes written here, still on their way, are read back
-            if off + size > h.size:
-                # a read past the size known so far: writes in flight may extend the
-                # file, and a short reply would make the kernel shrink its i_size
-                await self._drain(h.ino)
-            else:
-                await fl.wait(off, off + size)
         buf = bytearray(size)
         with fs_errors():
-            n = await h.pread_into(buf, off)
+            # bytes written here and still on their way are read back (and a read past
+            # the size known so far waits for them: a short reply would make the kernel
+            # shrink its i_size)
+            n = await h.read_behind(buf, off)
         return memoryview(buf)[:n] if n < size else buf
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        """Write-behind: the kernel gets its reply once the write is under way, so one
-        writer keeps several requests in flight; an error is reported by the next
-        write, flush (close) or fsync of the handle. Overlapping writes keep their
-        order; O_APPEND writes (offset decided by the client) wait."""
+        """Write-behind (``FileHandle.write_behind``): the kernel gets its reply once the
+        write is under way, so one writer keeps several requests in flight; an error is
+        reported by the next write, flush (close) or fsync of the handle."""
         h = self._file(fh)
         self._wrote.add(fh)
-        self._raise_write_error(fh)
-        limit = self.tuning.write_behind
-        if self._nursery is None or limit <= 0 or h.flags & os.O_APPEND:
-            await self._drain(h.ino)
-            with fs_errors():
-                return await h.pwrite(buf, off)
-        end = off + len(buf)
-        while (fl := self._inflight.get(h.ino)) is not None and fl.overlapping(off, end):
-            await fl.wait(off, end)
-        slots = self._slots.setdefault(fh, trio.Semaphore(limit))
-        await slots.acquire()
-        fl = self._inflight.setdefault(h.ino, _InFlight())
-        self._ids += 1
-        key, done = self._ids, trio.Event()
-        fl.ranges[key] = (off, end, done)
-        fl.end = max(fl.end, end)
-        self._nursery.start_soon(self._write_behind, fh, h, key, buf, off, slots)
-        return len(buf)
-
-    async def _write_behind(self, fh: int, h: FileHandle, key: int, buf: bytes, off: int,
-                            slots: trio.Semaphore) -> None:
-        try:
-            await h.pwrite(buf, off)
-        except (OSError, BaseExceptionGroup) as exc:
-            err = _os_error_of(exc)
-            if err is None:
-                raise
-            log.debug("write-behind of inode %d at %d failed: %s", h.ino, off, err)
-            self._write_errors.setdefault(fh, err)
-        finally:
-            fl = self._inflight.get(h.ino)
-            if fl is not None:
-                fl.ranges.pop(key)[2].set()
-                if not fl.ranges:
-                    del self._inflight[h.ino]
-            slots.release()
-
-    async def _drain(self, ino: int) -> None:
-        """Wait until every write of ``ino`` accepted so far has landed."""
-        while (fl := self._inflight.get(ino)) is not None:
-            await fl.wait()
-
-    def _raise_write_error(self, fh: int) -> None:
-        err = self._write_errors.pop(fh, None)
-        if err is not None:
-            code = err.errno if isinstance(err.errno, int) and err.errno > 0 else errno.EIO
-            raise pyfuse3.FUSEError(code)
+        with fs_errors():
+            return await h.write_behind(buf, off, self.tuning.write_behind)
 
     async def flush(self, fh: int) -> None:
         h = self._file(fh)
-        await self._drain(h.ino)
-        with fs_errors():
-            await h.commit()
-        if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
-            self._invalidate_attrs(h.ino)
-        self._raise_write_error(fh)
+        try:
+            with fs_errors():
+                await h.flush()
+        finally:
+            if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
+                self._invalidate_attrs(h.ino)
 
     async def release(self, fh: int) -> None:
-        h = self._files.get(fh)
+        h = self._files.pop(fh, None)
         if h is None:
             return
-        await self._drain(h.ino)
-        del self._files[fh]
-        self._slots.pop(fh, None)
-        err = self._write_errors.pop(fh, None)
-        if err is not None:
-            log.warning("inode %d: a write failed and was not reported: %s", h.ino, err)
         if fh in self._wrote:
             self._wrote.discard(fh)
             self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
         with fs_errors():
-            await h.close()
+            try:
+                await h.release()
+            except OSError as exc:  # the kernel drops release's reply: say it here
+                log.warning("closing inode %d: %s", h.ino, exc)
+                raise
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)
-        await self._drain(h.ino)
-        self._raise_write_error(fh)
         with fs_errors():
-            await h.fsync()
+            await h.sync()
 
     # -- directories -----------------------------------------------------------
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -666,11 +580,10 @@ class PfsOperations(pyfuse3.Operations):
     # -- shutdown --------------------------------------------------------------
     async def close_all(self) -> None:
         """Close the handles the kernel left open (unmount): sizes reach the metaserver."""
-        for ino in list(self._inflight):
-            await self._drain(ino)
+        await self.client.writes.drain_all()
         files, self._files = self._files, {}
         for h in files.values():
             try:
-                await h.close()
+                await h.release()
             except OSError as exc:
                 log.warning("closing inode %d at unmount: %s", h.ino, exc)

@@ -26,6 +26,7 @@ from pfs.client.data import DataClient
 from pfs.client.direct import DirectData
 from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.layout import Layout
 from pfs.shortcircuit import HandleObjects, LocalServers
@@ -395,6 +396,84 @@ class FileHandle:
             await self.client.pause(delay)
             delay = min(delay * 2, 1.0)
 
+    # -- write-behind (pfs/client/writeback.py) ----------------------------------
+    _writes: HandleWrites | None = None  # this handle's share, from its first write_behind
+
+    def _raise_deferred(self) -> None:
+        """Raise the first error of this handle's writes behind, if one is unreported."""
+        if self._writes is not None:
+            err = self._writes.take_error(self.path or f"inode {self.ino}")
+            if err is not None:
+                raise err
+
+    async def write_behind(self, data: Any, off: int, limit: int = WRITE_BEHIND) -> int:
+        """Write ``data`` at ``off``, returning once the write is under way: it lands in
+        the background, so one writer keeps several in flight. ``data`` is copied unless
+        it is ``bytes``. Overlapping writes land in the order they were accepted; at
+        most ``limit`` of this handle's are in flight (the first call's ``limit`` holds).
+        A failure is raised by this handle's next ``write_behind``, ``flush``, ``sync``
+        or ``release``. ``limit`` 0, or an O_APPEND handle (its offset is the size when
+        the write runs): the write waits, after the writes in flight."""
+        self._raise_deferred()
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if not self.writable:
+            raise OSError(errno.EBADF, "file not open for writing")
+        if off < 0:
+            raise OSError(errno.EINVAL, "negative offset")
+        writes = self.client.writes
+        if limit <= 0 or self.flags & os.O_APPEND:
+            await writes.drain(self.ino)
+            return await self.pwrite(data, off)
+        buf = data if isinstance(data, bytes) else bytes(memoryview(data).cast("B"))
+        if not buf:
+            return 0
+        if self._writes is None:
+            self._writes = HandleWrites(limit)
+        await writes.start(self.ino, self._writes, off, off + len(buf),
+                           partial(self.pwrite, buf, off), self.path)
+        return len(buf)
+
+    async def read_behind(self, buf: Any, off: int) -> int:
+        """``pread_into`` that sees this client's writes in flight: it waits for those
+        over its range, or for all of the file's when it reaches past the size known
+        so far (one in flight may extend the file)."""
+        try:
+            size = memoryview(buf).nbytes
+        except TypeError:  # a GPU array
+            size = int(getattr(buf, "nbytes", 0))
+        await self.client.writes.before_read(self.ino, off, size, self.size)
+        return await self.pread_into(buf, off)
+
+    async def drain(self) -> None:
+        """Wait until every write of this file accepted so far (by any of this client's
+        handles of it) has landed. Raises nothing: errors are each handle's to report."""
+        await self.client.writes.drain(self.ino)
+
+    async def flush(self) -> None:
+        """What close(2) reports: the writes in flight land, the size reaches the
+        metaserver (``commit``), then an earlier write's error is raised."""
+        await self.drain()
+        await self.commit()
+        self._raise_deferred()
+
+    async def sync(self) -> None:
+        """``fsync`` after the writes in flight land; an earlier write's error first."""
+        await self.drain()
+        self._raise_deferred()
+        await self.fsync()
+
+    async def release(self) -> None:
+        """``close`` after the writes in flight land; an earlier write's error not yet
+        reported is raised once the handle is closed (it is closed either way)."""
+        await self.drain()
+        err = None
+        if self._writes is not None:
+            err = self._writes.take_error(self.path or f"inode {self.ino}")
+        await self.close()
+        if err is not None:
+            raise err
+
 
 class AsyncClient:
     def __init__(self, config: ClientConfig, nursery: trio.Nursery,
@@ -422,6 +501,7 @@ class AsyncClient:
         # requests up to this size may be served in the sync client's calling thread
         # (FileHandle.pread_local, pread_direct, pwrite_direct): latency-bound ones
         self.direct_max = direct_max(config.profile)
+        self.writes = WriteBack(nursery)  # writes in flight (FileHandle.write_behind)
 
     @classmethod
     @asynccontextmanager
@@ -444,6 +524,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Close the handles still open (what they wrote reaches the metaserver), then
         the connections."""
+        await self.writes.drain_all()
         for h in list(self.handles):
             try:
                 await h.close()
@@ -487,10 +568,12 @@ class AsyncClient:
                     del self._inodes[ino]
 
     def merged_attr(self, attr: StatResult) -> StatResult:
-        """An attribute record with sizes this client wrote but has not committed."""
+        """An attribute record with sizes this client wrote but has not committed,
+        writes still in flight included."""
         st = self._inodes.get(attr.st_ino)
-        if st is not None and st.written_end > attr.st_size:
-            return attr.with_size(st.written_end)
+        end = max(st.written_end if st is not None else 0, self.writes.end(attr.st_ino))
+        if end > attr.st_size:
+            return attr.with_size(end)
         return attr
 
     # -- handles by inode (FUSE) -------------------------------------------------
@@ -507,12 +590,44 @@ class AsyncClient:
         return self._handle(await self.meta.open(ino, flags, cred), flags, cred=cred)
 
     async def create_in(self, parent: int, name: str | bytes, mode: int, flags: int,
-                        cred: Cred | None = None) -> FileHandle:
-        r = await self.meta.create(parent, name, mode, flags | os.O_CREAT, cred)
-        return self._handle(r, flags, cred=cred)
+                        cred: Cred | None = None, want_parent: bool = False
+                        ) -> tuple[FileHandle, StatResult | None]:
+        """Create and open ``name`` in directory ``parent``; with ``want_parent``, also
+        the directory's attributes after the change (else None)."""
+        r, parent_attr = await self.meta.create(parent, name, mode, flags | os.O_CREAT, cred,
+                                                want_parent)
+        return self._handle(r, flags, cred=cred), parent_attr
 
     async def getattr(self, ino: int) -> StatResult:
         return self.merged_attr(await self.meta.getattr(ino))
+
+    async def commit_writes(self, ino: int) -> None:
+        """Land this client's writes of ``ino`` in flight and commit the sizes its
+        handles wrote: before a size or times set explicitly, which a later commit
+        (a close) must not overwrite (cp -a, tar, rsync set mtime after writing)."""
+        await self.writes.drain(ino)
+        for h in [h for h in self.handles if h.ino == ino]:
+            await h.commit()
+
+    async def truncate_ino(self, ino: int, size: int, cred: Cred | None = None,
+                           handle: FileHandle | None = None) -> StatResult:
+        """Set the size of inode ``ino``, after the sizes this client wrote (see
+        ``commit_writes``); through ``handle`` if it is open for writing (ftruncate: the
+        write access was checked at open), else as ``cred``. The new attributes."""
+        await self.commit_writes(ino)
+        if handle is not None and handle.writable:
+            await handle.truncate(size)
+            return await self.getattr(ino)
+        attr = await self.meta.setattr(ino, cred or self.cred, size=size)
+        self._truncated(ino, attr)
+        return attr
+
+    def _truncated(self, ino: int, attr: StatResult) -> None:
+        """The metaserver set ``ino``'s size: what this client's handles wrote past it
+        is gone."""
+        st = self._inodes.get(ino)  # one state per inode, shared by its handles
+        if st is not None:
+            st.size, st.written_end = attr.st_size, min(st.written_end, attr.st_size)
 
     # -- paths -----------------------------------------------------------------
     @staticmethod
@@ -630,10 +745,7 @@ class AsyncClient:
 
     async def truncate(self, path: str | bytes, size: int) -> None:
         attr = await self.stat(path)
-        await self.meta.setattr(attr.st_ino, self.cred, size=size)
-        st = self._inodes.get(attr.st_ino)
-        if st is not None:
-            st.size, st.written_end = size, min(st.written_end, size)
+        self._truncated(attr.st_ino, await self.meta.setattr(attr.st_ino, self.cred, size=size))
 
     async def getxattr(self, path: str | bytes, name: str | bytes) -> bytes:
         return await self.meta.getxattr((await self.stat(path)).st_ino, name, self.cred)

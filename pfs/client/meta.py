@@ -16,7 +16,6 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -50,8 +49,6 @@ class MetaClient:
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
         self.direct = direct
-        # the FUSE layer's: (directory, its attributes after an entry change made here)
-        self.on_parent_attr: Callable[[int, StatResult], None] | None = None
         self._blocking: BlockingRpcClient | None = None
         self._blocking_lock = threading.Lock()
         self._disconnected = False
@@ -160,16 +157,15 @@ class MetaClient:
             except OSError as exc:  # the connection broke: the server released them
                 log.debug("releasing closed handles: %s", exc)
 
-    async def _entry_call(self, method: str, parent: int, **fields: Any) -> dict[str, Any]:
-        """An entry change in directory ``parent``; with ``on_parent_attr`` set, the
-        directory's new attributes from the reply go to it (docs/rpc.md, want_parent)."""
-        seen = self.on_parent_attr
-        if seen is None:
-            return await self.call(method, parent=parent, **fields)
+    async def _entry_call(self, method: str, parent: int, want_parent: bool,
+                          **fields: Any) -> tuple[dict[str, Any], StatResult | None]:
+        """An entry change in directory ``parent``: the reply, and with ``want_parent``
+        the directory's attributes after the change (docs/rpc.md), else None."""
+        if not want_parent:
+            return await self.call(method, parent=parent, **fields), None
         r = await self.call(method, parent=parent, want_parent=True, **fields)
-        if "parent_attr" in r:
-            seen(parent, StatResult.from_wire(r["parent_attr"]))
-        return r
+        pa = r.get("parent_attr")
+        return r, StatResult.from_wire(pa) if pa is not None else None
 
     def _cred(self, cred: Cred | None) -> list[Any]:
         return (cred or self.cred).to_wire()
@@ -213,22 +209,26 @@ class MetaClient:
     async def access(self, ino: int, mask: int, cred: Cred | None = None) -> None:
         await self.call("access", ino=ino, mask=mask, cred=self._cred(cred))
 
-    async def mkdir(self, parent: int, name: str | bytes, mode: int,
-                    cred: Cred | None = None) -> StatResult:
-        r = await self._entry_call("mkdir", parent, name=fsname(name), mode=mode,
-                                   cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"])
+    # The six entry changes take ``want_parent``: the parent's attributes after the
+    # change come back as the last value (None without it).
+    async def mkdir(self, parent: int, name: str | bytes, mode: int, cred: Cred | None = None,
+                    want_parent: bool = False) -> tuple[StatResult, StatResult | None]:
+        r, pa = await self._entry_call("mkdir", parent, want_parent, name=fsname(name),
+                                       mode=mode, cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"]), pa
 
     async def mknod(self, parent: int, name: str | bytes, mode: int, rdev: int = 0,
-                    cred: Cred | None = None) -> StatResult:
-        r = await self._entry_call("mknod", parent, name=fsname(name), mode=mode, rdev=rdev,
-                                   cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"])
+                    cred: Cred | None = None, want_parent: bool = False
+                    ) -> tuple[StatResult, StatResult | None]:
+        r, pa = await self._entry_call("mknod", parent, want_parent, name=fsname(name),
+                                       mode=mode, rdev=rdev, cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"]), pa
 
     async def create(self, parent: int, name: str | bytes, mode: int, flags: int,
-                     cred: Cred | None = None) -> dict[str, Any]:
-        return await self._entry_call("create", parent, name=fsname(name), mode=mode,
-                                      flags=flags, cred=self._cred(cred))
+                     cred: Cred | None = None, want_parent: bool = False
+                     ) -> tuple[dict[str, Any], StatResult | None]:
+        return await self._entry_call("create", parent, want_parent, name=fsname(name),
+                                      mode=mode, flags=flags, cred=self._cred(cred))
 
     async def open(self, ino: int, flags: int, cred: Cred | None = None) -> dict[str, Any]:
         return await self.call("open", ino=ino, flags=flags, cred=self._cred(cred))
@@ -246,11 +246,17 @@ class MetaClient:
         r = await self.call("commit_size", fh=fh, written_end=written_end, mtime=mtime)
         return StatResult.from_wire(r["attr"])
 
-    async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self._entry_call("unlink", parent, name=fsname(name), cred=self._cred(cred))
+    async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None,
+                     want_parent: bool = False) -> StatResult | None:
+        _, pa = await self._entry_call("unlink", parent, want_parent, name=fsname(name),
+                                       cred=self._cred(cred))
+        return pa
 
-    async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self._entry_call("rmdir", parent, name=fsname(name), cred=self._cred(cred))
+    async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None,
+                    want_parent: bool = False) -> StatResult | None:
+        _, pa = await self._entry_call("rmdir", parent, want_parent, name=fsname(name),
+                                       cred=self._cred(cred))
+        return pa
 
     async def rename(self, parent: int, name: str | bytes, newparent: int,
                      newname: str | bytes, flags: int = 0, cred: Cred | None = None) -> None:
@@ -264,10 +270,11 @@ class MetaClient:
         return StatResult.from_wire(r["attr"])
 
     async def symlink(self, parent: int, name: str | bytes, target: str | bytes,
-                      cred: Cred | None = None) -> StatResult:
-        r = await self._entry_call("symlink", parent, name=fsname(name),
-                                   target=fsname(target), cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"])
+                      cred: Cred | None = None, want_parent: bool = False
+                      ) -> tuple[StatResult, StatResult | None]:
+        r, pa = await self._entry_call("symlink", parent, want_parent, name=fsname(name),
+                                       target=fsname(target), cred=self._cred(cred))
+        return StatResult.from_wire(r["attr"]), pa
 
     async def readlink(self, ino: int) -> bytes:
         return (await self.call("readlink", ino=ino))["target"]
