@@ -12,7 +12,13 @@ is called (a reply may still be sending from it with ``sendfile``); one evicted 
 meanwhile is closed on release.
 
 An absent object reads as empty (size 0): no error. Each data directory also holds
-``server.id``, the id the metaserver gave this server, so a restart keeps its identity.
+``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
+and ``FORMAT``, the directory's format (``pfs.versions.OBJECT_FORMAT``, as text), written
+when the directory is first used. A directory in a format this pfs does not know is
+refused (naming ``pfs admin migrate --data``). One without ``FORMAT`` was made before
+formats were recorded (format 0) and is stamped on open rather than refused: format 1 is
+format 0 plus that file, which older servers ignore, so nothing is lost and an older
+server still opens it. Objects themselves carry no format.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, format_refusal
+
 log = logging.getLogger(__name__)
 
 ObjId = tuple[int, int]
@@ -31,6 +39,7 @@ ObjId = tuple[int, int]
 MAX_ID = 1 << 63
 DEFAULT_MAX_OPEN = 1024
 SID_FILE = "server.id"
+FORMAT_FILE = "FORMAT"
 MAX_SID_LEN = 256
 _OBJ_DIR = "objects"
 _MASK64 = (1 << 64) - 1
@@ -43,6 +52,68 @@ def check_obj(value: Any) -> ObjId:
         return (value[0], value[1])
     raise OSError(errno.EINVAL, f"bad object id {value!r}: want [ino, stripe], "
                                 f"two integers in [0, 2**63)")
+
+
+# -- format of a data directory ---------------------------------------------------
+def dir_format(d: str) -> int | None:
+    """The format recorded in data directory ``d``: 0 for one from before formats were
+    recorded, None for a new (empty or absent) one."""
+    try:
+        with open(os.path.join(d, FORMAT_FILE), encoding="ascii") as f:
+            text = f.read(32).strip()
+    except FileNotFoundError:
+        old = any(os.path.exists(os.path.join(d, n)) for n in (_OBJ_DIR, SID_FILE))
+        return 0 if old else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FormatError(f"data directory {d}: unreadable {FORMAT_FILE} file: {exc}") from None
+    if not text.isdigit():
+        raise FormatError(f"data directory {d}: {FORMAT_FILE} holds {text!r}, not a format "
+                          f"number")
+    return int(text)
+
+
+def _write_format(d: str) -> None:
+    path = os.path.join(d, FORMAT_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{OBJECT_FORMAT}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _upgrade_dir(d: str) -> int | None:
+    """Bring ``d`` to OBJECT_FORMAT from every older format this pfs knows; the format
+    it was in (None: new). FormatError for a format this pfs does not know."""
+    found = dir_format(d)
+    if found is not None and found > OBJECT_FORMAT:
+        raise FormatError(format_refusal("data directory", d, found, OBJECT_FORMAT,
+                                         MIGRATE_DATA))
+    if found != OBJECT_FORMAT:  # None (new) or 0: the FORMAT file is all 1 adds
+        _write_format(d)
+    return found
+
+
+def open_dir_format(d: str) -> None:
+    """At open: record a new directory's format, stamp a format-0 one (module doc),
+    refuse an unknown one."""
+    found = _upgrade_dir(d)
+    if found is not None and found != OBJECT_FORMAT:
+        log.info("data directory %s: format %d recorded as %d", d, found, OBJECT_FORMAT)
+
+
+def migrate_dir(d: str) -> tuple[int, int]:
+    """``pfs admin migrate --data``: upgrade data directory ``d`` in place to
+    OBJECT_FORMAT; (format before, format after). Idempotent."""
+    if not os.path.isdir(d):
+        raise OSError(errno.ENOENT, f"no data directory {d}")
+    found = _upgrade_dir(d)
+    return (OBJECT_FORMAT if found is None else found), OBJECT_FORMAT
 
 
 def _mix(ino: int, stripe: int) -> int:
@@ -84,6 +155,8 @@ class ObjectStore:
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
         for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+            open_dir_format(d)
             os.makedirs(os.path.join(d, _OBJ_DIR), exist_ok=True)
         self.objects = self._count()
         log.info("object store on %s: %d objects", ", ".join(self.dirs), self.objects)

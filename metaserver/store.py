@@ -10,6 +10,14 @@ one write, each in its own child, and commits (one fsync) once for the whole bat
 Engines: :class:`LmdbStore` (durable: ``sync=True``, every commit is on disk when
 ``write()`` returns) and :class:`MemoryStore` (a sorted dict, for tests). The same
 metadata test suite runs against both.
+
+**Format.** An LMDB store records its format (``pfs.versions.METADATA_FORMAT``) under
+``C format`` when it is created, and :class:`LmdbStore` refuses one it does not know
+(:class:`pfs.versions.FormatError`, naming ``pfs admin migrate --db``). A store without
+the key was made before formats were recorded (format 0); it is stamped as format 1 on
+open rather than refused: format 1 is format 0 plus that one key, which servers from
+before ignore (no code scans the ``C`` prefix), so the stamp loses nothing, needs no
+operator step in a rolling upgrade, and an older server still opens the store.
 """
 from __future__ import annotations
 
@@ -22,6 +30,9 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import lmdb
+
+from metaserver import keys as K
+from pfs.versions import METADATA_FORMAT, MIGRATE_DB, FormatError, format_refusal
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +124,18 @@ class LmdbStore:
 
     threaded = True
 
-    def __init__(self, path: str | os.PathLike[str], map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike[str], map_size: int = 1 << 30,
+                 check_format: bool = True) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.fspath(path)
         self.env = lmdb.open(self.path, map_size=map_size, subdir=True, sync=True,
                              metasync=True, max_dbs=0, readahead=False)
+        if check_format:
+            try:
+                open_format(self, self.path)
+            except BaseException:
+                self.env.close()
+                raise
 
     @contextmanager
     def read(self) -> Iterator[_LmdbTxn]:
@@ -142,6 +160,56 @@ class LmdbStore:
 
     def close(self) -> None:
         self.env.close()
+
+
+# ---------------------------------------------------------------------------
+# format
+# ---------------------------------------------------------------------------
+def store_format(txn: Txn) -> int | None:
+    """The store's recorded format: 0 for a store from before formats, None if empty."""
+    v = txn.get(K.FORMAT)
+    if v is not None:
+        return K.read_u64(v)
+    return None if next(iter(txn.scan(b"")), None) is None else 0
+
+
+def _upgrade(txn: WriteTxn, found: int | None, path: str) -> int | None:
+    """Bring the store in ``txn`` to METADATA_FORMAT from every older format this pfs
+    knows; the format it was in (None: empty). FormatError for an unknown format."""
+    if found is not None and found > METADATA_FORMAT:
+        raise FormatError(format_refusal("metadata store", path, found, METADATA_FORMAT,
+                                         MIGRATE_DB))
+    if found != METADATA_FORMAT:  # None (new) or 0: the key is all that format 1 adds
+        txn.put(K.FORMAT, K.u64(METADATA_FORMAT))
+    return found
+
+
+def open_format(store: Store, path: str) -> None:
+    """At open: record the format of a new store, stamp a format-0 one (see the module
+    doc), refuse a format this pfs does not know."""
+    with store.read() as txn:
+        found = store_format(txn)
+    if found == METADATA_FORMAT:
+        return
+    with store.write() as wtxn:
+        found = _upgrade(wtxn, store_format(wtxn), path)
+    if found is not None:
+        log.info("metadata store %s: format %d recorded as %d", path, found, METADATA_FORMAT)
+
+
+def migrate(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``pfs admin migrate --db``: upgrade the store in ``path`` in place to
+    METADATA_FORMAT; (format before, format after). Idempotent."""
+    p = os.fspath(path)
+    if not os.path.exists(os.path.join(p, "data.mdb")):
+        raise OSError(errno.ENOENT, f"no metadata store in {p}")
+    store = LmdbStore(p, check_format=False)
+    try:
+        with store.write() as txn:
+            found = _upgrade(txn, store_format(txn), p)
+    finally:
+        store.close()
+    return (METADATA_FORMAT if found is None else found), METADATA_FORMAT
 
 
 # ---------------------------------------------------------------------------
