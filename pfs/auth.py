@@ -432,9 +432,9 @@ class ClientAuth:
             await conn.send_frame(Kind.REQUEST, 0, request)
             _, fields = _check_head(await conn.recv_head(), conn.name, Kind.REPLY,
                                     "the server's auth reply", self.versions)
+            proof = self._key_proof(self.key, nc, fields, conn.name)  # the server first
             version = self._key_version(fields, conn.name)
-            await conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields,
-                                                                   conn.name))
+            await conn.send_frame(Kind.REQUEST, 0, proof)
             await _expect(conn, Kind.REPLY, "the server's auth verdict")
             conn.pin_version(version)
 
@@ -450,8 +450,9 @@ class ClientAuth:
         conn.send_frame(Kind.REQUEST, 0, request)
         _, fields = _check_head(conn.recv_head(), conn.name, Kind.REPLY,
                                 "the server's auth reply", self.versions)
+        proof = self._key_proof(self.key, nc, fields, conn.name)
         version = self._key_version(fields, conn.name)
-        conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields, conn.name))
+        conn.send_frame(Kind.REQUEST, 0, proof)
         _check_head(conn.recv_head(), conn.name, Kind.REPLY, "the server's auth verdict")
         conn.pin_version(version)
 
