@@ -14,8 +14,9 @@ meanwhile is closed on release.
 An absent object reads as empty (size 0): no error. Each data directory also holds
 ``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
 and ``FORMAT``, the directory's format (``pfs.versions.OBJECT_FORMAT``, as text), written
-when the directory is first used. A directory in a format this pfs does not know is
-refused (naming ``pfs admin migrate --data``). One without ``FORMAT`` was made before
+when the directory is first used. A directory in a format this pfs does not know, or in
+an older one that needs more than a stamp, is refused (naming ``pfs admin migrate
+--data``, which takes the steps of ``_STEPS``). One without ``FORMAT`` was made before
 formats were recorded (format 0) and is stamped on open rather than refused: format 1 is
 format 0 plus that file, which older servers ignore, so nothing is lost and an older
 server still opens it. Objects themselves carry no format.
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, format_refusal
+from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,11 @@ def dir_format(d: str) -> int | None:
     return int(text)
 
 
-def _write_format(d: str) -> None:
+def _write_format(d: str, fmt: int) -> None:
     path = os.path.join(d, FORMAT_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{OBJECT_FORMAT}\n")
+        f.write(f"{fmt}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -87,24 +88,36 @@ def _write_format(d: str) -> None:
         os.close(dfd)
 
 
-def _upgrade_dir(d: str) -> int | None:
-    """Bring ``d`` to OBJECT_FORMAT from every older format this pfs knows; the format
-    it was in (None: new). FormatError for a format this pfs does not know."""
+def _to_1(d: str) -> None:
+    _write_format(d, 1)  # format 1 is format 0 plus the FORMAT file
+
+
+# step f brings a directory from format f to f + 1
+_STEPS: dict[int, Callable[[str], None]] = {0: _to_1}
+# steps a server takes when it opens a directory (each only adds what older servers
+# ignore); any other needs ``pfs admin migrate --data``, run on a stopped server
+_AT_OPEN = frozenset({0})
+
+
+def _upgrade_dir(d: str, at_open: bool) -> int | None:
+    """Bring ``d`` to OBJECT_FORMAT; the format it was in (None: new, now stamped).
+    FormatError when this pfs cannot (see :func:`pfs.versions.upgrade_steps`)."""
     found = dir_format(d)
-    if found is not None and found > OBJECT_FORMAT:
-        raise FormatError(format_refusal("data directory", d, found, OBJECT_FORMAT,
-                                         MIGRATE_DATA))
-    if found != OBJECT_FORMAT:  # None (new) or 0: the FORMAT file is all 1 adds
-        _write_format(d)
+    if found is None:
+        _write_format(d, OBJECT_FORMAT)
+        return None
+    for step in upgrade_steps("data directory", d, found, OBJECT_FORMAT, _STEPS,
+                              _AT_OPEN if at_open else None, MIGRATE_DATA):
+        _STEPS[step](d)
     return found
 
 
 def open_dir_format(d: str) -> None:
-    """At open: record a new directory's format, stamp a format-0 one (module doc),
-    refuse an unknown one."""
-    found = _upgrade_dir(d)
+    """At open: record a new directory's format, take the upgrade steps that are safe
+    at open (format 0 -> 1, module doc), refuse anything else."""
+    found = _upgrade_dir(d, at_open=True)
     if found is not None and found != OBJECT_FORMAT:
-        log.info("data directory %s: format %d recorded as %d", d, found, OBJECT_FORMAT)
+        log.info("data directory %s: format %d upgraded to %d", d, found, OBJECT_FORMAT)
 
 
 def migrate_dir(d: str) -> tuple[int, int]:
@@ -112,7 +125,7 @@ def migrate_dir(d: str) -> tuple[int, int]:
     OBJECT_FORMAT; (format before, format after). Idempotent."""
     if not os.path.isdir(d):
         raise OSError(errno.ENOENT, f"no data directory {d}")
-    found = _upgrade_dir(d)
+    found = _upgrade_dir(d, at_open=False)
     return (OBJECT_FORMAT if found is None else found), OBJECT_FORMAT
 
 

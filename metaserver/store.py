@@ -12,8 +12,10 @@ Engines: :class:`LmdbStore` (durable: ``sync=True``, every commit is on disk whe
 metadata test suite runs against both.
 
 **Format.** An LMDB store records its format (``pfs.versions.METADATA_FORMAT``) under
-``C format`` when it is created, and :class:`LmdbStore` refuses one it does not know
-(:class:`pfs.versions.FormatError`, naming ``pfs admin migrate --db``). A store without
+``C format`` when it is created. :class:`LmdbStore` refuses a format it does not know,
+or an older one whose upgrade is more than an addition older servers ignore
+(:class:`pfs.versions.FormatError`, naming ``pfs admin migrate --db``, which takes the
+upgrade steps of ``_STEPS`` from the format found, in one transaction). A store without
 the key was made before formats were recorded (format 0); it is stamped as format 1 on
 open rather than refused: format 1 is format 0 plus that one key, which servers from
 before ignore (no code scans the ``C`` prefix), so the stamp loses nothing, needs no
@@ -25,14 +27,14 @@ import bisect
 import errno
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import lmdb
 
 from metaserver import keys as K
-from pfs.versions import METADATA_FORMAT, MIGRATE_DB, FormatError, format_refusal
+from pfs.versions import METADATA_FORMAT, MIGRATE_DB, upgrade_steps
 
 log = logging.getLogger(__name__)
 
@@ -173,40 +175,53 @@ def store_format(txn: Txn) -> int | None:
     return None if next(iter(txn.scan(b"")), None) is None else 0
 
 
-def _upgrade(txn: WriteTxn, found: int | None, path: str) -> int | None:
-    """Bring the store in ``txn`` to METADATA_FORMAT from every older format this pfs
-    knows; the format it was in (None: empty). FormatError for an unknown format."""
-    if found is not None and found > METADATA_FORMAT:
-        raise FormatError(format_refusal("metadata store", path, found, METADATA_FORMAT,
-                                         MIGRATE_DB))
-    if found != METADATA_FORMAT:  # None (new) or 0: the key is all that format 1 adds
+def _to_1(txn: WriteTxn) -> None:
+    txn.put(K.FORMAT, K.u64(1))  # format 1 is format 0 plus this key
+
+
+# step f brings a store from format f to f + 1, inside one write transaction
+_STEPS: dict[int, Callable[[WriteTxn], None]] = {0: _to_1}
+# steps a server takes when it opens a store (each only adds what older servers ignore);
+# any other needs ``pfs admin migrate --db``, run by an operator on a stopped server
+_AT_OPEN = frozenset({0})
+
+
+def _upgrade(txn: WriteTxn, path: str, at_open: bool) -> int | None:
+    """Bring the store in ``txn`` to METADATA_FORMAT; the format it was in (None: it
+    was empty, and is now stamped). FormatError when this pfs cannot (see
+    :func:`pfs.versions.upgrade_steps`)."""
+    found = store_format(txn)
+    if found is None:
         txn.put(K.FORMAT, K.u64(METADATA_FORMAT))
+        return None
+    for step in upgrade_steps("metadata store", path, found, METADATA_FORMAT, _STEPS,
+                              _AT_OPEN if at_open else None, MIGRATE_DB):
+        _STEPS[step](txn)
     return found
 
 
 def open_format(store: Store, path: str) -> None:
-    """At open: record the format of a new store, stamp a format-0 one (see the module
-    doc), refuse a format this pfs does not know."""
+    """At open: record the format of a new store, take the upgrade steps that are safe
+    at open (format 0 -> 1, see the module doc), refuse anything else."""
     with store.read() as txn:
-        found = store_format(txn)
-    if found == METADATA_FORMAT:
-        return
+        if store_format(txn) == METADATA_FORMAT:
+            return
     with store.write() as wtxn:
-        found = _upgrade(wtxn, store_format(wtxn), path)
+        found = _upgrade(wtxn, path, at_open=True)
     if found is not None:
-        log.info("metadata store %s: format %d recorded as %d", path, found, METADATA_FORMAT)
+        log.info("metadata store %s: format %d upgraded to %d", path, found, METADATA_FORMAT)
 
 
 def migrate(path: str | os.PathLike[str]) -> tuple[int, int]:
     """``pfs admin migrate --db``: upgrade the store in ``path`` in place to
-    METADATA_FORMAT; (format before, format after). Idempotent."""
+    METADATA_FORMAT, in one transaction; (format before, format after). Idempotent."""
     p = os.fspath(path)
     if not os.path.exists(os.path.join(p, "data.mdb")):
         raise OSError(errno.ENOENT, f"no metadata store in {p}")
     store = LmdbStore(p, check_format=False)
     try:
         with store.write() as txn:
-            found = _upgrade(txn, store_format(txn), p)
+            found = _upgrade(txn, p, at_open=False)
     finally:
         store.close()
     return (METADATA_FORMAT if found is None else found), METADATA_FORMAT

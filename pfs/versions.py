@@ -17,6 +17,7 @@ each other and a new binary opens a store an old one wrote. The rules:
 from __future__ import annotations
 
 import errno
+from collections.abc import Container
 
 # -- the wire (pfs/wire/protocol.py, the handshake in pfs/auth.py) -----------------
 # 1: the frame format of pfs/wire/protocol.py (26-byte header, msgpack map, raw payload)
@@ -96,10 +97,25 @@ def parse_versions(value: object) -> Range | None:
 
 
 def format_refusal(what: str, path: str, found: int, newest: int, command: str) -> str:
-    """The one-line refusal a server prints for a store format it cannot open."""
+    """The one-line refusal of a store format this pfs cannot open or upgrade."""
     if found > newest:
         return (f"{what} {path} is in format {found}, which this pfs (formats up to "
                 f"{newest}) does not know: run the pfs that wrote it; `{command} {path}` "
                 f"upgrades a store, never downgrades one")
-    return (f"{what} {path} is in format {found}, which this pfs cannot open: "
-            f"run `{command} {path}`")
+    return (f"{what} {path} is in format {found}, which this pfs cannot upgrade to "
+            f"{newest}: run `{command} {path}` of an older pfs release first")
+
+
+def upgrade_steps(what: str, path: str, found: int, newest: int, steps: Container[int],
+                  at_open: Container[int] | None, command: str) -> range:
+    """The steps that bring a store from format ``found`` to ``newest`` (step ``f``
+    goes from ``f`` to ``f + 1``; ``steps`` are those this pfs has). FormatError naming
+    ``command`` when this pfs cannot, or, at a server start (``at_open``: the steps safe
+    to take there, those that only add what older servers ignore), when a step is not."""
+    todo = range(found, newest)
+    if found > newest or any(f not in steps for f in todo):
+        raise FormatError(format_refusal(what, path, found, newest, command))
+    if at_open is not None and any(f not in at_open for f in todo):
+        raise FormatError(f"{what} {path} is in format {found}, older than this pfs's "
+                          f"{newest}: stop the server and run `{command} {path}`")
+    return todo

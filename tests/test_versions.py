@@ -336,6 +336,49 @@ def test_migrate_is_idempotent_and_refuses_newer_formats(tmp_path: Path) -> None
     assert _format_of(db) == METADATA_FORMAT + 1  # untouched
 
 
+def test_a_format_that_needs_more_than_a_stamp_waits_for_migrate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later release's format 2 (simulated): a server refuses format 1 naming the
+    command, the command upgrades it (running every step from the format found)."""
+    import dataserver.objects as objects
+    import metaserver.store as store
+
+    db, d = tmp_path / "db", str(tmp_path / "data")
+    s = LmdbStore(db)
+    with s.write() as txn:
+        txn.put(K.inode(K.ROOT_INO), b"old data")
+    s.close()
+    ObjectStore([d]).close()
+    _set_raw_format(db, None)  # format 0: steps 0 -> 1 -> 2
+    ran: list[str] = []
+
+    def meta_to_2(txn: Any) -> None:
+        ran.append("meta")
+        txn.put(K.FORMAT, K.u64(2))
+
+    def data_to_2(path: str) -> None:
+        ran.append("data")
+        objects._write_format(path, 2)
+
+    monkeypatch.setattr(store, "METADATA_FORMAT", 2)
+    monkeypatch.setitem(store._STEPS, 1, meta_to_2)
+    monkeypatch.setattr(objects, "OBJECT_FORMAT", 2)
+    monkeypatch.setitem(objects._STEPS, 1, data_to_2)
+    with pytest.raises(FormatError, match=f"older than this pfs's 2: stop the server and "
+                                          f"run `pfs admin migrate --db {db}`"):
+        LmdbStore(db)
+    with pytest.raises(FormatError, match=f"run `pfs admin migrate --data {d}`"):
+        ObjectStore([d])
+    assert _format_of(db) == 0 and dir_format(d) == 1  # nothing half-done at open
+    assert migrate(db) == (0, 2) and migrate_dir(d) == (1, 2) and ran == ["meta", "data"]
+    LmdbStore(db).close()
+    ObjectStore([d]).close()
+    monkeypatch.delitem(store._STEPS, 1)  # a pfs that cannot step from 1 to 2
+    _set_raw_format(db, 1)
+    with pytest.raises(FormatError, match="cannot upgrade to 2"):
+        migrate(db)
+
+
 def _pfs(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*PY, "-m", "pfs.cli", *args], capture_output=True, text=True,
                           timeout=60)
