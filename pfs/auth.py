@@ -262,6 +262,15 @@ def _alpn(sock: Any) -> str | None:
     return pick() if pick is not None else None
 
 
+def _local_name(conn: Connection) -> str:
+    """host:port of our end of ``conn`` (the address the peer reached)."""
+    try:
+        addr = getattr(conn.sock, "raw", conn.sock).getsockname()
+    except OSError:
+        return "?"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+
+
 @dataclass
 class ServerAuth:
     """How a server authenticates its peers (and which protocol versions it speaks)."""
@@ -322,10 +331,11 @@ class ServerAuth:
         if picked is None:
             picked = negotiate(self.versions, LEGACY_RANGE)
             if picked is None:
+                # the client's first call gets the error, so it names where we are
                 rid, _ = await _expect(conn, Kind.REQUEST, "a first request")
                 await _refuse_version(conn, rid, self.versions, no_common(
-                    self.versions, None, "server", "client", " by TLS ALPN (a client from "
-                    "before version negotiation speaks 1)"))
+                    self.versions, None, f"server ({_local_name(conn)})", "client",
+                    " by TLS ALPN (a client from before version negotiation speaks 1)"))
         assert picked is not None
         if not self.versions[0] <= picked <= self.versions[1]:
             raise ProtocolError(f"TLS picked protocol version {picked}, outside this "

@@ -184,7 +184,7 @@ def test_a_peer_with_no_common_version_gets_a_clear_error(tmp_path: Path, make: 
                 elif cli == (3, 4):  # the client learns by ALPN that the server offered none
                     assert f"127.0.0.1:{port}" in str(err) and "speaks 3-4" in str(err), err
                 else:  # the server refuses the client's first request, naming its range
-                    assert "this server speaks 3-4" in str(err), err
+                    assert f"this server (127.0.0.1:{port}) speaks 3-4" in str(err), err
 
     run(main)
 
