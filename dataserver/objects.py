@@ -123,10 +123,12 @@ def open_dir_format(d: str) -> None:
 def migrate_dir(d: str) -> tuple[int, int]:
     """``pfs admin migrate --data``: upgrade data directory ``d`` in place to
     OBJECT_FORMAT; (format before, format after). Idempotent."""
-    if not os.path.isdir(d):
-        raise OSError(errno.ENOENT, f"no data directory {d}")
+    if not os.path.isdir(d) or dir_format(d) is None:  # a typo must not get a FORMAT file
+        raise OSError(errno.ENOENT, f"no data directory in {d} (no {_OBJ_DIR}/, "
+                                    f"{SID_FILE} or {FORMAT_FILE})")
     found = _upgrade_dir(d, at_open=False)
-    return (OBJECT_FORMAT if found is None else found), OBJECT_FORMAT
+    assert found is not None
+    return found, OBJECT_FORMAT
 
 
 def _mix(ino: int, stripe: int) -> int:

@@ -319,6 +319,10 @@ def test_migrate_is_idempotent_and_refuses_newer_formats(tmp_path: Path) -> None
     db, d = tmp_path / "db", str(tmp_path / "data")
     with pytest.raises(OSError, match="no metadata store"):
         migrate(db)
+    os.mkdir(d)
+    with pytest.raises(OSError, match="no data directory"):
+        migrate_dir(d)  # an empty directory: not stamped, it may be a typo
+    assert not os.path.exists(os.path.join(d, FORMAT_FILE))
     s = LmdbStore(db)
     with s.write() as txn:
         txn.put(K.inode(K.ROOT_INO), b"old data")
