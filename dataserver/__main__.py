@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except* (OSError, ConfigError) as group:  # a port in use, an unusable directory...
         failed.extend(group.exceptions)
     for err in failed:
-        log.error("data server failed: %s", err)
+        log.error("data server failed: %s", getattr(err, "strerror", None) or err)
     return 1 if failed else 0
 
 

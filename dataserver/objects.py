@@ -12,7 +12,14 @@ is called (a reply may still be sending from it with ``sendfile``); one evicted 
 meanwhile is closed on release.
 
 An absent object reads as empty (size 0): no error. Each data directory also holds
-``server.id``, the id the metaserver gave this server, so a restart keeps its identity.
+``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
+and ``FORMAT``, the directory's format (``pfs.versions.OBJECT_FORMAT``, as text), written
+when the directory is first used. A directory in a format this pfs does not know, or in
+an older one that needs more than a stamp, is refused (naming ``pfs admin migrate
+--data``, which takes the steps of ``_STEPS``). One without ``FORMAT`` was made before
+formats were recorded (format 0) and is stamped on open rather than refused: format 1 is
+format 0 plus that file, which older servers ignore, so nothing is lost and an older
+server still opens it. Objects themselves carry no format.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
+
 log = logging.getLogger(__name__)
 
 ObjId = tuple[int, int]
@@ -31,6 +40,7 @@ ObjId = tuple[int, int]
 MAX_ID = 1 << 63
 DEFAULT_MAX_OPEN = 1024
 SID_FILE = "server.id"
+FORMAT_FILE = "FORMAT"
 MAX_SID_LEN = 256
 _OBJ_DIR = "objects"
 _MASK64 = (1 << 64) - 1
@@ -43,6 +53,82 @@ def check_obj(value: Any) -> ObjId:
         return (value[0], value[1])
     raise OSError(errno.EINVAL, f"bad object id {value!r}: want [ino, stripe], "
                                 f"two integers in [0, 2**63)")
+
+
+# -- format of a data directory ---------------------------------------------------
+def dir_format(d: str) -> int | None:
+    """The format recorded in data directory ``d``: 0 for one from before formats were
+    recorded, None for a new (empty or absent) one."""
+    try:
+        with open(os.path.join(d, FORMAT_FILE), encoding="ascii") as f:
+            text = f.read(32).strip()
+    except FileNotFoundError:
+        old = any(os.path.exists(os.path.join(d, n)) for n in (_OBJ_DIR, SID_FILE))
+        return 0 if old else None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FormatError(f"data directory {d}: unreadable {FORMAT_FILE} file: {exc}") from None
+    if not text.isdigit():
+        raise FormatError(f"data directory {d}: {FORMAT_FILE} holds {text!r}, not a format "
+                          f"number")
+    return int(text)
+
+
+def _write_format(d: str, fmt: int) -> None:
+    path = os.path.join(d, FORMAT_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{fmt}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _to_1(d: str) -> None:
+    _write_format(d, 1)  # format 1 is format 0 plus the FORMAT file
+
+
+# step f brings a directory from format f to f + 1
+_STEPS: dict[int, Callable[[str], None]] = {0: _to_1}
+# steps a server takes when it opens a directory (each only adds what older servers
+# ignore); any other needs ``pfs admin migrate --data``, run on a stopped server
+_AT_OPEN = frozenset({0})
+
+
+def _upgrade_dir(d: str, at_open: bool) -> int | None:
+    """Bring ``d`` to OBJECT_FORMAT; the format it was in (None: new, now stamped).
+    FormatError when this pfs cannot (see :func:`pfs.versions.upgrade_steps`)."""
+    found = dir_format(d)
+    if found is None:
+        _write_format(d, OBJECT_FORMAT)
+        return None
+    for step in upgrade_steps("data directory", d, found, OBJECT_FORMAT, _STEPS,
+                              _AT_OPEN if at_open else None, MIGRATE_DATA):
+        _STEPS[step](d)
+    return found
+
+
+def open_dir_format(d: str) -> None:
+    """At open: record a new directory's format, take the upgrade steps that are safe
+    at open (format 0 -> 1, module doc), refuse anything else."""
+    found = _upgrade_dir(d, at_open=True)
+    if found is not None and found != OBJECT_FORMAT:
+        log.info("data directory %s: format %d upgraded to %d", d, found, OBJECT_FORMAT)
+
+
+def migrate_dir(d: str) -> tuple[int, int]:
+    """``pfs admin migrate --data``: upgrade data directory ``d`` in place to
+    OBJECT_FORMAT; (format before, format after). Idempotent."""
+    if not os.path.isdir(d) or dir_format(d) is None:  # a typo must not get a FORMAT file
+        raise OSError(errno.ENOENT, f"no data directory in {d} (no {_OBJ_DIR}/, "
+                                    f"{SID_FILE} or {FORMAT_FILE})")
+    found = _upgrade_dir(d, at_open=False)
+    assert found is not None
+    return found, OBJECT_FORMAT
 
 
 def _mix(ino: int, stripe: int) -> int:
@@ -84,6 +170,8 @@ class ObjectStore:
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
         for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+            open_dir_format(d)
             os.makedirs(os.path.join(d, _OBJ_DIR), exist_ok=True)
         self.objects = self._count()
         log.info("object store on %s: %d objects", ", ".join(self.dirs), self.objects)

@@ -20,6 +20,7 @@ import trio
 from metaserver.server import serve_meta
 from pfs.config import ConfigError, MetaConfig, load
 from pfs.daemon import serve_until_signalled
+from pfs.versions import FormatError
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(run, config, args.ready_fd)
     except* ConfigError as group:  # a key file others can read, a missing certificate...
         failed.extend(group.exceptions)
+    except* FormatError as group:  # a store this pfs cannot open: the message says what to run
+        failed.extend(group.exceptions)
     for err in failed:
-        log.error("metaserver: %s", err)
+        log.error("metaserver: %s", getattr(err, "strerror", None) or err)
     return 2 if failed else 0
 
 

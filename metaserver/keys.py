@@ -16,7 +16,7 @@ prefix  key                             value                                   
 ``E``   ``E`` parent ino, seq           ``[name, child ino]``                        [2]
 ``X``   ``X`` ino, name                 raw xattr value bytes
 ``C``   ``C`` name                      8-byte counter: ``next_ino``, ``inodes``,
-                                        ``qseq``
+                                        ``qseq``; ``format``: the store's format   [5]
 ``R``   ``R`` sid (utf-8)               data server: ``host port total free``
 ``Q``   ``Q`` seq                       deletion queue entry: ``ino layout``          [3]
 ``O``   ``O`` ino                       b"": orphan, unlinked while open              [4]
@@ -31,6 +31,8 @@ prefix  key                             value                                   
     ``delete`` to the data servers and removes the entry once they all answered.
 [4] Set when the last link goes while the inode is open; the last close (or the
     connection's end, or the next start of the server) reclaims it.
+[5] Written when the store is created (``pfs.versions.METADATA_FORMAT``); a store
+    without it predates format numbers and is format 0 (metaserver/store.py).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ DELQ = b"Q"
 ORPHAN = b"O"
 
 ROOT_INO = 1
+FORMAT = COUNTER + b"format"  # the store's format number, u64 (pfs/versions.py)
 
 
 def u64(n: int) -> bytes:

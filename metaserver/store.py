@@ -10,6 +10,16 @@ one write, each in its own child, and commits (one fsync) once for the whole bat
 Engines: :class:`LmdbStore` (durable: ``sync=True``, every commit is on disk when
 ``write()`` returns) and :class:`MemoryStore` (a sorted dict, for tests). The same
 metadata test suite runs against both.
+
+**Format.** An LMDB store records its format (``pfs.versions.METADATA_FORMAT``) under
+``C format`` when it is created. :class:`LmdbStore` refuses a format it does not know,
+or an older one whose upgrade is more than an addition older servers ignore
+(:class:`pfs.versions.FormatError`, naming ``pfs admin migrate --db``, which takes the
+upgrade steps of ``_STEPS`` from the format found, in one transaction). A store without
+the key was made before formats were recorded (format 0); it is stamped as format 1 on
+open rather than refused: format 1 is format 0 plus that one key, which servers from
+before ignore (no code scans the ``C`` prefix), so the stamp loses nothing, needs no
+operator step in a rolling upgrade, and an older server still opens the store.
 """
 from __future__ import annotations
 
@@ -17,11 +27,14 @@ import bisect
 import errno
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import lmdb
+
+from metaserver import keys as K
+from pfs.versions import METADATA_FORMAT, MIGRATE_DB, upgrade_steps
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +126,18 @@ class LmdbStore:
 
     threaded = True
 
-    def __init__(self, path: str | os.PathLike[str], map_size: int = 1 << 30) -> None:
+    def __init__(self, path: str | os.PathLike[str], map_size: int = 1 << 30,
+                 check_format: bool = True) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.fspath(path)
         self.env = lmdb.open(self.path, map_size=map_size, subdir=True, sync=True,
                              metasync=True, max_dbs=0, readahead=False)
+        if check_format:
+            try:
+                open_format(self, self.path)
+            except BaseException:
+                self.env.close()
+                raise
 
     @contextmanager
     def read(self) -> Iterator[_LmdbTxn]:
@@ -142,6 +162,69 @@ class LmdbStore:
 
     def close(self) -> None:
         self.env.close()
+
+
+# ---------------------------------------------------------------------------
+# format
+# ---------------------------------------------------------------------------
+def store_format(txn: Txn) -> int | None:
+    """The store's recorded format: 0 for a store from before formats, None if empty."""
+    v = txn.get(K.FORMAT)
+    if v is not None:
+        return K.read_u64(v)
+    return None if next(iter(txn.scan(b"")), None) is None else 0
+
+
+def _to_1(txn: WriteTxn) -> None:
+    txn.put(K.FORMAT, K.u64(1))  # format 1 is format 0 plus this key
+
+
+# step f brings a store from format f to f + 1, inside one write transaction
+_STEPS: dict[int, Callable[[WriteTxn], None]] = {0: _to_1}
+# steps a server takes when it opens a store (each only adds what older servers ignore);
+# any other needs ``pfs admin migrate --db``, run by an operator on a stopped server
+_AT_OPEN = frozenset({0})
+
+
+def _upgrade(txn: WriteTxn, path: str, at_open: bool) -> int | None:
+    """Bring the store in ``txn`` to METADATA_FORMAT; the format it was in (None: it
+    was empty, and is now stamped). FormatError when this pfs cannot (see
+    :func:`pfs.versions.upgrade_steps`)."""
+    found = store_format(txn)
+    if found is None:
+        txn.put(K.FORMAT, K.u64(METADATA_FORMAT))
+        return None
+    for step in upgrade_steps("metadata store", path, found, METADATA_FORMAT, _STEPS,
+                              _AT_OPEN if at_open else None, MIGRATE_DB):
+        _STEPS[step](txn)
+    return found
+
+
+def open_format(store: Store, path: str) -> None:
+    """At open: record the format of a new store, take the upgrade steps that are safe
+    at open (format 0 -> 1, see the module doc), refuse anything else."""
+    with store.read() as txn:
+        if store_format(txn) == METADATA_FORMAT:
+            return
+    with store.write() as wtxn:
+        found = _upgrade(wtxn, path, at_open=True)
+    if found is not None:
+        log.info("metadata store %s: format %d upgraded to %d", path, found, METADATA_FORMAT)
+
+
+def migrate(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``pfs admin migrate --db``: upgrade the store in ``path`` in place to
+    METADATA_FORMAT, in one transaction; (format before, format after). Idempotent."""
+    p = os.fspath(path)
+    if not os.path.exists(os.path.join(p, "data.mdb")):
+        raise OSError(errno.ENOENT, f"no metadata store in {p}")
+    store = LmdbStore(p, check_format=False)
+    try:
+        with store.write() as txn:
+            found = _upgrade(txn, p, at_open=False)
+    finally:
+        store.close()
+    return (METADATA_FORMAT if found is None else found), METADATA_FORMAT
 
 
 # ---------------------------------------------------------------------------

@@ -6,8 +6,9 @@ Nothing is served before the peer authenticates. Three modes, chosen by configur
   0600 (a file that group or others can read is refused). Both sides prove knowledge of
   the key with HMAC-SHA256 over fresh nonces; the key never crosses the wire::
 
-      client -> server  request {"m": "auth", "v": 1, "key": NAME, "nonce": Nc}
-      server -> client  reply   {"nonce": Ns, "proof": HMAC(K, "server" | NAME | Nc | Ns)}
+      client -> server  request {"m": "auth", "v": [MIN, MAX], "key": NAME, "nonce": Nc}
+      server -> client  reply   {"nonce": Ns, "proof": HMAC(K, "server" | NAME | Nc | Ns),
+                                 "v": V}
       client -> server  request {"m": "auth_proof", "proof": HMAC(K, "client" | NAME | Nc | Ns)}
       server -> client  reply   {"name": ..., "role": ...}     (or an EACCES error, then close)
 
@@ -18,6 +19,16 @@ Nothing is served before the peer authenticates. Three modes, chosen by configur
 - **open**: no key and no TLS configured anywhere: every peer is trusted, data servers
   check no capabilities, and servers log a warning. For unit tests and one-user
   development only; ``pfs cluster up`` never makes such a cluster.
+
+Protocol versions are negotiated inside these handshakes, with no round trip of their
+own (pfs/versions.py): in key mode the auth request carries the client's range ``[MIN,
+MAX]`` and the server's reply the version ``V`` it picked, the highest in both ranges
+(or an ``EPROTO`` error naming its range, then close); in TLS mode each side offers its
+versions as ALPN names ``pfs/N`` and TLS picks the server's first that the client has.
+Every frame after the handshake carries ``V``. A peer from before negotiation (``"v":
+1``, no ALPN) speaks version 1. Open mode has no handshake and stays at version 1. The
+versions are not covered by the proofs: a man in the middle could at most pick a lower
+version that both sides support, which changes framing, not who may do what.
 
 Keys and roles: the *cluster key* (``cluster.key``) is held by the metaserver and the data
 servers and gives the role ``server`` (register and heartbeat, nothing in the namespace).
@@ -36,7 +47,7 @@ import logging
 import os
 import ssl
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +55,17 @@ import trio
 
 from pfs.config import ConfigError
 from pfs.errors import ProtocolError
+from pfs.versions import (
+    LEGACY_RANGE,
+    SUPPORTED,
+    Range,
+    alpn_names,
+    fmt_range,
+    negotiate,
+    no_common,
+    parse_alpn,
+    parse_versions,
+)
 from pfs.wire.protocol import FrameHead, Kind
 from pfs.wire.transport import Connection
 
@@ -63,6 +85,13 @@ FULL = (0, UID_MAX)
 class AuthError(OSError):
     def __init__(self, msg: str) -> None:
         super().__init__(errno.EACCES, msg)
+
+
+class VersionError(AuthError):
+    """The peer and we share no protocol version (EPROTO); the message names both ranges."""
+
+    def __init__(self, msg: str) -> None:
+        OSError.__init__(self, errno.EPROTO, msg)
 
 
 # ---------------------------------------------------------------------------
@@ -153,18 +182,20 @@ def parse_range(text: str) -> tuple[int, int]:
 # ---------------------------------------------------------------------------
 # TLS
 # ---------------------------------------------------------------------------
-def server_tls(cert: str, key: str, ca: str) -> ssl.SSLContext:
+def server_tls(cert: str, key: str, ca: str, versions: Range = SUPPORTED) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.set_alpn_protocols(alpn_names(versions))  # the protocol version, picked by TLS
     read_secret_file(key, None)  # mode check
     ctx.load_cert_chain(cert, key)
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
 
-def client_tls(cert: str, key: str, ca: str) -> ssl.SSLContext:
+def client_tls(cert: str, key: str, ca: str, versions: Range = SUPPORTED) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.set_alpn_protocols(alpn_names(versions))
     ctx.check_hostname = False  # servers share one certificate; its role is checked
     read_secret_file(key, None)
     ctx.load_cert_chain(cert, key)
@@ -201,15 +232,20 @@ def cert_identity(cert: dict[str, Any] | None) -> Identity:
 # ---------------------------------------------------------------------------
 # the two halves of the handshake
 # ---------------------------------------------------------------------------
-def _check_head(head: FrameHead | None, peer: str, kind: Kind, what: str
-                ) -> tuple[int, dict[str, Any]]:
-    """The id and fields of an expected handshake frame; AuthError/ProtocolError else."""
+def _check_head(head: FrameHead | None, peer: str, kind: Kind, what: str,
+                ours: Range = SUPPORTED) -> tuple[int, dict[str, Any]]:
+    """The id and fields of an expected handshake frame; AuthError/ProtocolError else
+    (VersionError when the server refused our protocol versions)."""
     if head is None:
         raise AuthError(f"{peer} closed the connection during authentication")
     if head.payload_len:
         raise ProtocolError(f"{what} carries a payload")
     if head.kind == Kind.ERROR and kind == Kind.REPLY:
         msg = head.fields.get("msg")
+        if head.fields.get("errno") == errno.EPROTO:
+            theirs = parse_versions(head.fields.get("v"))
+            raise VersionError(f"{peer}: " + (no_common(ours, theirs, "client", "server")
+                                              if theirs is not None else str(msg)))
         raise AuthError(f"{peer} refused authentication: {msg}")
     if head.kind != kind:
         raise ProtocolError(f"expected {what}, got a frame of kind {head.kind}")
@@ -220,12 +256,28 @@ async def _expect(conn: Connection, kind: Kind, what: str) -> tuple[int, dict[st
     return _check_head(await conn.recv_head(), conn.name, kind, what)
 
 
+def _alpn(sock: Any) -> str | None:
+    """The ALPN name TLS picked on a connection (trio's TlsSocket or an ssl.SSLSocket)."""
+    pick = getattr(getattr(sock, "stream", sock), "selected_alpn_protocol", None)
+    return pick() if pick is not None else None
+
+
+def _local_name(conn: Connection) -> str:
+    """host:port of our end of ``conn`` (the address the peer reached)."""
+    try:
+        addr = getattr(conn.sock, "raw", conn.sock).getsockname()
+    except OSError:
+        return "?"
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+
+
 @dataclass
 class ServerAuth:
-    """How a server authenticates its peers."""
+    """How a server authenticates its peers (and which protocol versions it speaks)."""
 
     keys: dict[str, tuple[bytes, Identity]] = field(default_factory=dict)
     tls: ssl.SSLContext | None = None
+    versions: Range = SUPPORTED  # what the TLS context offers by ALPN must match
 
     @property
     def mode(self) -> str:
@@ -233,7 +285,9 @@ class ServerAuth:
 
     async def authenticate(self, conn: Connection) -> Identity:
         if self.tls is not None:
-            return cert_identity(getattr(conn.sock, "peer_cert", None))
+            ident = cert_identity(getattr(conn.sock, "peer_cert", None))
+            await self._tls_version(conn)
+            return ident
         if not self.keys:
             return OPEN
         rid, fields = await _expect(conn, Kind.REQUEST, "an auth request")
@@ -241,6 +295,15 @@ class ServerAuth:
         if fields.get("m") != "auth":
             await _refuse(conn, rid, "authentication required: this cluster needs a key "
                                 "(key_file in the client config) or TLS certificates")
+        theirs = parse_versions(fields.get("v"))
+        if theirs is None:
+            await _refuse(conn, rid, "malformed auth request: bad protocol versions 'v'")
+        assert theirs is not None
+        version = negotiate(self.versions, theirs)
+        if version is None:
+            await _refuse_version(conn, rid, self.versions,
+                                  no_common(self.versions, theirs, "server", "client"))
+        assert version is not None
         if not isinstance(name, str) or not isinstance(nc, bytes) or len(nc) != NONCE_BYTES:
             await _refuse(conn, rid, "malformed auth request")
         entry = self.keys.get(name)  # type: ignore[arg-type]
@@ -249,7 +312,7 @@ class ServerAuth:
         assert entry is not None and isinstance(name, str) and isinstance(nc, bytes)
         key, ident = entry
         ns = os.urandom(NONCE_BYTES)
-        await conn.send_frame(Kind.REPLY, rid, {"nonce": ns,
+        await conn.send_frame(Kind.REPLY, rid, {"nonce": ns, "v": version,
                                                 "proof": _proof(key, b"server", name, nc, ns)})
         rid, fields = await _expect(conn, Kind.REQUEST, "an auth proof")
         proof = fields.get("proof")
@@ -257,7 +320,27 @@ class ServerAuth:
                 or not hmac.compare_digest(proof, _proof(key, b"client", name, nc, ns))):
             await _refuse(conn, rid, f"authentication with key {name!r} failed")
         await conn.send_frame(Kind.REPLY, rid, {"name": ident.name, "role": ident.role})
+        conn.pin_version(version)
         return ident
+
+    async def _tls_version(self, conn: Connection) -> None:
+        """Pin the version TLS picked by ALPN. With none picked the client predates
+        negotiation (it speaks 1) or shares no version with us; if we cannot speak 1
+        either, its first request is answered with an EPROTO error naming our range."""
+        picked = parse_alpn(_alpn(conn.sock))
+        if picked is None:
+            picked = negotiate(self.versions, LEGACY_RANGE)
+            if picked is None:
+                # the client's first call gets the error, so it names where we are
+                rid, _ = await _expect(conn, Kind.REQUEST, "a first request")
+                await _refuse_version(conn, rid, self.versions, no_common(
+                    self.versions, None, f"server ({_local_name(conn)})", "client",
+                    " by TLS ALPN (a client from before version negotiation speaks 1)"))
+        assert picked is not None
+        if not self.versions[0] <= picked <= self.versions[1]:
+            raise ProtocolError(f"TLS picked protocol version {picked}, outside this "
+                                f"server's {fmt_range(self.versions)}")
+        conn.pin_version(picked)
 
 
 async def _refuse(conn: Connection, rid: int, msg: str) -> None:
@@ -268,6 +351,16 @@ async def _refuse(conn: Connection, rid: int, msg: str) -> None:
     raise AuthError(msg)
 
 
+async def _refuse_version(conn: Connection, rid: int, ours: Range, msg: str) -> None:
+    """Tell the peer we share no protocol version (with our range), then give up."""
+    try:
+        await conn.send_frame(Kind.ERROR, rid, {"errno": errno.EPROTO, "msg": msg,
+                                                "v": list(ours)})
+    except OSError:
+        pass
+    raise VersionError(msg)
+
+
 @dataclass
 class ClientAuth:
     """How this process proves itself: a named key, TLS, or nothing (open clusters)."""
@@ -276,6 +369,7 @@ class ClientAuth:
     key: bytes | None = None
     tls: ssl.SSLContext | None = None
     data_key: bytes | None = None  # what it proves to data servers
+    versions: Range = SUPPORTED  # what the TLS context offers by ALPN must match
 
     @property
     def mode(self) -> str:
@@ -285,18 +379,46 @@ class ClientAuth:
         """The credentials to present to data servers."""
         if self.key is None or self.data_key is None:
             return self
-        return ClientAuth(self.name, self.data_key, self.tls, None)
+        return replace(self, key=self.data_key, data_key=None)
 
-    def _check_tls_peer(self, peer_cert: dict[str, Any] | None, peer: str) -> None:
+    def _check_tls_peer(self, sock: Any, peer_cert: dict[str, Any] | None, peer: str) -> int:
+        """Check the server's certificate; the protocol version TLS picked by ALPN."""
         ident = cert_identity(peer_cert)
         if ident.role != "server":
             raise AuthError(f"{peer} presented a {ident.role} certificate, not a server's")
+        picked = parse_alpn(_alpn(sock))
+        if picked is None:  # a server from before negotiation (1), or none in common
+            version = negotiate(self.versions, LEGACY_RANGE)
+            if version is None:
+                raise VersionError(f"{peer}: " + no_common(
+                    self.versions, None, "client", "server", " by TLS ALPN (a server from "
+                    "before version negotiation speaks 1)"))
+            return version
+        return self._check_picked(picked, peer)
+
+    def _check_picked(self, picked: object, peer: str) -> int:
+        if type(picked) is not int or not self.versions[0] <= picked <= self.versions[1]:
+            raise ProtocolError(f"{peer} picked protocol version {picked!r}, outside this "
+                                f"client's {fmt_range(self.versions)}")
+        return picked
 
     # The key handshake as steps without I/O, driven by ``hello`` (trio) and
     # ``hello_blocking`` (a blocking socket): auth request, server proof, our proof.
     def _key_request(self) -> tuple[bytes, dict[str, Any]]:
         nc = os.urandom(NONCE_BYTES)
-        return nc, {"m": "auth", "v": 1, "key": self.name, "nonce": nc}
+        return nc, {"m": "auth", "v": list(self.versions), "key": self.name, "nonce": nc}
+
+    def _key_version(self, fields: dict[str, Any], peer: str) -> int:
+        """The version the server picked in its auth reply. A server from before
+        negotiation names none: it speaks 1."""
+        if "v" in fields:
+            return self._check_picked(fields["v"], peer)
+        version = negotiate(self.versions, LEGACY_RANGE)
+        if version is None:
+            raise VersionError(f"{peer}: " + no_common(
+                self.versions, LEGACY_RANGE, "client", "server",
+                " (it predates version negotiation)"))
+        return version
 
     def _key_proof(self, key: bytes, nc: bytes, fields: dict[str, Any], peer: str
                    ) -> dict[str, Any]:
@@ -309,31 +431,40 @@ class ClientAuth:
 
     async def hello(self, conn: Connection) -> None:
         if self.tls is not None:
-            self._check_tls_peer(getattr(conn.sock, "peer_cert", None), conn.name)
+            version = self._check_tls_peer(conn.sock, getattr(conn.sock, "peer_cert", None),
+                                           conn.name)
+            conn.pin_version(version)
             return
         if self.key is None:
             return
         with trio.fail_after(AUTH_TIMEOUT):
             nc, request = self._key_request()
             await conn.send_frame(Kind.REQUEST, 0, request)
-            _, fields = await _expect(conn, Kind.REPLY, "the server's auth reply")
-            await conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields,
-                                                                   conn.name))
+            _, fields = _check_head(await conn.recv_head(), conn.name, Kind.REPLY,
+                                    "the server's auth reply", self.versions)
+            proof = self._key_proof(self.key, nc, fields, conn.name)  # the server first
+            version = self._key_version(fields, conn.name)
+            await conn.send_frame(Kind.REQUEST, 0, proof)
             await _expect(conn, Kind.REPLY, "the server's auth verdict")
+            conn.pin_version(version)
 
     def hello_blocking(self, conn: BlockingConnection) -> None:
         """``hello`` over a blocking connection (its timeout bounds each step)."""
         if self.tls is not None:
-            self._check_tls_peer(conn.peer_cert, conn.name)
+            version = self._check_tls_peer(conn.sock, conn.peer_cert, conn.name)
+            conn.pin_version(version)
             return
         if self.key is None:
             return
         nc, request = self._key_request()
         conn.send_frame(Kind.REQUEST, 0, request)
         _, fields = _check_head(conn.recv_head(), conn.name, Kind.REPLY,
-                                "the server's auth reply")
-        conn.send_frame(Kind.REQUEST, 0, self._key_proof(self.key, nc, fields, conn.name))
+                                "the server's auth reply", self.versions)
+        proof = self._key_proof(self.key, nc, fields, conn.name)
+        version = self._key_version(fields, conn.name)
+        conn.send_frame(Kind.REQUEST, 0, proof)
         _check_head(conn.recv_head(), conn.name, Kind.REPLY, "the server's auth verdict")
+        conn.pin_version(version)
 
     def open_blocking(self, host: str, port: int, timeout: float = 60.0) -> Any:
         """An authenticated :class:`pfs.wire.blocking.BlockingRpcClient`."""

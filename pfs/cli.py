@@ -318,6 +318,25 @@ def cmd_data_serve(args: argparse.Namespace) -> None:
     sys.exit(data_main(args.rest))
 
 
+def cmd_admin_migrate(args: argparse.Namespace) -> None:
+    """Upgrade stores in place to this pfs's formats (pfs/versions.py); the servers'
+    refusal of an older format names this command. Idempotent."""
+    from dataserver.objects import migrate_dir
+    from metaserver.store import migrate
+
+    if not args.db and not args.data:
+        raise SystemExit("pfs admin migrate: name a store: --db DIR and/or --data DIR")
+    jobs: list[tuple[str, str, Callable[[str], tuple[int, int]]]] = (
+        [("metadata store", d, migrate) for d in args.db]
+        + [("data directory", d, migrate_dir) for d in args.data])
+    for what, path, fn in jobs:
+        before, after = fn(path)
+        if before == after:
+            print(f"{what} {path}: format {after}, nothing to do")
+        else:
+            print(f"{what} {path}: format {before} -> {after}")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from pfs.demo import run_demo
 
@@ -411,6 +430,16 @@ def build_parser() -> argparse.ArgumentParser:
                             add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(fn=fn)
+
+    adm = sub.add_parser("admin", help="operate on stores of stopped servers").add_subparsers(
+        dest="admcmd", required=True)
+    sp = adm.add_parser("migrate", help="upgrade metadata stores and data directories in "
+                                        "place to this pfs's formats (stop the server first)")
+    sp.add_argument("--db", action="append", default=[], metavar="DIR",
+                    help="a metaserver's LMDB directory (repeatable)")
+    sp.add_argument("--data", action="append", default=[], metavar="DIR",
+                    help="a data server's data directory (repeatable)")
+    sp.set_defaults(fn=cmd_admin_migrate)
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")

@@ -124,9 +124,14 @@ class BlockingConnection:
         return OSError(exc.errno or errno.ECONNRESET,
                        f"connection to {self.name} failed: {exc.strerror or exc}")
 
+    def pin_version(self, version: int) -> None:
+        """The handshake picked ``version``: frames carry it both ways from now on."""
+        self._decoder.pin(version)
+
     def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
                    payload: bytes | bytearray | memoryview | None = None) -> None:
-        data = encode_head(kind, rid, fields, len(payload) if payload else 0, self.limits)
+        data = encode_head(kind, rid, fields, len(payload) if payload else 0, self.limits,
+                           self._decoder.version)
         try:
             self.sock.sendall(data + bytes(payload) if payload else data)
         except OSError as exc:

@@ -3,7 +3,7 @@
 A frame is a fixed 26-byte header, a msgpack map, then an optional raw payload::
 
     magic  "PF"   2 bytes
-    version       u8   (1)
+    version       u8   the connection's protocol version (pfs/versions.py)
     kind          u8   (1 request, 2 reply, 3 error)
     flags         u16  (reserved, 0)
     map_len       u32  length of the msgpack map
@@ -13,6 +13,12 @@ A frame is a fixed 26-byte header, a msgpack map, then an optional raw payload::
 Every length is checked against :class:`Limits` before anything is allocated. The
 decoder hands out the header and map first (:class:`FrameHead`) and leaves the payload
 to the caller, so a socket layer can receive it straight into its final buffer.
+
+Versions: the header layout never changes. Until a connection's handshake has picked a
+version (pfs/auth.py), its frames carry ``HANDSHAKE_VERSION`` and the decoder takes any
+version this side supports; once picked (:meth:`FrameDecoder.pin`), every frame carries
+that version and the decoder refuses any other. A connection without a handshake (open
+mode) keeps ``HANDSHAKE_VERSION``.
 """
 from __future__ import annotations
 
@@ -24,9 +30,10 @@ from typing import Any
 import msgpack
 
 from pfs.errors import LocalProtocolError, RemoteProtocolError
+from pfs.versions import HANDSHAKE_VERSION, SUPPORTED, Range, fmt_range
 
 MAGIC = b"PF"
-VERSION = 1
+VERSION = HANDSHAKE_VERSION  # frames before (or without) a handshake
 HEADER = struct.Struct("!2sBBHIQQ")
 HEADER_SIZE = HEADER.size
 
@@ -65,7 +72,7 @@ def pack_map(fields: dict[str, Any]) -> bytes:
 
 
 def encode_head(kind: Kind, rid: int, fields: dict[str, Any], payload_len: int = 0,
-                limits: Limits | None = None) -> bytes:
+                limits: Limits | None = None, version: int = VERSION) -> bytes:
     """Header + map bytes; the payload (if any) is sent separately after them."""
     lim = limits or Limits()
     body = pack_map(fields)
@@ -75,13 +82,13 @@ def encode_head(kind: Kind, rid: int, fields: dict[str, Any], payload_len: int =
         raise LocalProtocolError(f"payload of {payload_len} bytes exceeds limit {lim.max_payload}")
     if not 0 <= rid < 1 << 64:
         raise LocalProtocolError(f"request id {rid} out of range")
-    return HEADER.pack(MAGIC, VERSION, int(kind), 0, len(body), rid, payload_len) + body
+    return HEADER.pack(MAGIC, version, int(kind), 0, len(body), rid, payload_len) + body
 
 
 def encode_frame(kind: Kind, rid: int, fields: dict[str, Any], payload: bytes = b"",
-                 limits: Limits | None = None) -> bytes:
+                 limits: Limits | None = None, version: int = VERSION) -> bytes:
     """A whole frame in one buffer (small frames, tests)."""
-    return encode_head(kind, rid, fields, len(payload), limits) + bytes(payload)
+    return encode_head(kind, rid, fields, len(payload), limits, version) + bytes(payload)
 
 
 class FrameDecoder:
@@ -90,12 +97,36 @@ class FrameDecoder:
     After a head with ``payload_len > 0`` the caller must consume exactly that many
     payload bytes: first what is already buffered (``take_payload_into``), then the rest
     from its own source. ``pending_payload`` says how many are still owed.
+
+    ``version`` is the version this connection's frames carry both ways: the handshake's
+    until :meth:`pin` sets the negotiated one. Before that the decoder takes any version
+    in ``supported`` (and the handshake's); after, only the pinned one.
     """
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, supported: Range = SUPPORTED) -> None:
         self.limits = limits or Limits()
+        self.supported = supported
+        self.version = VERSION
+        self.pinned = False
         self._buf = bytearray()
         self.pending_payload = 0
+
+    def pin(self, version: int) -> None:
+        """From now on frames carry ``version``, and a frame with another is refused.
+        (The handshake checked it against the range it announced.)"""
+        if not 0 < version < 256:
+            raise LocalProtocolError(f"protocol version {version} does not fit a frame header")
+        self.version = version
+        self.pinned = True
+
+    def _check_version(self, version: int) -> None:
+        if self.pinned:
+            if version != self.version:
+                raise RemoteProtocolError(f"frame of protocol version {version} on a connection "
+                                          f"that negotiated version {self.version}")
+        elif version != VERSION and not self.supported[0] <= version <= self.supported[1]:
+            raise RemoteProtocolError(f"unsupported protocol version {version} (this side "
+                                      f"speaks {fmt_range(self.supported)})")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
@@ -113,8 +144,8 @@ class FrameDecoder:
         magic, version, kind, _flags, map_len, rid, payload_len = HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a pfs peer")
-        if version != VERSION:
-            raise RemoteProtocolError(f"unsupported protocol version {version}")
+        if version != self.version:
+            self._check_version(version)
         try:
             kind_v = Kind(kind)
         except ValueError:

@@ -142,6 +142,10 @@ class Connection:
         else:
             self._send_lock.acquire_nowait()
 
+    def pin_version(self, version: int) -> None:
+        """The handshake picked ``version``: frames carry it both ways from now on."""
+        self.decoder.pin(version)
+
     # -- sending -------------------------------------------------------------
     async def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
                          payload: Payload | None = None) -> None:
@@ -149,7 +153,7 @@ class Connection:
         with ``sendmsg``, so the pieces of a stripe are never copied together)."""
         views = _views(payload)
         n = sum(len(v) for v in views)
-        head = encode_head(kind, rid, fields, n, self.limits)
+        head = encode_head(kind, rid, fields, n, self.limits, self.decoder.version)
         await self._lock_send()
         start = self._out
         try:
@@ -170,7 +174,8 @@ class Connection:
         If the file turns out shorter than ``count`` (truncated meanwhile) the rest is
         sent as zeros so the framing stays intact.
         """
-        head = encode_head(kind, rid, fields, count, self.limits)
+        head = encode_head(kind, rid, fields, count, self.limits,
+                           self.decoder.version)
         await self._lock_send()
         start = self._out
         try:
@@ -324,7 +329,8 @@ class Connection:
         byte, so the receiver finds them as soon as it reads the frame's header."""
         if self._raw is None or self.sock.family != socket.AF_UNIX:
             raise OSError(errno.EINVAL, "descriptors travel only over local Unix sockets")
-        data = memoryview(encode_head(kind, rid, fields, 0, self.limits))
+        data = memoryview(encode_head(kind, rid, fields, 0, self.limits,
+                                          self.decoder.version))
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         await self._lock_send()
         start = self._out
@@ -481,7 +487,8 @@ class TlsConnection(Connection):
 
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
                                    fd: int, offset: int, count: int) -> None:
-        head = encode_head(kind, rid, fields, count, self.limits)
+        head = encode_head(kind, rid, fields, count, self.limits,
+                           self.decoder.version)
         async with self._send_lock:
             start = self._out
             try:
