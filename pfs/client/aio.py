@@ -16,17 +16,21 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
 
 from pfs.auth import client_auth
+from pfs.client import plan
+from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient
 from pfs.client.direct import DirectData
 from pfs.client.meta import MetaClient, fsname
+from pfs.client.plan import HandOver, Plan
+from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
+from pfs.gpu import pread_into_device
 from pfs.layout import Layout
 from pfs.shortcircuit import HandleObjects, LocalServers
 
@@ -155,19 +159,6 @@ class FileHandle:
         self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
         return r
 
-    async def _data(self, fn: Any, *args: Any) -> Any:
-        """A data-path call with this handle's capability; renewed when due, and once
-        more when a data server refuses it (expired, or stale after a truncation)."""
-        if time.monotonic() >= self._renew_at:
-            await self.renew()
-        try:
-            return await fn(*args, cap=self.cap)
-        except OSError as exc:
-            if self.cap is None or exc.errno not in (errno.EACCES, errno.ESTALE):
-                raise
-        await self.renew()
-        return await fn(*args, cap=self.cap)
-
     @property
     def readable(self) -> bool:
         return (self.flags & os.O_ACCMODE) in (os.O_RDONLY, os.O_RDWR)
@@ -188,106 +179,70 @@ class FileHandle:
         if not want_write and not self.readable:
             raise OSError(errno.EBADF, "file not open for reading")
 
+    # -- data: plans (pfs/client/plan.py) carried out by the trio driver, or by the
+    # blocking driver in the sync client's calling thread --------------------------
+    def _read_plan(self, view: memoryview, off: int) -> Plan[None]:
+        return plan.read(self, self.ino, self.layout, off, view, self.cap,
+                         renew_due=time.monotonic() >= self._renew_at, local=self._objects)
+
+    def _write_plan(self, view: memoryview, off: int) -> Plan[None]:
+        return plan.write(self, self.ino, self.layout, off, view, self.cap,
+                          renew_due=time.monotonic() >= self._renew_at)
+
+    def _wrote(self, end: int) -> None:
+        self.state.wrote(end)
+        self._dirty = True
+
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
         A GPU buffer (``__cuda_array_interface__``) is filled through pinned host staging
         (:mod:`pfs.gpu`)."""
         self._check(False)
         if hasattr(buf, "__cuda_array_interface__"):
-            from pfs.gpu import pread_into_device
-
             return await pread_into_device(self, buf, off)
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n:
-            await self._data(partial(self.client.data.read_into, objects=self._objects),
-                             self.ino, self.layout, off, view[:n])
+            await self.client.driver.run(self._read_plan(view[:n], off))
         return n
 
-    def pread_local(self, buf: Any, off: int) -> int | None:
-        """A small read served in the calling thread from short-circuit descriptors this
-        handle already holds: the sync client's fast path (no hop into its trio thread,
-        a blocking ``preadv`` per stripe piece). None when it cannot be: no descriptor
-        yet for a stripe, a remote stripe, a GPU buffer, or larger than the profile's
-        ``direct_max`` (then the engine reads the stripes in parallel)."""
-        objs = self._objects
-        if objs is None or self.closed or off < 0 \
-                or hasattr(buf, "__cuda_array_interface__"):
+    def pread_blocking(self, buf: Any, off: int) -> int | None:
+        """The sync client's read in the calling thread (the blocking driver: a
+        ``preadv`` of a local object, a request over a blocking connection), for a
+        request of at most the profile's ``direct_max``. None: run ``pread_into`` on
+        the trio driver instead (a larger request, a GPU buffer, or an effect only the
+        trio driver carries out)."""
+        self._check(False)
+        if off < 0 or hasattr(buf, "__cuda_array_interface__"):
             return None
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n > self.client.direct_max:
             return None
-        ops = []
-        for p in self.layout.pieces(off, n):
-            fd = objs.known_fd(p.stripe)
-            if fd is None:
+        if n:
+            try:
+                self.client.blocking.run(self._read_plan(view[:n], off))
+            except HandOver:
                 return None
-            start = p.file_off - off
-            ops.append((fd, p.obj_off, view[start:start + p.length]))
-        if ops:
-            objs.read_now(ops)
         return n
 
-    # -- the sync client's calling-thread paths (pfs/client/direct.py) ----------------
-    def _direct_piece(self, off: int, n: int) -> Any:
-        """The one stripe piece ``[off, off + n)`` is, if the direct path may take it."""
-        if (self.client.direct is None or self.closed or off < 0
-                or n > self.client.direct_max or time.monotonic() >= self._renew_at):
-            return None
-        pieces = list(self.layout.pieces(off, n))
-        return pieces[0] if len(pieces) == 1 else None
-
-    def pread_direct(self, buf: Any, off: int) -> int | None:
-        """``pread_local``, else one request to a replica in this thread; None: take
-        the trio path (``pread_into``)."""
-        n = self.pread_local(buf, off)
-        if n is not None or self.closed or not self.readable \
-                or hasattr(buf, "__cuda_array_interface__"):
-            return n  # a closed handle: pread_into raises, even with nothing to read
-        view = memoryview(buf).cast("B")
-        n = max(0, min(len(view), self.state.known_size - off))
-        if n == 0:
-            return None if off < 0 else 0
-        p = self._direct_piece(off, n)
-        direct = self.client.direct
-        if p is None or direct is None:
-            return None
-        if self._objects is not None and not self._objects.tried(p.stripe):
-            return None  # the trio path first asks a local server for a descriptor
-        dest = view[:n]
-        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "len": n, "cap": self.cap}
-        for sid in self.layout.servers[p.stripe]:
-            try:
-                r = direct.call(sid, "read", fields, into=dest)
-            except OSError:
-                continue  # as the trio path does: the next replica
-            if r is not None:
-                if r[1] < n:  # past the object's end: a hole up to the file size
-                    dest[r[1]:] = bytes(n - r[1])
-                return n
-        return None
-
-    def pwrite_direct(self, data: Any, off: int) -> int | None:
-        """One request per replica in this thread; None: take the trio path
-        (``pwrite``), which writes every replica again."""
-        if not self.writable or self.closed:
-            return None
+    def pwrite_blocking(self, data: Any, off: int) -> int | None:
+        """``pwrite`` in the calling thread, as ``pread_blocking``; None: run ``pwrite``
+        on the trio driver (which writes every replica again)."""
+        if self.closed or not self.writable or off < 0:
+            return None  # pwrite raises
         view = memoryview(data).cast("B")
+        if not view or len(view) > self.client.direct_max:
+            return None
         if self.flags & os.O_APPEND:
             off = self.state.known_size
-        p = self._direct_piece(off, len(view))
-        direct = self.client.direct
-        if p is None or direct is None or not view:
+        try:
+            self.client.blocking.run(self._write_plan(view, off))
+        except HandOver:
             return None
-        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "cap": self.cap}
-        for sid in self.layout.servers[p.stripe]:
-            if direct.call(sid, "write", fields, payload=view) is None:
-                return None
-        self.state.wrote(off + len(view))
-        self._dirty = True
+        self._wrote(off + len(view))
         return len(view)
 
     async def pread(self, length: int, off: int) -> bytes:
@@ -303,9 +258,8 @@ class FileHandle:
             off = self.state.known_size
         view = memoryview(data).cast("B")
         if view:
-            await self._data(self.client.data.write, self.ino, self.layout, off, view)
-            self.state.wrote(off + len(view))
-            self._dirty = True
+            await self.client.driver.run(self._write_plan(view, off))
+            self._wrote(off + len(view))
         return len(view)
 
     async def truncate(self, size: int) -> None:
@@ -339,7 +293,9 @@ class FileHandle:
         if self.closed:
             raise ValueError("I/O operation on closed file")
         if self.writable:
-            await self._data(self.client.data.fsync, self.ino, self.layout)
+            await self.client.driver.run(plan.fsync(
+                self, self.ino, self.layout, self.cap,
+                renew_due=time.monotonic() >= self._renew_at))
         await self.commit()
 
     async def getattr(self) -> StatResult:
@@ -412,15 +368,17 @@ class AsyncClient:
                                timeout=config.timeout, auth=creds.for_data())
         # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
-        # the sync client's small data requests from its callers' threads
-        self.direct = (DirectData(creds.for_data(), self.data.known_address, config.timeout)
-                       if direct_meta else None)
+        # plans carried out in the trio thread, and in the sync client's callers' threads
+        self.driver = TrioDriver(self.data, self.meta)
+        self.blocking = BlockingDriver(
+            DirectData(creds.for_data(), self.data.known_address, config.timeout)
+            if direct_meta else None, self.meta)
         self._inodes: dict[int, _InodeState] = {}
         # the sync client opens and closes handles in its callers' threads as well
         self._inodes_lock = threading.Lock()
         self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
         # requests up to this size may be served in the sync client's calling thread
-        # (FileHandle.pread_local, pread_direct, pwrite_direct): latency-bound ones
+        # (FileHandle.pread_blocking, pwrite_blocking): latency-bound ones
         self.direct_max = direct_max(config.profile)
 
     @classmethod
@@ -461,8 +419,8 @@ class AsyncClient:
 
     def close(self) -> None:
         self.data.close()
-        if self.direct is not None:
-            self.direct.close()
+        if self.blocking.data is not None:
+            self.blocking.data.close()
         self.meta.shutdown()
         if self.local is not None:
             self.local.close()

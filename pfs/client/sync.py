@@ -310,9 +310,8 @@ class File(io.RawIOBase):
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
 
     def preadinto(self, buf: Any, offset: int) -> int:
-        # small reads: of local objects or one request, in this thread
-        # (FileHandle.pread_local / pread_direct)
-        n = self.handle.pread_direct(buf, offset)
+        # small reads: in this thread (the blocking driver)
+        n = self.handle.pread_blocking(buf, offset)
         if n is None:
             n = self._run(self.handle.pread_into, buf, offset)
         return n
@@ -323,8 +322,8 @@ class File(io.RawIOBase):
         return n
 
     def pwrite(self, data: Any, offset: int) -> int:
-        # small writes: in this thread (FileHandle.pwrite_direct)
-        n = self.handle.pwrite_direct(data, offset)
+        # small writes: in this thread (the blocking driver)
+        n = self.handle.pwrite_blocking(data, offset)
         if n is None:
             n = self._run(self.handle.pwrite, data, offset)
         return n

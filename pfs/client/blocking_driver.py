@@ -1,0 +1,78 @@
+"""The blocking driver: carries plans (:mod:`pfs.client.plan`) out in the caller's
+thread, for ``pfs.connect()``: no trio, no threads, one request at a time.
+
+Data requests go over :class:`~pfs.client.direct.DirectData`'s pooled blocking
+connections, short-circuit reads are one ``preadv``, metadata requests go over the
+``MetaClient``'s blocking connection (``_blocking_call``), a
+:class:`~pfs.client.plan.Parallel` runs its sub-plans one after the other. What needs
+the event loop — renewing a capability of a file handle, asking a local data server for
+a descriptor, reconnecting to a server that moved — raises
+:class:`~pfs.client.plan.HandOver` out of :meth:`BlockingDriver.run`, and the caller runs
+the operation again on the trio driver.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+from pfs.client.direct import DirectData
+from pfs.client.meta import MetaClient
+from pfs.client.plan import (
+    DeferClose,
+    HandOver,
+    LocalFd,
+    LocalRead,
+    MetaCall,
+    Parallel,
+    Plan,
+    Renew,
+    Send,
+    Sleep,
+)
+
+T = TypeVar("T")
+
+
+class BlockingDriver:
+    def __init__(self, data: DirectData | None, meta: MetaClient) -> None:
+        self.data = data  # None: data requests are the trio driver's
+        self.meta = meta
+
+    def run(self, plan: Plan[T]) -> T:
+        value: Any = None
+        exc: OSError | None = None
+        try:
+            while True:
+                try:
+                    effect = plan.send(value) if exc is None else plan.throw(exc)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                value, exc = None, None
+                try:
+                    value = self._do(effect)
+                except OSError as e:
+                    exc = e
+        finally:
+            plan.close()
+
+    def _do(self, effect: Any) -> Any:
+        if isinstance(effect, Send):
+            if self.data is None or isinstance(effect.into, list) \
+                    or isinstance(effect.payload, list):
+                raise HandOver("scattered requests are the trio driver's")
+            return self.data.call(effect.sid, effect.method, effect.fields,
+                                  payload=effect.payload, into=effect.into)[1]
+        if isinstance(effect, LocalRead):
+            return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)
+        if isinstance(effect, MetaCall):
+            return self.meta._blocking_call(effect.method, effect.fields)
+        if isinstance(effect, Parallel):
+            return [self.run(sub) for sub in effect.plans]
+        if isinstance(effect, Sleep):
+            time.sleep(effect.seconds)
+            return None
+        if isinstance(effect, DeferClose):
+            return self.meta.defer_close(effect.fh, effect.generation)
+        if isinstance(effect, (Renew, LocalFd)):
+            raise HandOver(type(effect).__name__)
+        raise TypeError(f"not an effect: {effect!r}")
