@@ -319,3 +319,52 @@ def test_a_small_plan_is_one_effect() -> None:
                                                     "cap": b"c"}
     with pytest.raises(StopIteration):
         p.send(100)
+
+
+class _FakeStager:
+    """A pinned buffer of two halves; copies land in a bytearray standing for the GPU."""
+
+    def __init__(self, half: int, device: bytearray) -> None:
+        self.half = half
+        self.view = memoryview(bytearray(2 * half))
+        self.device = device
+        self.pending = [False, False]
+        self.events: list[str] = []
+
+    def copy(self, slot: int, dst: int, src_off: int, n: int) -> None:
+        assert not self.pending[slot]
+        self.device[dst:dst + n] = self.view[src_off:src_off + n]
+        self.pending[slot] = True
+        self.events.append(f"copy{slot}")
+
+    def wait(self, slot: int) -> None:
+        self.pending[slot] = False
+        self.events.append(f"wait{slot}")
+
+
+def test_a_device_destination_is_staged_in_two_alternating_halves() -> None:
+    lay = _layout(count=3)
+    cl = FakeCluster(lay)
+    data = os.urandom(5 * UNIT + 11)
+    cl.store(data)
+    device = bytearray(len(data))
+    st = _FakeStager(UNIT, device)
+    real = cl.do
+
+    def do(eff: Any) -> Any:
+        if isinstance(eff, plan.ToDevice):
+            return st.copy(eff.slot, eff.dst_ptr, eff.src_off, eff.n)
+        if isinstance(eff, plan.DeviceWait):
+            return st.wait(eff.slot)
+        return real(eff)
+
+    cl.do = do  # type: ignore[method-assign]
+
+    def chunk(view: memoryview, off: int) -> plan.Plan[int]:
+        yield from plan.read(None, INO, lay, off, view, b"c")
+        return len(view)
+
+    assert cl.run(plan.read_device(st, 0, 7, len(data) - 7, chunk)) == len(data) - 7
+    assert bytes(device[:len(data) - 7]) == data[7:]
+    assert st.events[:4] == ["wait0", "copy0", "wait1", "copy1"]
+    assert st.events[-2:] == ["wait0", "wait1"] and st.pending == [False, False]

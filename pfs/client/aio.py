@@ -30,7 +30,7 @@ from pfs.client.plan import HandOver, Plan
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
-from pfs.gpu import pread_into_device
+from pfs.gpu import STAGING_SIZE, DeviceStager, device_buffer
 from pfs.layout import Layout
 from pfs.shortcircuit import HandleObjects, LocalServers
 
@@ -199,7 +199,7 @@ class FileHandle:
         (:mod:`pfs.gpu`)."""
         self._check(False)
         if hasattr(buf, "__cuda_array_interface__"):
-            return await pread_into_device(self, buf, off)
+            return await self._pread_device(buf, off)
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")
@@ -207,6 +207,24 @@ class FileHandle:
         if n:
             await self.client.driver.run(self._read_plan(view[:n], off))
         return n
+
+    async def _pread_device(self, buf: Any, off: int) -> int:
+        """A device destination: the plan's pieces land in pinned host staging (a
+        buffer for this request) and are copied on (:func:`pfs.client.plan.read_device`)."""
+        dev = device_buffer(buf)
+        stager = DeviceStager(min(STAGING_SIZE, max(2 << 20, dev.nbytes)))
+        try:
+            if off < 0:
+                raise OSError(errno.EINVAL, "negative offset")
+            total = max(0, min(dev.nbytes, self.state.known_size - off))
+            return await self.client.driver.run(
+                plan.read_device(stager, dev.ptr, off, total, self._read_chunk))
+        finally:
+            stager.close()
+
+    def _read_chunk(self, view: memoryview, off: int) -> Plan[int]:
+        yield from self._read_plan(view, off)  # a fresh capability for each chunk
+        return len(view)
 
     def pread_blocking(self, buf: Any, off: int) -> int | None:
         """The sync client's read in the calling thread (the blocking driver: a

@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 from pfs.client.direct import DirectData
 from pfs.client.meta import MetaClient
 from pfs.client.plan import (
+    Call,
     DeferClose,
+    DeviceWait,
     HandOver,
     LocalFd,
     LocalRead,
@@ -28,6 +30,7 @@ from pfs.client.plan import (
     Renew,
     Send,
     Sleep,
+    ToDevice,
 )
 
 T = TypeVar("T")
@@ -73,6 +76,12 @@ class BlockingDriver:
             return None
         if isinstance(effect, DeferClose):
             return self.meta.defer_close(effect.fh, effect.generation)
-        if isinstance(effect, (Renew, LocalFd)):
+        if isinstance(effect, ToDevice):
+            effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)
+            return None
+        if isinstance(effect, DeviceWait):
+            effect.stager.wait(effect.slot)
+            return None
+        if isinstance(effect, (Renew, LocalFd, Call)):
             raise HandOver(type(effect).__name__)
         raise TypeError(f"not an effect: {effect!r}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -137,6 +137,34 @@ class DeferClose:
 @dataclass(slots=True)
 class Sleep:
     seconds: float
+
+
+@dataclass(slots=True)
+class ToDevice:
+    """Copy ``n`` bytes at ``src_off`` of ``stager``'s pinned buffer to device address
+    ``dst_ptr`` on the stream of ``slot`` (asynchronous: :class:`DeviceWait` ends it)."""
+
+    stager: Any
+    slot: int
+    dst_ptr: int
+    src_off: int
+    n: int
+
+
+@dataclass(slots=True)
+class DeviceWait:
+    """Wait until the copy from ``stager``'s ``slot`` is done (the slot is free)."""
+
+    stager: Any
+    slot: int
+
+
+@dataclass(slots=True)
+class Call:
+    """Await ``fn(*args)`` (a source the caller supplies, e.g. another kind of file)."""
+
+    fn: Any
+    args: tuple[Any, ...]
 
 
 class LocalObjects(Protocol):
@@ -315,3 +343,25 @@ def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
         return _all([one(Send(sid, "fsync", fsync_request(ino, stripe, c)))
                      for stripe, replicas in enumerate(layout.servers) for sid in replicas])
     yield from with_cap(owner, cap, renew_due, body)
+
+
+def read_device(stager: Any, dst_ptr: int, off: int, total: int,
+                chunk: Callable[[memoryview, int], Plan[int]]) -> Plan[int]:
+    """A device destination's executor: ``total`` bytes from ``off`` through
+    ``stager``'s pinned host buffer (two halves: the copy of one overlaps the read of
+    the next), each half filled by ``chunk(host_view, file_offset)`` (bytes got; short:
+    the end). Returns the bytes read."""
+    done, slot, half = 0, 0, stager.half
+    while done < total:
+        n = min(half, total - done)
+        yield DeviceWait(stager, slot)
+        got = yield from chunk(stager.view[slot * half:slot * half + n], off + done)
+        if got:
+            yield ToDevice(stager, slot, dst_ptr + done, slot * half, got)
+        done += got
+        if got < n:
+            break
+        slot ^= 1
+    yield DeviceWait(stager, 0)
+    yield DeviceWait(stager, 1)
+    return done

@@ -2,8 +2,8 @@
 flight, for ``AsyncClient``, the FUSE mount and the sync client's larger requests.
 
 Requests go over :class:`~pfs.client.data.DataClient`'s connections, short-circuit
-reads to the client's engine (:mod:`pfs.shortcircuit`), metadata requests over the
-``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
+reads to the client's engine (:mod:`pfs.shortcircuit`), device destinations through a
+pinned staging buffer (:mod:`pfs.gpu`), metadata requests over the ``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
 nursery, and the first ``OSError`` among them is raised as itself.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ import trio
 from pfs.client.data import DataClient, run_all
 from pfs.client.meta import MetaClient
 from pfs.client.plan import (
+    Call,
     DeferClose,
+    DeviceWait,
     LocalFd,
     LocalRead,
     MetaCall,
@@ -25,13 +27,14 @@ from pfs.client.plan import (
     Renew,
     Send,
     Sleep,
+    ToDevice,
 )
 
 T = TypeVar("T")
 
 
 class TrioDriver:
-    def __init__(self, data: DataClient, meta: MetaClient) -> None:
+    def __init__(self, data: DataClient | None = None, meta: MetaClient | None = None) -> None:
         self.data = data
         self.meta = meta
 
@@ -54,6 +57,7 @@ class TrioDriver:
 
     async def _do(self, effect: Any) -> Any:
         if isinstance(effect, Send):
+            assert self.data is not None
             r = await self.data.call(effect.sid, effect.method, effect.fields,
                                      payload=effect.payload, into=effect.into)
             return r.nbytes
@@ -66,6 +70,7 @@ class TrioDriver:
             await run_all([partial(one, i, sub) for i, sub in enumerate(effect.plans)])
             return results
         if isinstance(effect, MetaCall):
+            assert self.meta is not None
             return await self.meta.call(effect.method, **effect.fields)
         if isinstance(effect, LocalRead):
             return await effect.local.read(effect.fd, effect.obj_off, effect.dests)
@@ -77,6 +82,15 @@ class TrioDriver:
         if isinstance(effect, Sleep):
             await trio.sleep(effect.seconds)
             return None
+        if isinstance(effect, ToDevice):
+            effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)
+            return None
+        if isinstance(effect, DeviceWait):
+            await trio.to_thread.run_sync(effect.stager.wait, effect.slot)
+            return None
+        if isinstance(effect, Call):
+            return await effect.fn(*effect.args)
         if isinstance(effect, DeferClose):
+            assert self.meta is not None
             return self.meta.defer_close(effect.fh, effect.generation)
         raise TypeError(f"not an effect: {effect!r}")
