@@ -42,31 +42,31 @@ class BlockingDriver:
         self.meta = meta
 
     def run(self, plan: Plan[T]) -> T:
-        value: Any = None
-        exc: OSError | None = None
+        send = plan.send
         try:
+            effect = send(None)
             while True:
                 try:
-                    effect = plan.send(value) if exc is None else plan.throw(exc)
-                except StopIteration as done:
-                    return done.value  # type: ignore[no-any-return]
-                value, exc = None, None
-                try:
                     value = self._do(effect)
-                except OSError as e:
-                    exc = e
+                except OSError as exc:
+                    effect = plan.throw(exc)
+                else:
+                    effect = send(value)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
         finally:
-            plan.close()
+            plan.close()  # a plan left suspended (HandOver) runs its cleanup now
 
     def _do(self, effect: Any) -> Any:
-        if isinstance(effect, Send):
+        kind = type(effect)
+        if kind is LocalRead:
+            return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)
+        if kind is Send:
             if self.data is None or isinstance(effect.into, list) \
                     or isinstance(effect.payload, list):
                 raise HandOver("scattered requests are the trio driver's")
             return self.data.call(effect.sid, effect.method, effect.fields,
                                   payload=effect.payload, into=effect.into)[1]
-        if isinstance(effect, LocalRead):
-            return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)
         if isinstance(effect, MetaCall):
             return self.meta._blocking_call(effect.method, effect.fields)
         if isinstance(effect, Parallel):

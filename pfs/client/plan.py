@@ -197,9 +197,10 @@ def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
 def runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
     """Per-stripe runs of pieces, each contiguous in its object and at most MAX_REQUEST."""
     unit = layout.unit
-    if length <= MAX_REQUEST and length and off // unit == (off + length - 1) // unit:
-        stripe, obj_off = layout.locate(off)  # the common small case: one piece
-        return [[Piece(stripe, obj_off, off, length)]]
+    block, within = divmod(off, unit)
+    if length <= MAX_REQUEST and 0 < length <= unit - within:  # the common small case
+        row, stripe = divmod(block, layout.count)
+        return [[Piece(stripe, row * unit + within, off, length)]]
     out: list[list[Piece]] = []
     for ext in stripe_extents(unit, layout.count, off, length):
         run: list[Piece] = []
@@ -288,34 +289,58 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
              cap: bytes | None, local: LocalObjects | None = None) -> Plan[None]:
     """One stripe's run: from a local descriptor when there is one, else from the first
     replica that answers; holes read as zeros."""
-    dests = _views(buf, base, run)
-    stripe, obj_off = run[0].stripe, run[0].obj_off
-    replicas = layout.servers[stripe]
+    first = run[0]
+    stripe, obj_off = first.stripe, first.obj_off
+    if len(run) == 1:
+        start = first.file_off - base
+        dests = [buf[start:start + first.length]]
+    else:
+        dests = _views(buf, base, run)
     if local is not None:
         fd = (local.known_fd(stripe) if local.tried(stripe)
-              else (yield LocalFd(local, replicas, ino, stripe, cap)))
+              else (yield LocalFd(local, layout.servers[stripe], ino, stripe, cap)))
         if fd is not None:
             counts = yield LocalRead(local, fd, obj_off, dests)
             for d, n in zip(dests, counts, strict=True):
                 if n < len(d):
                     d[n:] = bytes(len(d) - n)
             return
-    total = sum(p.length for p in run)
-    got = yield from from_replicas(replicas, "read",
+    total = first.length if len(run) == 1 else sum(p.length for p in run)
+    got = yield from from_replicas(layout.servers[stripe], "read",
                                    read_request(ino, stripe, obj_off, total, cap),
                                    into=dests[0] if len(dests) == 1 else dests)
     if got < total:
         fill_hole(dests, got)
 
 
+def _read_all(ino: int, layout: Layout, off: int, buf: memoryview, rs: list[list[Piece]],
+              cap: bytes | None, local: LocalObjects | None) -> Plan[None]:
+    if len(rs) == 1:
+        yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+    else:
+        yield Parallel([read_run(ino, layout, off, buf, run, cap, local) for run in rs])
+
+
 def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
          cap: bytes | None, *, renew_due: bool = False,
          local: LocalObjects | None = None) -> Plan[None]:
-    """Fill ``buf`` with the file's bytes from ``off`` (the caller bounds it by the size)."""
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([read_run(ino, layout, off, buf, run, c, local)
-                      for run in runs(layout, off, len(buf))])
-    yield from with_cap(owner, cap, renew_due, body)
+    """Fill ``buf`` with the file's bytes from ``off`` (the caller bounds it by the size).
+    The capability is renewed first when due, and once more when a server refuses it
+    (as :func:`with_cap`; written out here: this is the small reads' hot path)."""
+    if renew_due:
+        cap = yield Renew(owner)
+    rs = runs(layout, off, len(buf))
+    try:
+        if len(rs) == 1:  # the small reads' case, without a level of generators
+            yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+        else:
+            yield from _read_all(ino, layout, off, buf, rs, cap, local)
+        return
+    except OSError as exc:
+        if cap is None or classify(exc) is not Failure.RENEW:
+            raise
+    cap = yield Renew(owner)
+    yield from _read_all(ino, layout, off, buf, rs, cap, local)
 
 
 def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[Piece],
