@@ -3,7 +3,7 @@ the O_CREAT fallback, commit and close with their retries, renew and reopen), wr
 once as plans (:mod:`pfs.client.plan`) that yield :class:`~pfs.client.plan.MetaCall`
 and :class:`~pfs.client.plan.Sleep`. ``AsyncClient`` carries them out on the trio
 driver, the sync client on the blocking driver in the caller's thread: neither runs the
-other's coroutines, and nothing here may or may not suspend.
+other's coroutines, and a plan never waits by itself (a ``Sleep`` is an effect too).
 
 Entry calls name their entry by path: the metaserver resolves it in the same round trip
 (docs/rpc.md, "path" beside "parent" + "name").

@@ -104,10 +104,10 @@ class Client:
         return self._loop.run(fn, *args)
 
     def _drive(self, make: Callable[..., Plan[T]], *args: Any) -> T:
-        """Carry the metadata plan ``make(*args)`` out in this thread (see the module doc); through the
-        trio thread when the metadata connection is not blocking, or when this client is
-        closed (which fails there, as data calls do: run here, the call would open a new
-        metaserver connection that nothing closes)."""
+        """Carry the metadata plan ``make(*args)`` out in this thread (see the module
+        doc); through the trio thread when the metadata connection is not blocking, or
+        when this client is closed (which fails there, as data calls do: run here, the
+        call would open a new metaserver connection that nothing closes)."""
         if not self.closed and self.aio.meta.direct:
             with self._direct_lock:
                 try:
