@@ -33,6 +33,7 @@ class FakeCluster:
         self.fail: dict[tuple[str, str], list[int]] = {}  # (sid, method): errnos, in turn
         self.log: list[tuple[str, str, int]] = []  # (sid, method, stripe)
         self.renewals = 0
+        self.reconnects: list[str] = []
         self.local_fds: dict[int, int | None] = {}  # stripe: descriptor a LocalFd gets
         self.local_reads: list[int] = []
 
@@ -63,6 +64,9 @@ class FakeCluster:
     def do(self, eff: Any) -> Any:
         if isinstance(eff, Parallel):
             return [self.run(sub) for sub in eff.plans]
+        if isinstance(eff, plan.Reconnect):
+            self.reconnects.append(eff.sid)
+            return None
         if isinstance(eff, Renew):
             self.renewals += 1
             return b"cap%d" % self.renewals
@@ -165,6 +169,7 @@ def test_read_fails_over_replicas_in_order() -> None:
     cl.fail[("s0r1", "read")] = [errno.ETIMEDOUT]
     assert _read(cl, 0, 100) == b"x" * 100
     assert [s for s, _, _ in cl.log] == ["s0r0", "s0r1", "s0r2"]
+    assert cl.reconnects == ["s0r0", "s0r1"]  # each broken connection renewed for later
     # all fail: the last error
     cl.log.clear()
     for r in range(3):
@@ -225,8 +230,9 @@ def test_a_capability_due_is_renewed_first() -> None:
 @pytest.mark.parametrize("classes", [
     (errno.EACCES, Failure.RENEW), (errno.ESTALE, Failure.RENEW),
     (errno.EINVAL, Failure.FINAL), (errno.ENOSPC, Failure.FINAL),
-    (errno.ECONNRESET, Failure.ELSEWHERE), (errno.ETIMEDOUT, Failure.ELSEWHERE),
-    (errno.EIO, Failure.ELSEWHERE), (errno.ECONNREFUSED, Failure.ELSEWHERE)])
+    (errno.ECONNRESET, Failure.RECONNECT), (errno.ETIMEDOUT, Failure.RECONNECT),
+    (errno.ECONNREFUSED, Failure.RECONNECT), (errno.ENOTCONN, Failure.RECONNECT),
+    (errno.EIO, Failure.ELSEWHERE), (errno.ENOENT, Failure.ELSEWHERE)])
 def test_classify(classes: tuple[int, Failure]) -> None:
     code, kind = classes
     assert classify(OSError(code, "x")) is kind
@@ -256,6 +262,32 @@ def test_a_failed_replica_fails_the_write_and_a_refusal_renews() -> None:
     cl.fail[("s0r1", "write")] = [errno.EACCES]
     cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
     assert cl.renewals == 1
+    cl.fail[("s0r0", "write")] = [errno.EPIPE]  # no failover for a write: the error
+    with pytest.raises(OSError) as err:
+        cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
+    assert err.value.errno == errno.EPIPE and cl.reconnects == ["s0r0"]
+
+
+def test_a_driver_that_cannot_reconnect_hands_the_operation_over() -> None:
+    """The blocking driver meets Reconnect (and Renew): HandOver, plan closed."""
+    from pfs.client.blocking_driver import BlockingDriver
+
+    class Pool:
+        def __init__(self, code: int) -> None:
+            self.code = code
+
+        def call(self, *a: Any, **k: Any) -> Any:
+            raise OSError(self.code, "x")
+
+    lay = _layout(count=1, replicas=2)
+    for code in (errno.ECONNREFUSED, errno.EACCES):
+        drv = BlockingDriver(Pool(code), None)  # type: ignore[arg-type]
+        with pytest.raises(plan.HandOver):
+            drv.run(plan.read(None, INO, lay, 0, memoryview(bytearray(10)), b"c"))
+    drv = BlockingDriver(Pool(errno.EIO), None)  # type: ignore[arg-type]
+    with pytest.raises(OSError) as err:  # the servers' answer: the plan's last word
+        drv.run(plan.read(None, INO, lay, 0, memoryview(bytearray(10)), b"c"))
+    assert err.value.errno == errno.EIO
 
 
 def test_writes_are_cut_at_max_request() -> None:

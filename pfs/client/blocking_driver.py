@@ -5,8 +5,9 @@ Data requests go over :class:`~pfs.client.direct.DirectData`'s pooled blocking
 connections, short-circuit reads are one ``preadv``, metadata requests go over the
 ``MetaClient``'s blocking connection (``_blocking_call``), a
 :class:`~pfs.client.plan.Parallel` runs its sub-plans one after the other. What needs
-the event loop — renewing a capability of a file handle, asking a local data server for
-a descriptor, reconnecting to a server that moved — raises
+the event loop or the metaserver — renewing a capability of a file handle, asking a
+local data server for a descriptor, reconnecting to a server that may have moved —
+raises
 :class:`~pfs.client.plan.HandOver` out of :meth:`BlockingDriver.run`, and the caller runs
 the operation again on the trio driver.
 """
@@ -27,6 +28,7 @@ from pfs.client.plan import (
     MetaCall,
     Parallel,
     Plan,
+    Reconnect,
     Renew,
     Send,
     Sleep,
@@ -82,6 +84,6 @@ class BlockingDriver:
         if isinstance(effect, DeviceWait):
             effect.stager.wait(effect.slot)
             return None
-        if isinstance(effect, (Renew, LocalFd, Call)):
+        if isinstance(effect, (Renew, Reconnect, LocalFd, Call)):
             raise HandOver(type(effect).__name__)
         raise TypeError(f"not an effect: {effect!r}")

@@ -3,19 +3,19 @@
 threads (at most MAX_PER_SERVER connections each).
 
 It connects only to servers whose address the trio driver's ``DataClient`` already
-knows, and does not reconnect to one that moved or failed: it raises
-:class:`~pfs.client.plan.HandOver` instead, and the operation runs on the trio driver,
-which looks servers up again. Errors the server answered with go to the plan.
+knows; every failure, its own included (no address, a connection refused or broken), is
+an ``OSError`` for the plan to classify (a failed connection asks for a ``Reconnect``,
+which the blocking driver leaves to the trio driver).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from pfs.auth import ClientAuth
-from pfs.client.plan import CONNECTION_ERRNOS, HandOver
 from pfs.wire.blocking import BlockingRpcClient
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,11 @@ class DirectData:
     def _take(self, sid: str) -> BlockingRpcClient:
         addr = self._address(sid)
         if addr is None:
-            raise HandOver(f"no address known for data server {sid}")
+            raise OSError(errno.ENOTCONN, f"no address known for data server {sid}")
         with self._cond:
             while True:
                 if self.closed:
-                    raise HandOver("the client is closing")
+                    raise OSError(errno.ENOTCONN, "the client is closing")
                 idle = self._idle.get(sid)
                 while idle:
                     rpc = idle.pop()
@@ -65,7 +65,8 @@ class DirectData:
             with self._cond:
                 self._count[sid] -= 1
                 self._cond.notify()
-            raise HandOver(f"data server {sid}: {exc}") from None
+            raise OSError(exc.errno or errno.ECONNREFUSED,
+                          f"data server {sid} at {addr[0]}:{addr[1]}: {exc.strerror}") from None
 
     def _give(self, sid: str, rpc: BlockingRpcClient) -> None:
         """Back to the pool; a connection that failed (closed) leaves it."""
@@ -83,10 +84,6 @@ class DirectData:
         rpc = self._take(sid)
         try:
             reply = rpc.call_into(method, fields, payload=payload, into=into)
-        except OSError as exc:
-            if exc.errno in CONNECTION_ERRNOS:
-                raise HandOver(f"data server {sid}: {exc}") from None
-            raise
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply

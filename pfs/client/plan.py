@@ -16,9 +16,10 @@ data-path rule lives here once and is tested without a socket (tests/test_plan.p
 
 Two drivers carry plans out: :class:`pfs.client.trio_driver.TrioDriver` (many requests in
 flight) and :class:`pfs.client.blocking_driver.BlockingDriver` (the caller's thread). A
-driver that cannot carry out an effect (the blocking one cannot renew a capability, ask a
-data server for a descriptor or reconnect) raises :class:`HandOver`; the operation then
-runs again, whole, on the trio driver (a refused or failed request changed nothing that
+driver that cannot carry out an effect the classification asks for (the blocking one
+cannot :class:`Renew` a capability, :class:`Reconnect` to a server that may have moved,
+or ask a data server for a descriptor) raises :class:`HandOver`; the operation then runs
+again, whole, on the trio driver (a refused or failed request changed nothing that
 running it again does not redo).
 """
 from __future__ import annotations
@@ -45,24 +46,27 @@ class HandOver(Exception):  # noqa: N818 - a signal between drivers, not an erro
 # -- failures -------------------------------------------------------------------------
 class Failure(enum.Enum):
     RENEW = "renew"  # the capability was refused: renew it, retry here (nothing changed)
-    ELSEWHERE = "elsewhere"  # this server failed or is out of reach: the next replica
+    RECONNECT = "reconnect"  # the connection failed: reconnect (Reconnect), else elsewhere
+    ELSEWHERE = "elsewhere"  # this server failed: the next replica
     FINAL = "final"  # the request itself is wrong or cannot fit: the caller's errno
 
 
 RENEW_ERRNOS = frozenset({errno.EACCES, errno.ESTALE})
 FINAL_ERRNOS = frozenset({errno.EINVAL, errno.ENOSPC})
-# the blocking driver's own connection failed: reconnecting is the trio driver's job
-# (it looks up servers that moved)
+# the server could not be reached, or the connection broke or timed out
 CONNECTION_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
                                errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
                                errno.EHOSTUNREACH, errno.ECONNABORTED})
 
 
 def classify(exc: OSError) -> Failure:
-    if exc.errno in RENEW_ERRNOS:
+    code = exc.errno
+    if code in RENEW_ERRNOS:
         return Failure.RENEW
-    if exc.errno in FINAL_ERRNOS:
+    if code in FINAL_ERRNOS:
         return Failure.FINAL
+    if code in CONNECTION_ERRNOS:
+        return Failure.RECONNECT
     return Failure.ELSEWHERE
 
 
@@ -92,6 +96,16 @@ class Renew:
     """A fresh capability for ``owner`` (a file handle); the result is the new one."""
 
     owner: Any
+
+
+@dataclass(slots=True)
+class Reconnect:
+    """The connection to ``sid`` failed: the driver reconnects for the next request
+    (the trio driver's connections do, looking the server up again when it moved); a
+    driver that cannot hands the operation over. Then the plan goes on: the next
+    replica for a read, the error for a write."""
+
+    sid: str
 
 
 @dataclass(slots=True)
@@ -247,6 +261,17 @@ def one(effect: Any) -> Plan[Any]:
     return (yield effect)
 
 
+def send(effect: Send) -> Plan[int]:
+    """One request with no other server to try (a write, an fsync: every replica must
+    answer): a failed connection is still reconnected for the next request."""
+    try:
+        return (yield effect)
+    except OSError as exc:
+        if classify(exc) is Failure.RECONNECT:
+            yield Reconnect(effect.sid)
+        raise
+
+
 def from_replicas(replicas: Sequence[str], method: str, fields: dict[str, Any], *,
                   payload: Any = None, into: Any = None) -> Plan[int]:
     """Send to each replica in turn until one answers; a failure that is not the
@@ -256,7 +281,10 @@ def from_replicas(replicas: Sequence[str], method: str, fields: dict[str, Any], 
         try:
             return (yield Send(sid, method, fields, payload, into))
         except OSError as exc:
-            if classify(exc) is not Failure.ELSEWHERE:
+            kind = classify(exc)
+            if kind is Failure.RECONNECT:
+                yield Reconnect(sid)
+            elif kind is not Failure.ELSEWHERE:
                 raise
             err = exc
     if err is None:
@@ -349,7 +377,7 @@ def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[P
     srcs = _views(data, base, run)
     payload = srcs[0] if len(srcs) == 1 else srcs
     fields = write_request(ino, run[0].stripe, run[0].obj_off, cap)
-    return _all([one(Send(sid, "write", fields, payload))
+    return _all([send(Send(sid, "write", fields, payload))
                  for sid in layout.servers[run[0].stripe]])
 
 
@@ -365,7 +393,7 @@ def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
           renew_due: bool = False) -> Plan[None]:
     """Every object of the file, on every replica, to stable storage."""
     def body(c: bytes | None) -> Plan[Any]:
-        return _all([one(Send(sid, "fsync", fsync_request(ino, stripe, c)))
+        return _all([send(Send(sid, "fsync", fsync_request(ino, stripe, c)))
                      for stripe, replicas in enumerate(layout.servers) for sid in replicas])
     yield from with_cap(owner, cap, renew_due, body)
 

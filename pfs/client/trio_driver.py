@@ -24,6 +24,7 @@ from pfs.client.plan import (
     MetaCall,
     Parallel,
     Plan,
+    Reconnect,
     Renew,
     Send,
     Sleep,
@@ -79,6 +80,8 @@ class TrioDriver:
         if isinstance(effect, Renew):
             await effect.owner.renew()
             return effect.owner.cap
+        if isinstance(effect, Reconnect):
+            return None  # DataClient reconnects on the next call, looking servers up again
         if isinstance(effect, Sleep):
             await trio.sleep(effect.seconds)
             return None
