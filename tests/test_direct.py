@@ -217,7 +217,7 @@ def test_a_file_dropped_unclosed_is_closed_later(client, workdir) -> None:
     done = threading.Event()
 
     def collect() -> None:
-        with client._direct_lock:
+        with client._meta_lock:
             gc.collect()
         done.set()
 

@@ -53,6 +53,10 @@ def call(method: str, **fields: Any) -> MetaCall:
     return MetaCall(method, fields)
 
 
+def open_request(ino: int, flags: int, cred: Cred) -> MetaCall:
+    return call("open", ino=ino, flags=flags, cred=cred.to_wire())
+
+
 # -- the path API -----------------------------------------------------------------------
 def resolve(c: AsyncClient, path: str, follow: bool = True) -> Plan[StatResult]:
     r = yield call("resolve", path=fsname(path), follow=follow, cred=c.cred.to_wire())
@@ -255,7 +259,7 @@ def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) 
     attr = yield from resolve(c, p)
     if statmod.S_ISDIR(attr.st_mode) and (flags & os.O_ACCMODE) != os.O_RDONLY:
         raise OSError(errno.EISDIR, f"{p}: is a directory")
-    r = yield call("open", ino=attr.st_ino, flags=flags, cred=c.cred.to_wire())
+    r = yield open_request(attr.st_ino, flags, c.cred)
     return c._handle(r, flags, p)
 
 
@@ -276,8 +280,8 @@ def renew(h: FileHandle) -> Plan[dict[str, Any]]:
 def reopen(h: FileHandle) -> Plan[dict[str, Any]]:
     """Open the inode again for a handle the metaserver lost (EBADF)."""
     meta = h.client.meta
-    r = yield call("open", ino=h.ino, flags=h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
-                   cred=(h.cred or h.client.cred).to_wire())
+    r = yield open_request(h.ino, h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
+                           h.cred or h.client.cred)
     h.fh = r["fh"]
     h.meta_gen = meta.generation
     h._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))

@@ -79,9 +79,9 @@ class Client:
         self._loop = loop
         self.aio = aclient
         self.closed = False
-        # direct calls touch the async client's state outside its trio thread: one at
+        # metadata plans touch the async client's state outside its trio thread: one at
         # a time, as they would be inside it
-        self._direct_lock = threading.Lock()
+        self._meta_lock = threading.Lock()
 
     @classmethod
     def connect(cls, config: Any = None, meta: str | None = None,
@@ -109,7 +109,7 @@ class Client:
         when this client is closed (which fails there, as data calls do: run here, the
         call would open a new metaserver connection that nothing closes)."""
         if not self.closed and self.aio.meta.direct:
-            with self._direct_lock:
+            with self._meta_lock:
                 try:
                     return self.aio.blocking.run(make(*args))
                 except HandOver:
