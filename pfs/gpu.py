@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pfs.client.plan import Call, Plan, one, read_device
+from pfs.client.trio_driver import TrioDriver
 from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op
 
 log = logging.getLogger(__name__)
@@ -281,7 +283,7 @@ class DeviceStager:
             self.view = memoryview(self._host.numpy()).cast("B")
         self._pending: list[bool] = [False, False]
 
-    def _copy(self, slot: int, dst_ptr: int, src_off: int, n: int) -> None:
+    def copy(self, slot: int, dst_ptr: int, src_off: int, n: int) -> None:
         if self.lib == "cupy":
             import cupy
 
@@ -298,7 +300,7 @@ class DeviceStager:
                 dst.copy_(src, non_blocking=True)
         self._pending[slot] = True
 
-    def _wait(self, slot: int) -> None:
+    def wait(self, slot: int) -> None:
         if self._pending[slot]:
             self._streams[slot].synchronize()
             self._pending[slot] = False
@@ -306,31 +308,20 @@ class DeviceStager:
     async def read_into_device(self, pread_into: Any, buf: Any, offset: int,
                                nbytes: int | None = None) -> int:
         """Fill device buffer ``buf`` from ``await pread_into(host_view, file_offset)``
-        (e.g. an async FileHandle's), half the staging buffer at a time, each copy
-        overlapping the next read. Returns bytes read (short only at end of file)."""
-        import trio
-
+        (any async reader), half the staging buffer at a time, each copy overlapping
+        the next read (the planner's device executor, :func:`pfs.client.plan.read_device`).
+        Returns bytes read (short only at end of file)."""
         dev = device_buffer(buf)
         total = dev.nbytes if nbytes is None else min(nbytes, dev.nbytes)
-        done, slot = 0, 0
-        while done < total:
-            n = min(self.half, total - done)
-            await trio.to_thread.run_sync(self._wait, slot)
-            host = self.view[slot * self.half:slot * self.half + n]
-            got = await pread_into(host, offset + done)
-            if got:
-                self._copy(slot, dev.ptr + done, slot * self.half, got)
-            done += got
-            if got < n:
-                break
-            slot ^= 1
-        await trio.to_thread.run_sync(self._wait, 0)
-        await trio.to_thread.run_sync(self._wait, 1)
-        return done
+
+        def chunk(host: memoryview, off: int) -> Plan[int]:
+            return one(Call(pread_into, (host, off)))
+
+        return await TrioDriver().run(read_device(self, dev.ptr, offset, total, chunk))
 
     def close(self) -> None:
-        self._wait(0)
-        self._wait(1)
+        self.wait(0)
+        self.wait(1)
         self._host = None
         self.view = memoryview(b"")
 
@@ -344,16 +335,3 @@ def _torch_from_ptr(ptr: int, n: int, device: Any) -> Any:
                                     "version": 3}
 
     return torch.as_tensor(_Cai(), device=device)
-
-
-async def pread_into_device(handle: Any, buf: Any, offset: int,
-                            stager: DeviceStager | None = None) -> int:
-    """The remote path for an async pfs FileHandle: read ``len(buf)`` bytes at ``offset``
-    into the GPU buffer through a pinned staging buffer (a temporary one unless given)."""
-    own = stager is None
-    st = stager or DeviceStager(min(STAGING_SIZE, max(2 << 20, device_buffer(buf).nbytes)))
-    try:
-        return await st.read_into_device(handle.pread_into, buf, offset)
-    finally:
-        if own:
-            st.close()

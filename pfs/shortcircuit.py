@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from pfs.client.plan import open_fd_request
 from pfs.errors import ProtocolError, from_wire
 from pfs.wire.protocol import Kind
 from pfs.wire.transport import Connection, open_unix_connection
@@ -49,7 +50,7 @@ class _Channel:
             self.rid += 1
             try:
                 await self.conn.send_frame(Kind.REQUEST, self.rid,
-                                           {"m": "open_fd", "obj": [ino, stripe], "cap": cap})
+                                           {"m": "open_fd", **open_fd_request(ino, stripe, cap)})
                 head, fds = await self.conn.recv_frame_with_fds()
             except BaseException:  # a reply half-read (or never read) leaves the stream
                 self.conn.close()  # out of step: this channel is done
@@ -175,23 +176,23 @@ class HandleObjects:
         """The descriptor of ``stripe`` if this handle already holds one."""
         return self._fds.get(stripe)
 
-    def read_now(self, ops: list[tuple[int, int, memoryview]]) -> int:
-        """Blocking reads ``(fd, object offset, dest)`` in the calling thread (the sync
-        client's small reads: no hop into its trio thread); bytes past an object's end
-        read as zeros. Returns the bytes that were there."""
+    def read_blocking(self, fd: int, obj_off: int, dests: list[memoryview]) -> list[int]:
+        """Read consecutive object bytes into ``dests`` in the calling thread, one
+        ``preadv`` (the blocking driver: the sync client's small reads); returns the
+        bytes there were for each destination (the planner zero-fills the rest)."""
         self._enter()
         try:
-            total = 0
-            for fd, off, dest in ops:
-                n = os.preadv(fd, [dest], off)
-                if n < len(dest):  # past the object's end: a hole up to the file size
-                    dest[n:] = bytes(len(dest) - n)
-                total += n
+            total = os.preadv(fd, dests, obj_off)
         finally:
             self._leave()
         self.servers.stats["local_reads"] += 1
         self.servers.stats["local_bytes"] += total
-        return total
+        counts = []
+        for d in dests:
+            n = min(total, len(d))
+            counts.append(n)
+            total -= n
+        return counts
 
     async def fd(self, replicas: tuple[str, ...], ino: int, stripe: int,
                  cap: bytes | None) -> int | None:
@@ -217,8 +218,9 @@ class HandleObjects:
                     self.servers.handles.add(self)
         return self._fds.get(stripe)
 
-    async def read(self, fd: int, obj_off: int, dests: list[memoryview]) -> int:
-        """Read consecutive object bytes into ``dests``; returns how many were there."""
+    async def read(self, fd: int, obj_off: int, dests: list[memoryview]) -> list[int]:
+        """Read consecutive object bytes into ``dests`` with the engine; returns the
+        bytes there were for each destination (the planner zero-fills the rest)."""
         from pfs.engine import Op
 
         ops, off = [], obj_off
@@ -230,14 +232,9 @@ class HandleObjects:
             counts = await self.servers.engine.submit(ops)
         finally:
             self._leave()
-        total = 0
-        for d, n in zip(dests, counts, strict=True):
-            total += n
-            if n < len(d):  # past the object's end: a hole up to the file size
-                d[n:] = bytes(len(d) - n)
         self.servers.stats["local_reads"] += 1
-        self.servers.stats["local_bytes"] += total
-        return total
+        self.servers.stats["local_bytes"] += sum(counts)
+        return list(counts)
 
     def close(self) -> None:
         with self._closing:

@@ -67,8 +67,11 @@ def test_small_requests_go_straight_to_the_servers(client_toml, workdir, cluster
                 assert f.pread(n, off) == data[off:off + n]
             assert f.pread(100, len(data) - 10) == data[-10:]
             assert hops == []
+            # two stripes: one request each, still in this thread (cheaper than the hop)
             assert f.pread(2 * BLOCK, UNIT - BLOCK) == data[UNIT - BLOCK:UNIT + BLOCK]
-            assert len(hops) == 1  # two stripes: the loop reads them in parallel
+            assert hops == []
+            assert f.pread(2 * UNIT, 0) == data[:2 * UNIT]
+            assert len(hops) == 1  # larger than direct_max: the loop, stripes in parallel
 
 
 def test_holes_read_as_zeros(client_toml, workdir) -> None:
@@ -130,7 +133,8 @@ def test_threads_share_a_bounded_pool_of_connections(client_toml, workdir,
     with _remote_client(client_toml) as c:
         c.set_layout(workdir, count=4, unit=UNIT)
         c.write_file(f"{workdir}/p", data)
-        direct = c.aio.direct
+        direct = c.aio.blocking.data
+        assert direct is not None
         opened: list[str] = []
         real_open = direct._auth.open_blocking
 
@@ -213,7 +217,7 @@ def test_a_file_dropped_unclosed_is_closed_later(client, workdir) -> None:
     done = threading.Event()
 
     def collect() -> None:
-        with client._direct_lock:
+        with client._meta_lock:
             gc.collect()
         done.set()
 

@@ -135,6 +135,7 @@ def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
 
     class Handle:
         _check = FileHandle._check
+        _pread_device = FileHandle._pread_device
         closed = False
         readable = True
         writable = False

@@ -22,6 +22,7 @@ from dataserver.server import DataService, serve_data
 from metaserver.server import serve_meta
 from pfs import auth, caps, cluster
 from pfs.client.aio import AsyncClient
+from pfs.client.plan import write_request
 from pfs.config import ClientConfig, ConfigError, DataConfig, LayoutDefaults, MetaConfig, NodeKey
 from pfs.engine import PosixEngine
 from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, encode_frame
@@ -185,8 +186,10 @@ def test_client_renews_capabilities_and_survives_truncation(tmp_path: Path) -> N
                 stale = f.cap
                 await f.pwrite(b"yy", 10)  # renewed on ESTALE, without the caller noticing
                 assert f.cap != stale
-                await expect(errno.ESTALE, a.data.write(f.ino, f.layout, 0, memoryview(b"z"),
-                                                        cap=stale))
+                sid = f.layout.servers[0][0]
+                await expect(errno.ESTALE, a.data.call(sid, "write",
+                                                       write_request(f.ino, 0, 0, stale),
+                                                       payload=b"z"))
                 await f.close()  # commits a's own written end (20000): the cut stays zeros
                 assert await b.read_file("/f") == b"x" * 10 + b"yy" + bytes(20000 - 12)
 

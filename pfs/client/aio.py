@@ -9,37 +9,35 @@ import errno
 import logging
 import math
 import os
-import posixpath
-import stat as statmod
 import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import trio
 
 from pfs.auth import client_auth
+from pfs.client import ops, plan
+from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient
 from pfs.client.direct import DirectData
-from pfs.client.meta import MetaClient, fsname
+from pfs.client.meta import MetaClient
+from pfs.client.ops import StatVFS
+from pfs.client.plan import HandOver, Plan
+from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
+from pfs.gpu import STAGING_SIZE, DeviceStager, device_buffer
 from pfs.layout import Layout
 from pfs.shortcircuit import HandleObjects, LocalServers
 
 log = logging.getLogger(__name__)
 
 ROOT = 1
-READDIR_PAGE = 1024
 CLOSE_GRACE = 10.0  # seconds an exiting client spends closing files left open
-# a metaserver restarting or out of reach: a close with a size to commit retries these
-RETRY_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED,
-                          errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-                          errno.EHOSTUNREACH})
 
 
 def _current_umask() -> int:
@@ -66,19 +64,6 @@ class _InodeState:
     @property
     def known_size(self) -> int:
         return max(self.size, self.written_end)
-
-
-@dataclass(frozen=True, slots=True)
-class StatVFS:
-    f_bsize: int
-    f_frsize: int
-    f_blocks: int
-    f_bfree: int
-    f_bavail: int
-    f_files: int
-    f_ffree: int
-    f_favail: int
-    f_namemax: int
 
 
 def open_flags(mode: str) -> int:
@@ -132,42 +117,12 @@ class FileHandle:
         self._renew_at = time.monotonic() + 0.75 * ttl if cap is not None else math.inf
 
     async def renew(self) -> None:
-        """Get a fresh capability; if the metaserver lost the handle (it restarted, or
-        the connection broke), open the inode again (permissions are checked again)."""
+        """Get a fresh capability (``ops.renew``: a lost handle is opened again);
+        concurrent renewals of this handle make one."""
         gen = self._cap_gen
         async with self._renewing:
-            if self._cap_gen != gen:  # another task renewed (or reopened) meanwhile
-                return
-            try:
-                r = await self.client.meta.renew(self.fh)
-            except OSError as exc:
-                if exc.errno != errno.EBADF:
-                    raise
-                r = await self._reopen()
-            self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
-
-    async def _reopen(self) -> dict[str, Any]:
-        """Open the inode again for a handle the metaserver lost (EBADF)."""
-        r = await self.client.meta.open(
-            self.ino, self.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
-            self.cred or self.client.cred)
-        self.fh = r["fh"]
-        self.meta_gen = self.client.meta.generation
-        self._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
-        return r
-
-    async def _data(self, fn: Any, *args: Any) -> Any:
-        """A data-path call with this handle's capability; renewed when due, and once
-        more when a data server refuses it (expired, or stale after a truncation)."""
-        if time.monotonic() >= self._renew_at:
-            await self.renew()
-        try:
-            return await fn(*args, cap=self.cap)
-        except OSError as exc:
-            if self.cap is None or exc.errno not in (errno.EACCES, errno.ESTALE):
-                raise
-        await self.renew()
-        return await fn(*args, cap=self.cap)
+            if self._cap_gen == gen:  # else another task renewed (or reopened) meanwhile
+                await self.client.driver.run(ops.renew(self))
 
     @property
     def readable(self) -> bool:
@@ -189,106 +144,88 @@ class FileHandle:
         if not want_write and not self.readable:
             raise OSError(errno.EBADF, "file not open for reading")
 
+    # -- data: plans (pfs/client/plan.py) carried out by the trio driver, or by the
+    # blocking driver in the sync client's calling thread --------------------------
+    def _read_plan(self, view: memoryview, off: int) -> Plan[None]:
+        return plan.read(self, self.ino, self.layout, off, view, self.cap,
+                         renew_due=time.monotonic() >= self._renew_at, local=self._objects)
+
+    def _write_plan(self, view: memoryview, off: int) -> Plan[None]:
+        return plan.write(self, self.ino, self.layout, off, view, self.cap,
+                          renew_due=time.monotonic() >= self._renew_at)
+
+    def _wrote(self, end: int) -> None:
+        self.state.wrote(end)
+        self._dirty = True
+
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
         A GPU buffer (``__cuda_array_interface__``) is filled through pinned host staging
         (:mod:`pfs.gpu`)."""
         self._check(False)
         if hasattr(buf, "__cuda_array_interface__"):
-            from pfs.gpu import pread_into_device
-
-            return await pread_into_device(self, buf, off)
+            return await self._pread_device(buf, off)
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n:
-            await self._data(partial(self.client.data.read_into, objects=self._objects),
-                             self.ino, self.layout, off, view[:n])
+            await self.client.driver.run(self._read_plan(view[:n], off))
         return n
 
-    def pread_local(self, buf: Any, off: int) -> int | None:
-        """A small read served in the calling thread from short-circuit descriptors this
-        handle already holds: the sync client's fast path (no hop into its trio thread,
-        a blocking ``preadv`` per stripe piece). None when it cannot be: no descriptor
-        yet for a stripe, a remote stripe, a GPU buffer, or larger than the profile's
-        ``direct_max`` (then the engine reads the stripes in parallel)."""
-        objs = self._objects
-        if objs is None or self.closed or off < 0 \
-                or hasattr(buf, "__cuda_array_interface__"):
+    async def _pread_device(self, buf: Any, off: int) -> int:
+        """A device destination: the plan's pieces land in pinned host staging (a
+        buffer for this request) and are copied on (:func:`pfs.client.plan.read_device`)."""
+        dev = device_buffer(buf)
+        stager = DeviceStager(min(STAGING_SIZE, max(2 << 20, dev.nbytes)))
+        try:
+            if off < 0:
+                raise OSError(errno.EINVAL, "negative offset")
+            total = max(0, min(dev.nbytes, self.state.known_size - off))
+            return await self.client.driver.run(
+                plan.read_device(stager, dev.ptr, off, total, self._read_chunk))
+        finally:
+            stager.close()
+
+    def _read_chunk(self, view: memoryview, off: int) -> Plan[int]:
+        yield from self._read_plan(view, off)  # a fresh capability for each chunk
+        return len(view)
+
+    def pread_blocking(self, buf: Any, off: int) -> int | None:
+        """The sync client's read in the calling thread (the blocking driver: a
+        ``preadv`` of a local object, a request over a blocking connection), for a
+        request of at most the profile's ``direct_max``. None: run ``pread_into`` on
+        the trio driver instead (a larger request, a GPU buffer, or an effect only the
+        trio driver carries out)."""
+        self._check(False)
+        if off < 0 or hasattr(buf, "__cuda_array_interface__"):
             return None
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n > self.client.direct_max:
             return None
-        ops = []
-        for p in self.layout.pieces(off, n):
-            fd = objs.known_fd(p.stripe)
-            if fd is None:
+        if n:
+            try:
+                self.client.blocking.run(self._read_plan(view[:n], off))
+            except HandOver:
                 return None
-            start = p.file_off - off
-            ops.append((fd, p.obj_off, view[start:start + p.length]))
-        if ops:
-            objs.read_now(ops)
         return n
 
-    # -- the sync client's calling-thread paths (pfs/client/direct.py) ----------------
-    def _direct_piece(self, off: int, n: int) -> Any:
-        """The one stripe piece ``[off, off + n)`` is, if the direct path may take it."""
-        if (self.client.direct is None or self.closed or off < 0
-                or n > self.client.direct_max or time.monotonic() >= self._renew_at):
-            return None
-        pieces = list(self.layout.pieces(off, n))
-        return pieces[0] if len(pieces) == 1 else None
-
-    def pread_direct(self, buf: Any, off: int) -> int | None:
-        """``pread_local``, else one request to a replica in this thread; None: take
-        the trio path (``pread_into``)."""
-        n = self.pread_local(buf, off)
-        if n is not None or self.closed or not self.readable \
-                or hasattr(buf, "__cuda_array_interface__"):
-            return n  # a closed handle: pread_into raises, even with nothing to read
-        view = memoryview(buf).cast("B")
-        n = max(0, min(len(view), self.state.known_size - off))
-        if n == 0:
-            return None if off < 0 else 0
-        p = self._direct_piece(off, n)
-        direct = self.client.direct
-        if p is None or direct is None:
-            return None
-        if self._objects is not None and not self._objects.tried(p.stripe):
-            return None  # the trio path first asks a local server for a descriptor
-        dest = view[:n]
-        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "len": n, "cap": self.cap}
-        for sid in self.layout.servers[p.stripe]:
-            try:
-                r = direct.call(sid, "read", fields, into=dest)
-            except OSError:
-                continue  # as the trio path does: the next replica
-            if r is not None:
-                if r[1] < n:  # past the object's end: a hole up to the file size
-                    dest[r[1]:] = bytes(n - r[1])
-                return n
-        return None
-
-    def pwrite_direct(self, data: Any, off: int) -> int | None:
-        """One request per replica in this thread; None: take the trio path
-        (``pwrite``), which writes every replica again."""
-        if not self.writable or self.closed:
-            return None
+    def pwrite_blocking(self, data: Any, off: int) -> int | None:
+        """``pwrite`` in the calling thread, as ``pread_blocking``; None: run ``pwrite``
+        on the trio driver (which writes every replica again)."""
+        if self.closed or not self.writable or off < 0:
+            return None  # pwrite raises
         view = memoryview(data).cast("B")
+        if not view or len(view) > self.client.direct_max:
+            return None
         if self.flags & os.O_APPEND:
             off = self.state.known_size
-        p = self._direct_piece(off, len(view))
-        direct = self.client.direct
-        if p is None or direct is None or not view:
+        try:
+            self.client.blocking.run(self._write_plan(view, off))
+        except HandOver:
             return None
-        fields = {"obj": [self.ino, p.stripe], "off": p.obj_off, "cap": self.cap}
-        for sid in self.layout.servers[p.stripe]:
-            if direct.call(sid, "write", fields, payload=view) is None:
-                return None
-        self.state.wrote(off + len(view))
-        self._dirty = True
+        self._wrote(off + len(view))
         return len(view)
 
     async def pread(self, length: int, off: int) -> bytes:
@@ -304,97 +241,39 @@ class FileHandle:
             off = self.state.known_size
         view = memoryview(data).cast("B")
         if view:
-            await self._data(self.client.data.write, self.ino, self.layout, off, view)
-            self.state.wrote(off + len(view))
-            self._dirty = True
+            await self.client.driver.run(self._write_plan(view, off))
+            self._wrote(off + len(view))
         return len(view)
 
+    # -- metadata: plans of pfs/client/ops.py -----------------------------------------
     async def truncate(self, size: int) -> None:
-        self._check(True)
-        await self.commit()
-        attr = await self.client.meta.setattr(self.ino, cred=self.client.cred, size=size)
-        self.state.size = attr.st_size
-        self.state.written_end = min(self.state.written_end, size)
+        await self.client.driver.run(ops.truncate_handle(self, size))
 
     async def commit(self) -> None:
         """Tell the metaserver how far this client wrote (fsync, flush, close)."""
-        if self._dirty:
-            # cleared before the size is read: a write that ends while the metaserver
-            # answers (another task or thread) marks the handle again, for the next one
-            self._dirty = False
-            end = self.state.written_end
-            try:
-                try:
-                    attr = await self.client.meta.commit_size(self.fh, end, time.time_ns())
-                except OSError as exc:
-                    if exc.errno != errno.EBADF:
-                        raise
-                    await self._reopen()  # the metaserver lost the handle: open it again
-                    attr = await self.client.meta.commit_size(self.fh, end, time.time_ns())
-            except BaseException:
-                self._dirty = True
-                raise
-            self.state.size = attr.st_size
+        await self.client.driver.run(ops.commit(self))
 
     async def fsync(self) -> None:
         if self.closed:
             raise ValueError("I/O operation on closed file")
         if self.writable:
-            await self._data(self.client.data.fsync, self.ino, self.layout)
+            await self.client.driver.run(plan.fsync(
+                self, self.ino, self.layout, self.cap,
+                renew_due=time.monotonic() >= self._renew_at))
         await self.commit()
 
     async def getattr(self) -> StatResult:
-        attr = await self.client.meta.getattr(self.ino)
-        return attr.with_size(max(attr.st_size, self.state.written_end))
+        return await self.client.driver.run(ops.getattr_handle(self))
 
     async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            end = self.state.written_end if self._dirty else None
-            self._dirty = False
-            await self._close_on_server(end)
-            if end is not None:
-                self.state.size = max(self.state.size, end)
-        finally:
-            if self._objects is not None:
-                self._objects.close()
-            self.client._release_state(self.ino)
-            self.client.handles.discard(self)
+        await self.client.driver.run(ops.close_handle(self))
 
-    async def _close_on_server(self, end: int | None) -> None:
-        """Release the handle on the metaserver, committing ``end`` (bytes written
-        past the size it knows). A close with bytes to commit outlasts a metaserver
-        outage of up to ``timeout`` seconds, retrying as an NFS hard mount would: the
-        writes were acknowledged, so giving up would lose them from the file's size."""
-        if end is None and self.client.meta.defer_close(self.fh, self.meta_gen):
-            return  # released with the next metadata request (sync client)
-        deadline = time.monotonic() + self.client.config.timeout
-        delay = 0.05
-        lost = False  # the metaserver forgot the handle (restart, lost connection)
-        while True:
-            try:
-                if lost:
-                    await self._reopen()
-                await self.client.meta.close(self.fh, end,
-                                             time.time_ns() if end is not None else None)
-                return
-            except OSError as exc:
-                if exc.errno == errno.EBADF and not lost:
-                    if end is None:
-                        return  # nothing left to release there
-                    lost = True
-                    continue
-                if end is None or exc.errno not in RETRY_ERRNOS \
-                        or time.monotonic() + delay > deadline:
-                    raise
-                if delay == 0.05:
-                    log.warning("%s: metaserver unreachable while closing (%s); retrying "
-                                "for up to %g s", self.path or f"inode {self.ino}", exc,
-                                self.client.config.timeout)
-            await self.client.pause(delay)
-            delay = min(delay * 2, 1.0)
+    def _released(self) -> None:
+        """The handle is closed: its descriptors and its share of the inode's state go."""
+        if self._objects is not None:
+            self._objects.close()
+        self.client._release_state(self.ino)
+        self.client.handles.discard(self)
 
     # -- write-behind (pfs/client/writeback.py) ----------------------------------
     _writes: HandleWrites | None = None  # this handle's share, from its first write_behind
@@ -491,15 +370,17 @@ class AsyncClient:
                                timeout=config.timeout, auth=creds.for_data())
         # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
-        # the sync client's small data requests from its callers' threads
-        self.direct = (DirectData(creds.for_data(), self.data.known_address, config.timeout)
-                       if direct_meta else None)
+        # plans carried out in the trio thread, and in the sync client's callers' threads
+        self.driver = TrioDriver(self.data, self.meta)
+        self.blocking = BlockingDriver(
+            DirectData(creds.for_data(), self.data.known_address, config.timeout)
+            if direct_meta else None, self.meta)
         self._inodes: dict[int, _InodeState] = {}
         # the sync client opens and closes handles in its callers' threads as well
         self._inodes_lock = threading.Lock()
         self.handles: set[FileHandle] = set()  # open; closed (sizes committed) by aclose
         # requests up to this size may be served in the sync client's calling thread
-        # (FileHandle.pread_local, pread_direct, pwrite_direct): latency-bound ones
+        # (FileHandle.pread_blocking, pwrite_blocking): latency-bound ones
         self.direct_max = direct_max(config.profile)
         self.writes = WriteBack(nursery)  # writes in flight (FileHandle.write_behind)
 
@@ -532,18 +413,10 @@ class AsyncClient:
                 log.warning("closing %s (inode %d): %s", h.path or "a file", h.ino, exc)
         self.close()
 
-    async def pause(self, seconds: float) -> None:
-        """Wait between retries; in the caller's thread when metadata calls run there
-        (``direct_meta``: the sync client drives these coroutines without trio)."""
-        if self.meta.direct:
-            time.sleep(seconds)  # noqa: ASYNC251 - run outside trio (see the doc above)
-        else:
-            await trio.sleep(seconds)
-
     def close(self) -> None:
         self.data.close()
-        if self.direct is not None:
-            self.direct.close()
+        if self.blocking.data is not None:
+            self.blocking.data.close()
         self.meta.shutdown()
         if self.local is not None:
             self.local.close()
@@ -566,6 +439,12 @@ class AsyncClient:
                 st.handles -= 1
                 if st.handles <= 0:
                     del self._inodes[ino]
+
+    def truncated(self, ino: int, size: int) -> None:
+        """``ino`` was cut to ``size`` (by path): what was written past it is gone."""
+        st = self._inodes.get(ino)
+        if st is not None:
+            st.size, st.written_end = size, min(st.written_end, size)
 
     def merged_attr(self, attr: StatResult) -> StatResult:
         """An attribute record with sizes this client wrote but has not committed,
@@ -619,176 +498,95 @@ class AsyncClient:
             await handle.truncate(size)
             return await self.getattr(ino)
         attr = await self.meta.setattr(ino, cred or self.cred, size=size)
-        self._truncated(ino, attr)
+        self.truncated(ino, attr.st_size)
         return attr
 
-    def _truncated(self, ino: int, attr: StatResult) -> None:
-        """The metaserver set ``ino``'s size: what this client's handles wrote past it
-        is gone."""
-        st = self._inodes.get(ino)  # one state per inode, shared by its handles
-        if st is not None:
-            st.size, st.written_end = attr.st_size, min(st.written_end, attr.st_size)
 
-    # -- paths -----------------------------------------------------------------
-    @staticmethod
-    def _norm(path: str | bytes) -> str:
-        p = os.fsdecode(path)
-        if not p:
-            raise OSError(errno.ENOENT, "empty path")
-        if "\0" in p:
-            raise OSError(errno.EINVAL, "path contains a NUL byte")
-        return posixpath.normpath("/" + p) if not p.startswith("/") else p
+    # -- paths: plans of pfs/client/ops.py on the trio driver ---------------------------
+    _norm = staticmethod(ops.norm)
 
     async def stat(self, path: str | bytes, follow_symlinks: bool = True) -> StatResult:
-        attr, _, _ = await self.meta.resolve(self._norm(path), follow_symlinks, self.cred)
-        return self.merged_attr(attr)
+        return await self.driver.run(ops.stat(self, path, follow_symlinks))
 
     async def lstat(self, path: str | bytes) -> StatResult:
-        return await self.stat(path, follow_symlinks=False)
+        return await self.driver.run(ops.lstat(self, path))
 
     async def exists(self, path: str | bytes) -> bool:
-        try:
-            await self.stat(path)
-        except FileNotFoundError:
-            return False
-        return True
+        return await self.driver.run(ops.exists(self, path))
 
     async def scandir(self, path: str | bytes = "/", plus: bool = False) -> list[DirEntry]:
-        base = self._norm(path)
-        attr = await self.stat(base)
-        if not attr.is_dir():
-            raise OSError(errno.ENOTDIR, f"{base}: not a directory")
-        out: list[DirEntry] = []
-        cookie = 0
-        while True:
-            page, eof = await self.meta.readdir(attr.st_ino, cookie, READDIR_PAGE, plus, self.cred)
-            for e in page:
-                out.append(DirEntry(e.name, posixpath.join(base, e.name), e.inode_number,
-                                    e.mode, e.cookie, e.attr))
-            if eof or not page:
-                return out
-            cookie = page[-1].cookie
+        return await self.driver.run(ops.scandir(self, path, plus))
 
     async def listdir(self, path: str | bytes = "/") -> list[str]:
-        return [e.name for e in await self.scandir(path)]
-
-    # Entry calls name their entry by path: the metaserver resolves it in the same
-    # round trip (docs/rpc.md, "path" beside "parent" + "name").
-    def _path(self, path: str | bytes) -> bytes:
-        return fsname(self._norm(path))
+        return await self.driver.run(ops.listdir(self, path))
 
     async def mkdir(self, path: str | bytes, mode: int = 0o777) -> None:
-        await self.meta.call("mkdir", path=self._path(path), mode=mode & ~self.umask,
-                             cred=self.cred.to_wire())
+        return await self.driver.run(ops.mkdir(self, path, mode))
 
     async def makedirs(self, path: str | bytes, mode: int = 0o777, exist_ok: bool = False) -> None:
-        p = self._norm(path).rstrip("/")
-        if not p:
-            if exist_ok:
-                return
-            raise OSError(errno.EEXIST, "/ exists")
-        head = posixpath.dirname(p)
-        if head and head != "/" and not await self.exists(head):
-            await self.makedirs(head, mode, exist_ok=True)
-        try:
-            await self.mkdir(p, mode)
-        except FileExistsError:
-            if not exist_ok or not (await self.stat(p)).is_dir():
-                raise
+        return await self.driver.run(ops.makedirs(self, path, mode, exist_ok))
 
     async def remove(self, path: str | bytes) -> None:
-        await self.meta.call("unlink", path=self._path(path), cred=self.cred.to_wire())
+        return await self.driver.run(ops.remove(self, path))
 
     unlink = remove
 
     async def rmdir(self, path: str | bytes) -> None:
-        await self.meta.call("rmdir", path=self._path(path), cred=self.cred.to_wire())
+        return await self.driver.run(ops.rmdir(self, path))
 
     async def rename(self, src: str | bytes, dst: str | bytes, flags: int = 0) -> None:
-        await self.meta.call("rename", path=self._path(src), newpath=self._path(dst),
-                             flags=flags, cred=self.cred.to_wire())
+        return await self.driver.run(ops.rename(self, src, dst, flags))
 
     replace = rename
 
     async def link(self, src: str | bytes, dst: str | bytes) -> None:
-        attr = await self.lstat(src)
-        await self.meta.call("link", ino=attr.st_ino, newpath=self._path(dst),
-                             cred=self.cred.to_wire())
+        return await self.driver.run(ops.link(self, src, dst))
 
     async def symlink(self, target: str | bytes, path: str | bytes) -> None:
-        await self.meta.call("symlink", path=self._path(path), target=fsname(target),
-                             cred=self.cred.to_wire())
+        return await self.driver.run(ops.symlink(self, target, path))
 
     async def readlink(self, path: str | bytes) -> str:
-        attr = await self.lstat(path)
-        return os.fsdecode(await self.meta.readlink(attr.st_ino))
+        return await self.driver.run(ops.readlink(self, path))
 
     async def chmod(self, path: str | bytes, mode: int) -> None:
-        attr = await self.stat(path)
-        await self.meta.setattr(attr.st_ino, self.cred, mode=mode & 0o7777)
+        return await self.driver.run(ops.chmod(self, path, mode))
 
     async def chown(self, path: str | bytes, uid: int, gid: int) -> None:
-        attr = await self.stat(path)
-        await self.meta.setattr(attr.st_ino, self.cred, uid=None if uid < 0 else uid,
-                                gid=None if gid < 0 else gid)
+        return await self.driver.run(ops.chown(self, path, uid, gid))
 
     async def utime(self, path: str | bytes, times: tuple[float, float] | None = None, *,
                     ns: tuple[int, int] | None = None) -> None:
-        attr = await self.stat(path)
-        if ns is not None:
-            at, mt = ns
-        elif times is not None:
-            at, mt = int(times[0] * 1e9), int(times[1] * 1e9)
-        else:
-            at = mt = "now"  # type: ignore[assignment]
-        await self.meta.setattr(attr.st_ino, self.cred, atime=at, mtime=mt)
+        return await self.driver.run(ops.utime(self, path, times, ns))
 
     async def truncate(self, path: str | bytes, size: int) -> None:
-        attr = await self.stat(path)
-        self._truncated(attr.st_ino, await self.meta.setattr(attr.st_ino, self.cred, size=size))
+        return await self.driver.run(ops.truncate(self, path, size))
 
     async def getxattr(self, path: str | bytes, name: str | bytes) -> bytes:
-        return await self.meta.getxattr((await self.stat(path)).st_ino, name, self.cred)
+        return await self.driver.run(ops.getxattr(self, path, name))
 
     async def setxattr(self, path: str | bytes, name: str | bytes, value: bytes,
                        flags: int = 0) -> None:
-        await self.meta.setxattr((await self.stat(path)).st_ino, name, value, flags, self.cred)
+        return await self.driver.run(ops.setxattr(self, path, name, value, flags))
 
     async def listxattr(self, path: str | bytes) -> list[str]:
-        names = await self.meta.listxattr((await self.stat(path)).st_ino, self.cred)
-        return [os.fsdecode(n) for n in names]
+        return await self.driver.run(ops.listxattr(self, path))
 
     async def removexattr(self, path: str | bytes, name: str | bytes) -> None:
-        await self.meta.removexattr((await self.stat(path)).st_ino, name, self.cred)
+        return await self.driver.run(ops.removexattr(self, path, name))
 
     async def statvfs(self, path: str | bytes = "/") -> StatVFS:
-        s = await self.meta.statfs()
-        return StatVFS(s["bsize"], s.get("frsize", s["bsize"]), s["blocks"], s["bfree"],
-                       s["bavail"], s["files"], s["ffree"], s["ffree"], s["namemax"])
+        return await self.driver.run(ops.statvfs(self, path))
 
     async def get_layout(self, path: str | bytes) -> dict[str, Any]:
-        return await self.meta.get_layout((await self.stat(path)).st_ino)
+        return await self.driver.run(ops.get_layout(self, path))
 
     async def set_layout(self, path: str | bytes, count: int = 0, unit: int = 0,
                          replicas: int = 0) -> dict[str, Any]:
-        ino = (await self.stat(path)).st_ino
-        return await self.meta.set_layout(ino, unit, count, replicas, self.cred)
+        return await self.driver.run(ops.set_layout(self, path, count, unit, replicas))
 
     async def open(self, path: str | bytes, mode: str | int = "rb", perm: int = 0o666) -> FileHandle:
         flags = open_flags(mode) if isinstance(mode, str) else mode
-        p = self._norm(path)
-        if flags & os.O_CREAT:
-            try:
-                r = await self.meta.call("create", path=self._path(p), mode=perm & ~self.umask,
-                                         flags=flags, cred=self.cred.to_wire())
-                return self._handle(r, flags, p)
-            except FileExistsError:
-                if flags & os.O_EXCL:
-                    raise
-        attr, _, _ = await self.meta.resolve(p, True, self.cred)
-        if statmod.S_ISDIR(attr.st_mode) and (flags & os.O_ACCMODE) != os.O_RDONLY:
-            raise OSError(errno.EISDIR, f"{p}: is a directory")
-        return self._handle(await self.meta.open(attr.st_ino, flags, self.cred), flags, p)
+        return await self.driver.run(ops.open_path(self, path, flags, perm))
 
     async def read_file(self, path: str | bytes) -> bytes:
         f = await self.open(path, "rb")

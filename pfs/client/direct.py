@@ -1,17 +1,11 @@
-"""Small reads and writes of the synchronous client, in the calling thread.
+"""Blocking connections to data servers for the blocking driver
+(:mod:`pfs.client.blocking_driver`): a small pool per server shared by the caller's
+threads (at most MAX_PER_SERVER connections each).
 
-A read or write through ``pfs.connect()`` otherwise crosses into the client's trio thread
-and back, which costs more CPU than a small request itself (docs/architecture.md). For a
-request that is one run of one stripe and at most ``direct_max`` bytes, the sync
-client instead sends it over a blocking connection (:mod:`pfs.wire.blocking`) to the data
-server (to each replica, in turn, for a write), from a small pool per server shared by
-the caller's threads (at most MAX_PER_SERVER connections each).
-
-This path only takes the easy case and says so by returning None: no known address for
-a server yet, a capability due for renewal, a server that refuses the capability or
-cannot be reached. The caller then takes the trio path, which has the whole logic
-(looking up moved servers, renewing capabilities, replica failover) and the final word
-on errors. A refused request changed nothing, so sending it again there is safe.
+It connects only to servers whose address the trio driver's ``DataClient`` already
+knows; every failure, its own included (no address, a connection refused or broken), is
+an ``OSError`` for the plan to classify (a failed connection asks for a ``Reconnect``,
+which the blocking driver leaves to the trio driver).
 """
 from __future__ import annotations
 
@@ -29,11 +23,6 @@ log = logging.getLogger(__name__)
 # blocking connections per data server: more threads than this wait for one (opening a
 # connection per request, handshake included, would cost far more than the request)
 MAX_PER_SERVER = 8
-# errors after which the trio path takes over (it renews, reconnects, fails over)
-HAND_OVER = frozenset({errno.EACCES, errno.ESTALE, errno.ECONNRESET, errno.ECONNREFUSED,
-                       errno.ENOTCONN, errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
-                       errno.EHOSTUNREACH, errno.ECONNABORTED})
-
 
 class DirectData:
     """Blocking connections to data servers, by server id, for any thread."""
@@ -51,14 +40,14 @@ class DirectData:
         self._cond = threading.Condition()
         self.closed = False
 
-    def _take(self, sid: str) -> BlockingRpcClient | None:
+    def _take(self, sid: str) -> BlockingRpcClient:
         addr = self._address(sid)
         if addr is None:
-            return None
+            raise OSError(errno.ENOTCONN, f"no address known for data server {sid}")
         with self._cond:
             while True:
                 if self.closed:
-                    return None
+                    raise OSError(errno.ENOTCONN, "the client is closing")
                 idle = self._idle.get(sid)
                 while idle:
                     rpc = idle.pop()
@@ -71,12 +60,13 @@ class DirectData:
                 self._cond.wait()
         try:
             return self._auth.open_blocking(addr[0], addr[1], timeout=self.timeout)
-        except OSError as exc:  # moved, down, refused: the trio path finds out
-            log.debug("direct connection to data server %s at %s:%d: %s", sid, *addr, exc)
+        except OSError as exc:  # moved, down, refused: the trio driver finds out
+            log.debug("blocking connection to data server %s at %s:%d: %s", sid, *addr, exc)
             with self._cond:
                 self._count[sid] -= 1
                 self._cond.notify()
-            return None
+            raise OSError(exc.errno or errno.ECONNREFUSED,
+                          f"data server {sid} at {addr[0]}:{addr[1]}: {exc.strerror}") from None
 
     def _give(self, sid: str, rpc: BlockingRpcClient) -> None:
         """Back to the pool; a connection that failed (closed) leaves it."""
@@ -89,19 +79,11 @@ class DirectData:
             self._cond.notify()
 
     def call(self, sid: str, method: str, fields: dict[str, Any], *,
-             payload: Any = None, into: memoryview | None = None
-             ) -> tuple[dict[str, Any], int] | None:
-        """One request to server ``sid``: (reply fields, payload bytes received), or
-        None when it is left to the trio path (see the module doc)."""
+             payload: Any = None, into: Any = None) -> tuple[dict[str, Any], int]:
+        """One request to server ``sid``: (reply fields, payload bytes received)."""
         rpc = self._take(sid)
-        if rpc is None:
-            return None
         try:
             reply = rpc.call_into(method, fields, payload=payload, into=into)
-        except OSError as exc:
-            if exc.errno in HAND_OVER:
-                return None
-            raise
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply

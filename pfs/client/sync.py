@@ -1,14 +1,14 @@
-"""The synchronous client: the async client run on a private trio thread.
+"""The synchronous client: the async client's plans, carried out in the calling thread.
 
-Data calls cross into that thread with ``trio.from_thread.run``; bulk reads and writes
-still go straight between the caller's buffer and the sockets. Metadata-only calls (stat,
-mkdir, unlink, rename, open and close of a handle, ...) do not cross: with
-``direct_meta`` (the default) the client's metadata connection is a blocking socket, so
-those coroutines never suspend and :meth:`Client._direct` runs them to completion in the
-calling thread. Small reads and writes (one stripe piece, up to the profile's
-``direct_max``) do not cross either (``FileHandle.pread_direct``/``pwrite_direct``,
-:mod:`pfs.client.direct`). The hop costs about 150 us of CPU, several times the round
-trip itself.
+Operations are plans (:mod:`pfs.client.plan` for data, :mod:`pfs.client.ops` for
+metadata). With ``direct_meta`` (the default) the metadata connection is a blocking
+socket and the blocking driver (:mod:`pfs.client.blocking_driver`) carries metadata
+plans (stat, mkdir, open and close of a handle, ...) and small reads and writes (up to
+the profile's ``direct_max``) out in the calling thread. Larger requests, and whatever
+the blocking driver hands over (a capability to renew, a descriptor to ask for, a server
+to reconnect to), run on the trio driver in the client's private trio thread, crossing
+with ``trio.from_thread.run``: that hop costs about 150 us of CPU, several times a round
+trip.
 """
 from __future__ import annotations
 
@@ -16,12 +16,15 @@ import io
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
 
-from pfs.client.aio import AsyncClient, FileHandle, StatVFS, open_flags
+from pfs.client import ops
+from pfs.client.aio import AsyncClient, FileHandle, open_flags
+from pfs.client.ops import StatVFS
+from pfs.client.plan import HandOver, Plan
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import client_config
 
@@ -76,9 +79,9 @@ class Client:
         self._loop = loop
         self.aio = aclient
         self.closed = False
-        # direct calls touch the async client's state outside its trio thread: one at
+        # metadata plans touch the async client's state outside its trio thread: one at
         # a time, as they would be inside it
-        self._direct_lock = threading.Lock()
+        self._meta_lock = threading.Lock()
 
     @classmethod
     def connect(cls, config: Any = None, meta: str | None = None,
@@ -100,22 +103,18 @@ class Client:
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return self._loop.run(fn, *args)
 
-    def _direct(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-        """Run a coroutine that makes only metadata calls in this thread (see the module
-        doc); through the trio thread when the metadata connection is not direct, or
+    def _drive(self, make: Callable[..., Plan[T]], *args: Any) -> T:
+        """Carry the metadata plan ``make(*args)`` out in this thread (see the module
+        doc); through the trio thread when the metadata connection is not blocking, or
         when this client is closed (which fails there, as data calls do: run here, the
         call would open a new metaserver connection that nothing closes)."""
-        if self.closed or not self.aio.meta.direct:
-            return self._loop.run(fn, *args)
-        with self._direct_lock:
-            coro = fn(*args)
-            try:
-                coro.send(None)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            coro.close()
-        raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} waited on the event loop: "
-                           "it cannot run in the calling thread (a pfs bug)")
+        if not self.closed and self.aio.meta.direct:
+            with self._meta_lock:
+                try:
+                    return self.aio.blocking.run(make(*args))
+                except HandOver:
+                    pass  # cannot have done anything a second run does not redo
+        return self._loop.run(self.aio.driver.run, make(*args))
 
     def _close_later(self, handle: FileHandle) -> None:
         """Close ``handle`` in the trio thread, soon; safe from any thread and from a
@@ -157,7 +156,7 @@ class Client:
     def open(self, path: str | bytes, mode: str = "rb", perm: int = 0o666,
              encoding: str | None = None) -> Any:
         flags = open_flags(mode)
-        handle = self._direct(self.aio.open, path, flags, perm)
+        handle = self._drive(ops.open_path, self.aio, path, flags, perm)
         raw = File(self, handle, mode)
         if "b" in mode:
             return raw
@@ -178,85 +177,82 @@ class Client:
 
     # -- namespace -----------------------------------------------------------
     def stat(self, path: str | bytes, *, follow_symlinks: bool = True) -> StatResult:
-        return self._direct(self.aio.stat, path, follow_symlinks)
+        return self._drive(ops.stat, self.aio, path, follow_symlinks)
 
     def lstat(self, path: str | bytes) -> StatResult:
-        return self._direct(self.aio.lstat, path)
+        return self._drive(ops.lstat, self.aio, path)
 
     def exists(self, path: str | bytes) -> bool:
-        return self._direct(self.aio.exists, path)
+        return self._drive(ops.exists, self.aio, path)
 
     def listdir(self, path: str | bytes = "/") -> list[str]:
-        return self._direct(self.aio.listdir, path)
+        return self._drive(ops.listdir, self.aio, path)
 
     def scandir(self, path: str | bytes = "/") -> list[DirEntry]:
-        return self._direct(self.aio.scandir, path, True)
+        return self._drive(ops.scandir, self.aio, path, True)
 
     def mkdir(self, path: str | bytes, mode: int = 0o777) -> None:
-        self._direct(self.aio.mkdir, path, mode)
+        self._drive(ops.mkdir, self.aio, path, mode)
 
     def makedirs(self, path: str | bytes, mode: int = 0o777, exist_ok: bool = False) -> None:
-        self._direct(self.aio.makedirs, path, mode, exist_ok)
+        self._drive(ops.makedirs, self.aio, path, mode, exist_ok)
 
     def remove(self, path: str | bytes) -> None:
-        self._direct(self.aio.remove, path)
+        self._drive(ops.remove, self.aio, path)
 
     unlink = remove
 
     def rmdir(self, path: str | bytes) -> None:
-        self._direct(self.aio.rmdir, path)
+        self._drive(ops.rmdir, self.aio, path)
 
     def rename(self, src: str | bytes, dst: str | bytes, flags: int = 0) -> None:
-        self._direct(self.aio.rename, src, dst, flags)
+        self._drive(ops.rename, self.aio, src, dst, flags)
 
     replace = rename
 
     def link(self, src: str | bytes, dst: str | bytes) -> None:
-        self._direct(self.aio.link, src, dst)
+        self._drive(ops.link, self.aio, src, dst)
 
     def symlink(self, target: str | bytes, path: str | bytes) -> None:
-        self._direct(self.aio.symlink, target, path)
+        self._drive(ops.symlink, self.aio, target, path)
 
     def readlink(self, path: str | bytes) -> str:
-        return self._direct(self.aio.readlink, path)
+        return self._drive(ops.readlink, self.aio, path)
 
     def chmod(self, path: str | bytes, mode: int) -> None:
-        self._direct(self.aio.chmod, path, mode)
+        self._drive(ops.chmod, self.aio, path, mode)
 
     def chown(self, path: str | bytes, uid: int, gid: int) -> None:
-        self._direct(self.aio.chown, path, uid, gid)
+        self._drive(ops.chown, self.aio, path, uid, gid)
 
     def utime(self, path: str | bytes, times: tuple[float, float] | None = None, *,
               ns: tuple[int, int] | None = None) -> None:
-        async def go() -> None:
-            await self.aio.utime(path, times, ns=ns)
-
-        self._direct(go)
+        self._drive(ops.utime, self.aio, path, times, ns)
 
     def truncate(self, path: str | bytes, size: int) -> None:
-        self._direct(self.aio.truncate, path, size)
+        self._drive(ops.truncate, self.aio, path, size)
 
     def getxattr(self, path: str | bytes, name: str | bytes) -> bytes:
-        return self._direct(self.aio.getxattr, path, name)
+        return self._drive(ops.getxattr, self.aio, path, name)
 
     def setxattr(self, path: str | bytes, name: str | bytes, value: bytes, flags: int = 0) -> None:
-        self._direct(self.aio.setxattr, path, name, value, flags)
+        self._drive(ops.setxattr, self.aio, path, name, value, flags)
 
     def listxattr(self, path: str | bytes) -> list[str]:
-        return self._direct(self.aio.listxattr, path)
+        return self._drive(ops.listxattr, self.aio, path)
 
     def removexattr(self, path: str | bytes, name: str | bytes) -> None:
-        self._direct(self.aio.removexattr, path, name)
+        self._drive(ops.removexattr, self.aio, path, name)
 
     def statvfs(self, path: str | bytes = "/") -> StatVFS:
-        return self._direct(self.aio.statvfs, path)
+        return self._drive(ops.statvfs, self.aio, path)
 
     def get_layout(self, path: str | bytes) -> dict[str, Any]:
-        return self._direct(self.aio.get_layout, path)
+        return self._drive(ops.get_layout, self.aio, path)
 
     def set_layout(self, path: str | bytes, count: int = 0, unit: int = 0,
                    replicas: int = 0) -> dict[str, Any]:
-        return self._direct(self.aio.set_layout, path, count, unit, replicas)
+        return self._drive(ops.set_layout, self.aio, path, count, unit, replicas)
 
 
 class File(io.RawIOBase):
@@ -310,9 +306,8 @@ class File(io.RawIOBase):
         return bytes(buf[:n]) if n < len(buf) else bytes(buf)
 
     def preadinto(self, buf: Any, offset: int) -> int:
-        # small reads: of local objects or one request, in this thread
-        # (FileHandle.pread_local / pread_direct)
-        n = self.handle.pread_direct(buf, offset)
+        # small reads: in this thread (the blocking driver)
+        n = self.handle.pread_blocking(buf, offset)
         if n is None:
             n = self._run(self.handle.pread_into, buf, offset)
         return n
@@ -323,8 +318,8 @@ class File(io.RawIOBase):
         return n
 
     def pwrite(self, data: Any, offset: int) -> int:
-        # small writes: in this thread (FileHandle.pwrite_direct)
-        n = self.handle.pwrite_direct(data, offset)
+        # small writes: in this thread (the blocking driver)
+        n = self.handle.pwrite_blocking(data, offset)
         if n is None:
             n = self._run(self.handle.pwrite, data, offset)
         return n
@@ -348,14 +343,14 @@ class File(io.RawIOBase):
 
     def truncate(self, size: int | None = None) -> int:
         size = self._pos if size is None else size
-        self._client._direct(self.handle.truncate, size)
+        self._client._drive(ops.truncate_handle, self.handle, size)
         return size
 
     def flush(self) -> None:
         if self._dropped:
             return  # being collected: the handle's close (elsewhere) commits
         if not self.closed and not self.handle.closed and self.handle.writable:
-            self._client._direct(self.handle.commit)
+            self._client._drive(ops.commit, self.handle)
 
     def fsync(self) -> None:
         self._run(self.handle.fsync)
@@ -369,7 +364,7 @@ class File(io.RawIOBase):
                 if self._client.closed:  # its handle went with the client's connection
                     self.handle.closed = True
                 else:
-                    self._client._direct(self.handle.close)
+                    self._client._drive(ops.close_handle, self.handle)
             finally:
                 super().close()
 

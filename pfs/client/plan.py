@@ -1,0 +1,420 @@
+"""The data path, sans-IO: what to send where for a read, write or fsync of a file range.
+
+A plan is a generator. It yields *effects* — :class:`Send` a request to a server,
+:class:`Parallel` sub-plans, :class:`Renew` the capability, :class:`LocalFd` /
+:class:`LocalRead` for short-circuit objects, :class:`MetaCall` and :class:`Sleep` for the
+metadata plans of :mod:`pfs.client.ops` — and is sent each effect's result, or thrown the
+``OSError`` it raised. It opens nothing and waits for nothing (h11's idea), so every
+data-path rule lives here once and is tested without a socket (tests/test_plan.py):
+
+- a range is cut into per-stripe *runs* (contiguous in the object, at most MAX_REQUEST);
+  one request per run, its reply scattered over the caller's buffer;
+- a read tries a stripe's replicas in order; a short reply is a hole, read as zeros;
+- a write goes to every replica of its stripe; fsync to every object of the file;
+- a failure is classified (:func:`classify`): renew the capability and retry here,
+  try the next replica, or give up with its errno.
+
+Two drivers carry plans out: :class:`pfs.client.trio_driver.TrioDriver` (many requests in
+flight) and :class:`pfs.client.blocking_driver.BlockingDriver` (the caller's thread). A
+driver that cannot carry out an effect the classification asks for (the blocking one
+cannot :class:`Renew` a capability, :class:`Reconnect` to a server that may have moved,
+or ask a data server for a descriptor) raises :class:`HandOver`; the operation then runs
+again, whole, on the trio driver (a refused or failed request changed nothing that
+running it again does not redo).
+"""
+from __future__ import annotations
+
+import enum
+import errno
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from pfs.layout import Layout, Piece, stripe_extents
+
+T = TypeVar("T")
+Plan = Generator[Any, Any, T]
+
+# Largest single request; bigger pieces (huge stripe units) are cut to this.
+MAX_REQUEST = 8 << 20
+
+
+class HandOver(Exception):  # noqa: N818 - a signal between drivers, not an error
+    """The driver cannot carry out this effect: run the operation on the trio driver."""
+
+
+# -- failures -------------------------------------------------------------------------
+class Failure(enum.Enum):
+    RENEW = "renew"  # the capability was refused: renew it, retry here (nothing changed)
+    RECONNECT = "reconnect"  # the connection failed: reconnect (Reconnect), else elsewhere
+    ELSEWHERE = "elsewhere"  # this server failed: the next replica
+    FINAL = "final"  # the request itself is wrong or cannot fit: the caller's errno
+
+
+RENEW_ERRNOS = frozenset({errno.EACCES, errno.ESTALE})
+FINAL_ERRNOS = frozenset({errno.EINVAL, errno.ENOSPC})
+# the server could not be reached, or the connection broke or timed out
+CONNECTION_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
+                               errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
+                               errno.EHOSTUNREACH, errno.ECONNABORTED})
+
+
+def classify(exc: OSError) -> Failure:
+    code = exc.errno
+    if code in RENEW_ERRNOS:
+        return Failure.RENEW
+    if code in FINAL_ERRNOS:
+        return Failure.FINAL
+    if code in CONNECTION_ERRNOS:
+        return Failure.RECONNECT
+    return Failure.ELSEWHERE
+
+
+# -- effects ------------------------------------------------------------------------
+@dataclass(slots=True)
+class Send:
+    """One request to data server ``sid``; the result is the payload bytes received
+    (into ``into``: a buffer or a list of buffers filled in order)."""
+
+    sid: str
+    method: str
+    fields: dict[str, Any]
+    payload: Any = None
+    into: Any = None
+
+
+@dataclass(slots=True)
+class Parallel:
+    """Run sub-plans at once (the blocking driver: one after the other); the result is
+    the list of their results; the first ``OSError`` is raised."""
+
+    plans: list[Plan[Any]]
+
+
+@dataclass(slots=True)
+class Renew:
+    """A fresh capability for ``owner`` (a file handle); the result is the new one."""
+
+    owner: Any
+
+
+@dataclass(slots=True)
+class Reconnect:
+    """The connection to ``sid`` failed: the driver reconnects for the next request
+    (the trio driver's connections do, looking the server up again when it moved); a
+    driver that cannot hands the operation over. Then the plan goes on: the next
+    replica for a read, the error for a write."""
+
+    sid: str
+
+
+@dataclass(slots=True)
+class LocalFd:
+    """Ask the stripe's local server for a descriptor of its object (short circuit);
+    the result is the descriptor, or None: read over the network."""
+
+    local: Any
+    replicas: tuple[str, ...]
+    ino: int
+    stripe: int
+    cap: bytes | None
+
+
+@dataclass(slots=True)
+class LocalRead:
+    """Read consecutive object bytes at ``obj_off`` of ``fd`` into ``dests``; the result
+    is the bytes there were for each destination."""
+
+    local: Any
+    fd: int
+    obj_off: int
+    dests: list[memoryview]
+
+
+@dataclass(slots=True)
+class MetaCall:
+    """One metaserver request; the result is the reply's fields."""
+
+    method: str
+    fields: dict[str, Any]
+
+
+@dataclass(slots=True)
+class DeferClose:
+    """Release handle ``fh`` with the next metadata request, if the connection does that
+    (``MetaClient.defer_close``); the result says whether it did."""
+
+    fh: int
+    generation: int
+
+
+@dataclass(slots=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(slots=True)
+class ToDevice:
+    """Copy ``n`` bytes at ``src_off`` of ``stager``'s pinned buffer to device address
+    ``dst_ptr`` on the stream of ``slot`` (asynchronous: :class:`DeviceWait` ends it)."""
+
+    stager: Any
+    slot: int
+    dst_ptr: int
+    src_off: int
+    n: int
+
+
+@dataclass(slots=True)
+class DeviceWait:
+    """Wait until the copy from ``stager``'s ``slot`` is done (the slot is free)."""
+
+    stager: Any
+    slot: int
+
+
+@dataclass(slots=True)
+class Call:
+    """Await ``fn(*args)`` (a source the caller supplies, e.g. another kind of file)."""
+
+    fn: Any
+    args: tuple[Any, ...]
+
+
+class LocalObjects(Protocol):
+    """What a plan asks of a handle's short-circuit descriptors (no I/O)."""
+
+    def tried(self, stripe: int) -> bool: ...
+
+    def known_fd(self, stripe: int) -> int | None: ...
+
+
+# -- requests: one builder per data RPC ------------------------------------------------
+def read_request(ino: int, stripe: int, off: int, length: int,
+                 cap: bytes | None) -> dict[str, Any]:
+    return {"obj": [ino, stripe], "off": off, "len": length, "cap": cap}
+
+
+def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> dict[str, Any]:
+    return {"obj": [ino, stripe], "off": off, "cap": cap}
+
+
+def fsync_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
+    return {"obj": [ino, stripe], "cap": cap}
+
+
+def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
+    return {"obj": [ino, stripe], "cap": cap}
+
+
+# -- pieces ---------------------------------------------------------------------------
+def runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
+    """Per-stripe runs of pieces, each contiguous in its object and at most MAX_REQUEST."""
+    unit = layout.unit
+    block, within = divmod(off, unit)
+    if length <= MAX_REQUEST and 0 < length <= unit - within:  # the common small case
+        row, stripe = divmod(block, layout.count)
+        return [[Piece(stripe, row * unit + within, off, length)]]
+    out: list[list[Piece]] = []
+    for ext in stripe_extents(unit, layout.count, off, length):
+        run: list[Piece] = []
+        size = 0
+        for p in _split(ext.pieces):
+            if run and size + p.length > MAX_REQUEST:
+                out.append(run)
+                run, size = [], 0
+            run.append(p)
+            size += p.length
+        if run:
+            out.append(run)
+    return out
+
+
+def _split(pieces: Sequence[Piece]) -> Any:
+    for p in pieces:
+        if p.length <= MAX_REQUEST:
+            yield p
+            continue
+        for start in range(0, p.length, MAX_REQUEST):
+            n = min(MAX_REQUEST, p.length - start)
+            yield Piece(p.stripe, p.obj_off + start, p.file_off + start, n)
+
+
+def fill_hole(dests: Sequence[memoryview], got: int) -> None:
+    """Zeros after the first ``got`` bytes of ``dests`` (taken in order): a reply short
+    of the request ended past the object's end, a hole up to the file size."""
+    for d in dests:
+        if got >= len(d):
+            got -= len(d)
+            continue
+        d[got:] = bytes(len(d) - got)
+        got = 0
+
+
+def _views(buf: memoryview, base: int, run: list[Piece]) -> list[memoryview]:
+    return [buf[p.file_off - base:p.file_off - base + p.length] for p in run]
+
+
+# -- plans ----------------------------------------------------------------------------
+def one(effect: Any) -> Plan[Any]:
+    """A plan of one effect (an item of :class:`Parallel`)."""
+    return (yield effect)
+
+
+def send(effect: Send) -> Plan[int]:
+    """One request with no other server to try (a write, an fsync: every replica must
+    answer): a failed connection is still reconnected for the next request."""
+    try:
+        return (yield effect)
+    except OSError as exc:
+        if classify(exc) is Failure.RECONNECT:
+            yield Reconnect(effect.sid)
+        raise
+
+
+def from_replicas(replicas: Sequence[str], method: str, fields: dict[str, Any], *,
+                  payload: Any = None, into: Any = None) -> Plan[int]:
+    """Send to each replica in turn until one answers; a failure that is not the
+    server's (a refused capability, a bad request) ends it at once."""
+    err: OSError | None = None
+    for sid in replicas:
+        try:
+            return (yield Send(sid, method, fields, payload, into))
+        except OSError as exc:
+            kind = classify(exc)
+            if kind is Failure.RECONNECT:
+                yield Reconnect(sid)
+            elif kind is not Failure.ELSEWHERE:
+                raise
+            err = exc
+    if err is None:
+        raise OSError(errno.EIO, "no data server holds this stripe")
+    raise err
+
+
+def with_cap(owner: Any, cap: bytes | None, renew_due: bool,
+             body: Any) -> Plan[Any]:
+    """Run ``body(cap)`` with a capability that is renewed first when due, and once more
+    when a server refuses it (expired, or stale after a truncation)."""
+    if renew_due:
+        cap = yield Renew(owner)
+    try:
+        return (yield from body(cap))
+    except OSError as exc:
+        if cap is None or classify(exc) is not Failure.RENEW:
+            raise
+    cap = yield Renew(owner)
+    return (yield from body(cap))
+
+
+def _all(plans: list[Plan[Any]]) -> Plan[Any]:
+    if len(plans) == 1:
+        return [(yield from plans[0])]
+    return (yield Parallel(plans))
+
+
+def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Piece],
+             cap: bytes | None, local: LocalObjects | None = None) -> Plan[None]:
+    """One stripe's run: from a local descriptor when there is one, else from the first
+    replica that answers; holes read as zeros."""
+    first = run[0]
+    stripe, obj_off = first.stripe, first.obj_off
+    if len(run) == 1:
+        start = first.file_off - base
+        dests = [buf[start:start + first.length]]
+    else:
+        dests = _views(buf, base, run)
+    if local is not None:
+        fd = (local.known_fd(stripe) if local.tried(stripe)
+              else (yield LocalFd(local, layout.servers[stripe], ino, stripe, cap)))
+        if fd is not None:
+            counts = yield LocalRead(local, fd, obj_off, dests)
+            for d, n in zip(dests, counts, strict=True):
+                if n < len(d):
+                    d[n:] = bytes(len(d) - n)
+            return
+    total = first.length if len(run) == 1 else sum(p.length for p in run)
+    got = yield from from_replicas(layout.servers[stripe], "read",
+                                   read_request(ino, stripe, obj_off, total, cap),
+                                   into=dests[0] if len(dests) == 1 else dests)
+    if got < total:
+        fill_hole(dests, got)
+
+
+def _read_all(ino: int, layout: Layout, off: int, buf: memoryview, rs: list[list[Piece]],
+              cap: bytes | None, local: LocalObjects | None) -> Plan[None]:
+    if len(rs) == 1:
+        yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+    else:
+        yield Parallel([read_run(ino, layout, off, buf, run, cap, local) for run in rs])
+
+
+def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
+         cap: bytes | None, *, renew_due: bool = False,
+         local: LocalObjects | None = None) -> Plan[None]:
+    """Fill ``buf`` with the file's bytes from ``off`` (the caller bounds it by the size).
+    The capability is renewed first when due, and once more when a server refuses it
+    (as :func:`with_cap`; written out here: this is the small reads' hot path)."""
+    if renew_due:
+        cap = yield Renew(owner)
+    rs = runs(layout, off, len(buf))
+    try:
+        if len(rs) == 1:  # the small reads' case, without a level of generators
+            yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+        else:
+            yield from _read_all(ino, layout, off, buf, rs, cap, local)
+        return
+    except OSError as exc:
+        if cap is None or classify(exc) is not Failure.RENEW:
+            raise
+    cap = yield Renew(owner)
+    yield from _read_all(ino, layout, off, buf, rs, cap, local)
+
+
+def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[Piece],
+              cap: bytes | None) -> Plan[Any]:
+    """One stripe's run to every replica: each must hold an acknowledged write."""
+    srcs = _views(data, base, run)
+    payload = srcs[0] if len(srcs) == 1 else srcs
+    fields = write_request(ino, run[0].stripe, run[0].obj_off, cap)
+    return _all([send(Send(sid, "write", fields, payload))
+                 for sid in layout.servers[run[0].stripe]])
+
+
+def write(owner: Any, ino: int, layout: Layout, off: int, data: memoryview,
+          cap: bytes | None, *, renew_due: bool = False) -> Plan[None]:
+    def body(c: bytes | None) -> Plan[Any]:
+        return _all([write_run(ino, layout, off, data, run, c)
+                     for run in runs(layout, off, len(data))])
+    yield from with_cap(owner, cap, renew_due, body)
+
+
+def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
+          renew_due: bool = False) -> Plan[None]:
+    """Every object of the file, on every replica, to stable storage."""
+    def body(c: bytes | None) -> Plan[Any]:
+        return _all([send(Send(sid, "fsync", fsync_request(ino, stripe, c)))
+                     for stripe, replicas in enumerate(layout.servers) for sid in replicas])
+    yield from with_cap(owner, cap, renew_due, body)
+
+
+def read_device(stager: Any, dst_ptr: int, off: int, total: int,
+                chunk: Callable[[memoryview, int], Plan[int]]) -> Plan[int]:
+    """A device destination's executor: ``total`` bytes from ``off`` through
+    ``stager``'s pinned host buffer (two halves: the copy of one overlaps the read of
+    the next), each half filled by ``chunk(host_view, file_offset)`` (bytes got; short:
+    the end). Returns the bytes read."""
+    done, slot, half = 0, 0, stager.half
+    while done < total:
+        n = min(half, total - done)
+        yield DeviceWait(stager, slot)
+        got = yield from chunk(stager.view[slot * half:slot * half + n], off + done)
+        if got:
+            yield ToDevice(stager, slot, dst_ptr + done, slot * half, got)
+        done += got
+        if got < n:
+            break
+        slot ^= 1
+    yield DeviceWait(stager, 0)
+    yield DeviceWait(stager, 1)
+    return done

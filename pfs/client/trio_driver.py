@@ -1,0 +1,99 @@
+"""The trio driver: carries plans (:mod:`pfs.client.plan`) out with many requests in
+flight, for ``AsyncClient``, the FUSE mount and the sync client's larger requests.
+
+Requests go over :class:`~pfs.client.data.DataClient`'s connections, short-circuit
+reads to the client's engine (:mod:`pfs.shortcircuit`), device destinations through a
+pinned staging buffer (:mod:`pfs.gpu`), metadata requests over the ``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
+nursery, and the first ``OSError`` among them is raised as itself.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+
+from pfs.client.data import DataClient, run_all
+from pfs.client.meta import MetaClient
+from pfs.client.plan import (
+    Call,
+    DeferClose,
+    DeviceWait,
+    LocalFd,
+    LocalRead,
+    MetaCall,
+    Parallel,
+    Plan,
+    Reconnect,
+    Renew,
+    Send,
+    Sleep,
+    ToDevice,
+)
+
+T = TypeVar("T")
+
+
+class TrioDriver:
+    def __init__(self, data: DataClient | None = None, meta: MetaClient | None = None) -> None:
+        self.data = data
+        self.meta = meta
+
+    async def run(self, plan: Plan[T]) -> T:
+        value: Any = None
+        exc: OSError | None = None
+        try:
+            while True:
+                try:
+                    effect = plan.send(value) if exc is None else plan.throw(exc)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                value, exc = None, None
+                try:
+                    value = await self._do(effect)
+                except OSError as e:
+                    exc = e
+        finally:
+            plan.close()
+
+    async def _do(self, effect: Any) -> Any:
+        if isinstance(effect, Send):
+            assert self.data is not None
+            r = await self.data.call(effect.sid, effect.method, effect.fields,
+                                     payload=effect.payload, into=effect.into)
+            return r.nbytes
+        if isinstance(effect, Parallel):
+            results: list[Any] = [None] * len(effect.plans)
+
+            async def one(i: int, sub: Plan[Any]) -> None:
+                results[i] = await self.run(sub)
+
+            await run_all([partial(one, i, sub) for i, sub in enumerate(effect.plans)])
+            return results
+        if isinstance(effect, MetaCall):
+            assert self.meta is not None
+            return await self.meta.call(effect.method, **effect.fields)
+        if isinstance(effect, LocalRead):
+            return await effect.local.read(effect.fd, effect.obj_off, effect.dests)
+        if isinstance(effect, LocalFd):
+            return await effect.local.fd(effect.replicas, effect.ino, effect.stripe, effect.cap)
+        if isinstance(effect, Renew):
+            await effect.owner.renew()
+            return effect.owner.cap
+        if isinstance(effect, Reconnect):
+            return None  # DataClient reconnects on the next call, looking servers up again
+        if isinstance(effect, Sleep):
+            await trio.sleep(effect.seconds)
+            return None
+        if isinstance(effect, ToDevice):
+            effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)
+            return None
+        if isinstance(effect, DeviceWait):
+            await trio.to_thread.run_sync(effect.stager.wait, effect.slot)
+            return None
+        if isinstance(effect, Call):
+            return await effect.fn(*effect.args)
+        if isinstance(effect, DeferClose):
+            assert self.meta is not None
+            return self.meta.defer_close(effect.fh, effect.generation)
+        raise TypeError(f"not an effect: {effect!r}")

@@ -1,0 +1,163 @@
+"""Metadata plans (pfs/client/ops.py), driven in memory: no socket, no trio."""
+from __future__ import annotations
+
+import errno
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pfs.client import ops
+from pfs.client.plan import DeferClose, MetaCall, Sleep
+from pfs.client.types import Cred
+
+
+def _attr(ino: int = 5, size: int = 0) -> dict[str, Any]:
+    return {"ino": ino, "mode": 0o100644, "uid": 0, "gid": 0, "size": size, "atime": 0,
+            "mtime": 0, "ctime": 0, "nlink": 1, "rdev": 0}
+
+
+def drive(plan: Any, answer: Any) -> tuple[Any, list[Any]]:
+    """Run ``plan``; ``answer(effect)`` returns a result or raises; what was asked."""
+    seen: list[Any] = []
+    value: Any = None
+    exc: BaseException | None = None
+    while True:
+        try:
+            eff = plan.send(value) if exc is None else plan.throw(exc)
+        except StopIteration as done:
+            return done.value, seen
+        seen.append(eff)
+        value, exc = None, None
+        try:
+            value = answer(eff)
+        except OSError as e:
+            exc = e
+
+
+class _State:
+    def __init__(self) -> None:
+        self.size = 0
+        self.written_end = 0
+
+
+def _handle(dirty: bool = True, end: int = 100) -> Any:
+    st = _State()
+    st.written_end = end
+    h = SimpleNamespace(fh=1, ino=5, flags=os.O_WRONLY, cred=None, path="/f", meta_gen=1,
+                        state=st, _dirty=dirty, closed=False, released=0, caps=[])
+    h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2),
+                               config=SimpleNamespace(timeout=60.0))
+    h._set_cap = lambda cap, ttl: h.caps.append(cap)
+    h._released = lambda: setattr(h, "released", h.released + 1)
+    return h
+
+
+def test_commit_reopens_a_handle_the_metaserver_lost() -> None:
+    h = _handle()
+
+    def answer(eff: Any) -> Any:
+        if eff.method == "commit_size" and eff.fields["fh"] == 1:
+            raise OSError(errno.EBADF, "lost")
+        if eff.method == "open":
+            return {"fh": 9, "cap": b"new", "cap_ttl": 10}
+        return {"attr": _attr(size=100)}
+
+    _, seen = drive(ops.commit(h), answer)
+    assert [e.method for e in seen] == ["commit_size", "open", "commit_size"]
+    assert seen[1].fields["flags"] == os.O_WRONLY and h.fh == 9 and h.meta_gen == 2
+    assert h.state.size == 100 and not h._dirty
+
+
+def test_a_failed_commit_leaves_the_handle_dirty() -> None:
+    h = _handle()
+
+    def answer(eff: Any) -> Any:
+        raise OSError(errno.EIO, "no")
+
+    with pytest.raises(OSError):
+        drive(ops.commit(h), answer)
+    assert h._dirty
+
+
+def test_close_with_bytes_to_commit_retries_through_an_outage() -> None:
+    h = _handle()
+    fails = [errno.ECONNREFUSED, errno.ENOTCONN, errno.ETIMEDOUT]
+
+    def answer(eff: Any) -> Any:
+        if isinstance(eff, Sleep):
+            return None
+        if fails:
+            raise OSError(fails.pop(0), "down")
+        return {}
+
+    _, seen = drive(ops.close_handle(h), answer)
+    sleeps = [e.seconds for e in seen if isinstance(e, Sleep)]
+    assert sleeps == [0.05, 0.1, 0.2]  # backing off
+    closes = [e for e in seen if isinstance(e, MetaCall)]
+    assert len(closes) == 4 and closes[-1].fields["written_end"] == 100
+    assert h.closed and h.released == 1 and h.state.size == 100
+
+
+def test_close_with_nothing_to_commit_is_deferred_and_never_retried() -> None:
+    h = _handle(dirty=False)
+    _, seen = drive(ops.close_handle(h), lambda eff: True)
+    assert seen == [DeferClose(1, 1)] and h.released == 1
+    h = _handle(dirty=False)
+
+    def answer(eff: Any) -> Any:
+        if isinstance(eff, DeferClose):
+            return False  # not deferred: a close of its own
+        raise OSError(errno.ECONNREFUSED, "down")
+
+    with pytest.raises(OSError):
+        drive(ops.close_handle(h), answer)
+    assert h.released == 1  # released here even so
+
+
+def test_a_final_close_error_is_not_retried() -> None:
+    h = _handle()
+    with pytest.raises(OSError) as err:
+        drive(ops.close_handle(h), lambda eff: (_ for _ in ()).throw(OSError(errno.EIO, "x")))
+    assert err.value.errno == errno.EIO and h.released == 1
+
+
+def test_open_with_o_creat_falls_back_to_the_existing_file() -> None:
+    c = SimpleNamespace(cred=Cred(1, 1), umask=0o022, handles=[])
+    c._handle = lambda r, flags, p: (r["fh"], flags, p)
+
+    def answer(eff: Any) -> Any:
+        if eff.method == "create":
+            raise OSError(errno.EEXIST, "exists")
+        if eff.method == "resolve":
+            return {"attr": _attr(ino=8)}
+        return {"fh": 3}
+
+    flags = os.O_CREAT | os.O_WRONLY
+    handle, seen = drive(ops.open_path(c, "a//b", flags, 0o666), answer)
+    assert handle == (3, flags, "/a/b")
+    assert [e.method for e in seen] == ["create", "resolve", "open"]
+    assert seen[0].fields["mode"] == 0o644 and seen[2].fields["ino"] == 8
+    with pytest.raises(FileExistsError):
+        drive(ops.open_path(c, "/a/b", flags | os.O_EXCL), answer)
+
+
+def test_renew_reopens_on_ebadf() -> None:
+    h = _handle()
+
+    def answer(eff: Any) -> Any:
+        if eff.method == "renew":
+            raise OSError(errno.EBADF, "lost")
+        return {"fh": 4, "cap": b"c2", "cap_ttl": 5}
+
+    drive(ops.renew(h), answer)
+    assert h.fh == 4 and h.caps == [b"c2", b"c2"]
+
+
+def test_paths_are_checked_before_any_request() -> None:
+    c = SimpleNamespace(cred=Cred(0, 0), umask=0)
+    for bad, code in [("", errno.ENOENT), ("a\0b", errno.EINVAL)]:
+        with pytest.raises(OSError) as err:
+            drive(ops.mkdir(c, bad), lambda eff: {})
+        assert err.value.errno == code

@@ -1,0 +1,402 @@
+"""The sans-IO data planner (pfs/client/plan.py), driven in memory: no socket, no trio."""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+import pytest
+
+from pfs.client import plan
+from pfs.client.plan import (
+    MAX_REQUEST,
+    Failure,
+    LocalFd,
+    LocalRead,
+    Parallel,
+    Renew,
+    Send,
+    classify,
+)
+from pfs.layout import Layout
+
+UNIT = 4096
+INO = 7
+
+
+class FakeCluster:
+    """Objects by (server, stripe), failures to inject, and a log of what was done."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.objects: dict[tuple[str, int], bytearray] = {}
+        self.fail: dict[tuple[str, str], list[int]] = {}  # (sid, method): errnos, in turn
+        self.log: list[tuple[str, str, int]] = []  # (sid, method, stripe)
+        self.renewals = 0
+        self.reconnects: list[str] = []
+        self.local_fds: dict[int, int | None] = {}  # stripe: descriptor a LocalFd gets
+        self.local_reads: list[int] = []
+
+    def store(self, data: bytes) -> None:
+        """Lay ``data`` out as a file on every replica."""
+        for p in self.layout.pieces(0, len(data)):
+            for sid in self.layout.servers[p.stripe]:
+                obj = self.objects.setdefault((sid, p.stripe), bytearray())
+                end = p.obj_off + p.length
+                if len(obj) < end:
+                    obj.extend(bytes(end - len(obj)))
+                obj[p.obj_off:end] = data[p.file_off:p.file_off + p.length]
+
+    def run(self, p: plan.Plan[Any]) -> Any:
+        value: Any = None
+        exc: BaseException | None = None
+        while True:
+            try:
+                eff = p.send(value) if exc is None else p.throw(exc)
+            except StopIteration as done:
+                return done.value
+            value, exc = None, None
+            try:
+                value = self.do(eff)
+            except OSError as e:
+                exc = e
+
+    def do(self, eff: Any) -> Any:
+        if isinstance(eff, Parallel):
+            return [self.run(sub) for sub in eff.plans]
+        if isinstance(eff, plan.Reconnect):
+            self.reconnects.append(eff.sid)
+            return None
+        if isinstance(eff, Renew):
+            self.renewals += 1
+            return b"cap%d" % self.renewals
+        if isinstance(eff, LocalFd):
+            return self.local_fds.get(eff.stripe)
+        if isinstance(eff, LocalRead):
+            self.local_reads.append(eff.fd)
+            obj = self.objects[(self.layout.servers[eff.fd][0], eff.fd)]  # fd = stripe here
+            counts, off = [], eff.obj_off
+            for d in eff.dests:
+                chunk = obj[off:off + len(d)]
+                d[:len(chunk)] = chunk
+                d[len(chunk):] = b"\xee" * (len(d) - len(chunk))  # garbage: the plan zeros
+                counts.append(len(chunk))
+                off += len(d)
+            return counts
+        assert isinstance(eff, Send)
+        stripe = eff.fields["obj"][1]
+        self.log.append((eff.sid, eff.method, stripe))
+        errs = self.fail.get((eff.sid, eff.method))
+        if errs:
+            raise OSError(errs.pop(0), f"injected on {eff.sid}")
+        obj = self.objects.setdefault((eff.sid, stripe), bytearray())
+        if eff.method == "read":
+            assert eff.fields["len"] <= MAX_REQUEST
+            chunk = obj[eff.fields["off"]:eff.fields["off"] + eff.fields["len"]]
+            dests = eff.into if isinstance(eff.into, list) else [eff.into]
+            pos = 0
+            for d in dests:
+                part = chunk[pos:pos + len(d)]
+                d[:len(part)] = part
+                d[len(part):] = b"\xee" * (len(d) - len(part))  # a short reply leaves junk
+                pos += len(d)
+            return len(chunk)
+        if eff.method == "write":
+            srcs = eff.payload if isinstance(eff.payload, list) else [eff.payload]
+            data = b"".join(bytes(s) for s in srcs)
+            off = eff.fields["off"]
+            if len(obj) < off + len(data):
+                obj.extend(bytes(off + len(data) - len(obj)))
+            obj[off:off + len(data)] = data
+            return 0
+        return 0
+
+
+def _layout(count: int = 3, replicas: int = 1, unit: int = UNIT) -> Layout:
+    return Layout(unit, count, replicas,
+                  tuple(tuple(f"s{i}r{r}" for r in range(replicas)) for i in range(count)))
+
+
+def _read(cl: FakeCluster, off: int, n: int, cap: bytes | None = b"c", **kw: Any) -> bytes:
+    buf = bytearray(n)
+    cl.run(plan.read(None, INO, cl.layout, off, memoryview(buf), cap, **kw))
+    return bytes(buf)
+
+
+def test_runs_are_per_stripe_contiguous_and_cut_at_max_request() -> None:
+    lay = _layout(count=2, unit=MAX_REQUEST * 2)
+    rs = plan.runs(lay, 100, MAX_REQUEST * 3)
+    assert [sum(p.length for p in r) for r in rs] == [MAX_REQUEST, MAX_REQUEST - 100,
+                                                      MAX_REQUEST, 100]
+    assert all(sum(p.length for p in r) <= MAX_REQUEST for r in plan.runs(
+        _layout(count=3, unit=1 << 20), 5, 40 << 20))
+    small = plan.runs(_layout(count=4), UNIT + 10, 100)
+    assert small == [[plan.Piece(1, 10, UNIT + 10, 100)]]
+    # every byte once, in stripe order
+    lay = _layout(count=3)
+    got = sorted((p.file_off, p.length) for r in plan.runs(lay, 123, 10 * UNIT) for p in r)
+    pos = 123
+    for off, n in got:
+        assert off == pos
+        pos += n
+    assert pos == 123 + 10 * UNIT
+
+
+def test_read_assembles_stripes_and_zero_fills_holes_and_short_objects() -> None:
+    lay = _layout(count=3)
+    cl = FakeCluster(lay)
+    data = bytearray(os.urandom(7 * UNIT + 100))
+    cl.store(bytes(data))
+    # a hole: stripe 1's object is short (its second unit was never written)
+    del cl.objects[("s1r0", 1)][UNIT + UNIT // 2:]
+    data[4 * UNIT + UNIT // 2:5 * UNIT] = bytes(UNIT // 2)
+    data[7 * UNIT:] = bytes(100)
+    # and stripe 2 has no object at all
+    del cl.objects[("s2r0", 2)]
+    data[2 * UNIT:3 * UNIT] = bytes(UNIT)
+    data[5 * UNIT:6 * UNIT] = bytes(UNIT)
+    for off, n in [(0, len(data)), (10, 3 * UNIT), (4 * UNIT + 1, 2 * UNIT), (2 * UNIT, 5)]:
+        assert _read(cl, off, n) == bytes(data[off:off + n]), (off, n)
+    # reading past every object's end: all zeros (the caller bounds reads by the size)
+    assert _read(cl, 9 * UNIT, 3 * UNIT) == bytes(3 * UNIT)
+
+
+def test_read_fails_over_replicas_in_order() -> None:
+    lay = _layout(count=1, replicas=3)
+    cl = FakeCluster(lay)
+    cl.store(b"x" * 100)
+    cl.fail[("s0r0", "read")] = [errno.ECONNRESET]
+    cl.fail[("s0r1", "read")] = [errno.ETIMEDOUT]
+    assert _read(cl, 0, 100) == b"x" * 100
+    assert [s for s, _, _ in cl.log] == ["s0r0", "s0r1", "s0r2"]
+    assert cl.reconnects == ["s0r0", "s0r1"]  # each broken connection renewed for later
+    # all fail: the last error
+    cl.log.clear()
+    for r in range(3):
+        cl.fail[(f"s0r{r}", "read")] = [errno.EIO]
+    with pytest.raises(OSError) as err:
+        _read(cl, 0, 100)
+    assert err.value.errno == errno.EIO and "s0r2" in str(err.value)
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSPC])
+def test_final_errors_end_at_once(code: int) -> None:
+    cl = FakeCluster(_layout(count=1, replicas=2))
+    cl.store(b"y" * 10)
+    cl.fail[("s0r0", "read")] = [code]
+    with pytest.raises(OSError) as err:
+        _read(cl, 0, 10)
+    assert err.value.errno == code
+    assert [s for s, _, _ in cl.log] == ["s0r0"]
+    assert cl.renewals == 0
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.ESTALE])
+def test_a_refused_capability_is_renewed_and_the_request_retried_here(code: int) -> None:
+    cl = FakeCluster(_layout(count=1, replicas=2))
+    cl.store(b"z" * 10)
+    cl.fail[("s0r0", "read")] = [code]
+    assert _read(cl, 0, 10) == b"z" * 10
+    assert cl.renewals == 1
+    assert [s for s, _, _ in cl.log] == ["s0r0", "s0r0"]  # not the other replica
+    # refused twice: the error
+    cl.fail[("s0r0", "read")] = [code, code]
+    with pytest.raises(OSError) as err:
+        _read(cl, 0, 10)
+    assert err.value.errno == code and cl.renewals == 2
+    # no capability at all (security off): nothing to renew
+    cl.fail[("s0r0", "read")] = [code]
+    with pytest.raises(OSError):
+        _read(cl, 0, 10, cap=None)
+    assert cl.renewals == 2
+
+
+def test_a_capability_due_is_renewed_first() -> None:
+    cl = FakeCluster(_layout(count=1))
+    cl.store(b"w" * 10)
+    caps: list[Any] = []
+    real = cl.do
+
+    def do(eff: Any) -> Any:
+        if isinstance(eff, Send):
+            caps.append(eff.fields["cap"])
+        return real(eff)
+
+    cl.do = do  # type: ignore[method-assign]
+    assert _read(cl, 0, 10, cap=b"old", renew_due=True) == b"w" * 10
+    assert caps == [b"cap1"]
+
+
+@pytest.mark.parametrize("classes", [
+    (errno.EACCES, Failure.RENEW), (errno.ESTALE, Failure.RENEW),
+    (errno.EINVAL, Failure.FINAL), (errno.ENOSPC, Failure.FINAL),
+    (errno.ECONNRESET, Failure.RECONNECT), (errno.ETIMEDOUT, Failure.RECONNECT),
+    (errno.ECONNREFUSED, Failure.RECONNECT), (errno.ENOTCONN, Failure.RECONNECT),
+    (errno.EIO, Failure.ELSEWHERE), (errno.ENOENT, Failure.ELSEWHERE)])
+def test_classify(classes: tuple[int, Failure]) -> None:
+    code, kind = classes
+    assert classify(OSError(code, "x")) is kind
+
+
+def test_write_goes_to_every_replica_of_each_stripe() -> None:
+    lay = _layout(count=3, replicas=2)
+    cl = FakeCluster(lay)
+    data = os.urandom(5 * UNIT + 7)
+    cl.run(plan.write(None, INO, lay, 300, memoryview(data), b"c"))
+    assert sorted((s, st) for s, m, st in cl.log) == sorted(
+        (f"s{st}r{r}", st) for st in range(3) for r in range(2))
+    for r in range(2):  # each replica alone reads back the data
+        solo = Layout(UNIT, 3, 1, tuple((f"s{st}r{r}",) for st in range(3)))
+        cl2 = FakeCluster(solo)
+        cl2.objects = cl.objects
+        assert _read(cl2, 300, len(data)) == data
+
+
+def test_a_failed_replica_fails_the_write_and_a_refusal_renews() -> None:
+    lay = _layout(count=1, replicas=2)
+    cl = FakeCluster(lay)
+    cl.fail[("s0r1", "write")] = [errno.EIO]
+    with pytest.raises(OSError) as err:
+        cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
+    assert err.value.errno == errno.EIO  # not acknowledged by every replica: an error
+    cl.fail[("s0r1", "write")] = [errno.EACCES]
+    cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
+    assert cl.renewals == 1
+    cl.fail[("s0r0", "write")] = [errno.EPIPE]  # no failover for a write: the error
+    with pytest.raises(OSError) as err:
+        cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
+    assert err.value.errno == errno.EPIPE and cl.reconnects == ["s0r0"]
+
+
+def test_a_driver_that_cannot_reconnect_hands_the_operation_over() -> None:
+    """The blocking driver meets Reconnect (and Renew): HandOver, plan closed."""
+    from pfs.client.blocking_driver import BlockingDriver
+
+    class Pool:
+        def __init__(self, code: int) -> None:
+            self.code = code
+
+        def call(self, *a: Any, **k: Any) -> Any:
+            raise OSError(self.code, "x")
+
+    lay = _layout(count=1, replicas=2)
+    for code in (errno.ECONNREFUSED, errno.EACCES):
+        drv = BlockingDriver(Pool(code), None)  # type: ignore[arg-type]
+        with pytest.raises(plan.HandOver):
+            drv.run(plan.read(None, INO, lay, 0, memoryview(bytearray(10)), b"c"))
+    drv = BlockingDriver(Pool(errno.EIO), None)  # type: ignore[arg-type]
+    with pytest.raises(OSError) as err:  # the servers' answer: the plan's last word
+        drv.run(plan.read(None, INO, lay, 0, memoryview(bytearray(10)), b"c"))
+    assert err.value.errno == errno.EIO
+
+
+def test_writes_are_cut_at_max_request() -> None:
+    lay = _layout(count=1, unit=MAX_REQUEST * 4)
+    cl = FakeCluster(lay)
+    data = memoryview(bytearray(MAX_REQUEST * 2 + 5))
+    sizes: list[int] = []
+    real = cl.do
+
+    def do(eff: Any) -> Any:
+        if isinstance(eff, Send):
+            sizes.append(sum(len(p) for p in eff.payload) if isinstance(eff.payload, list)
+                         else len(eff.payload))
+        return real(eff)
+
+    cl.do = do  # type: ignore[method-assign]
+    cl.run(plan.write(None, INO, lay, 0, data, None))
+    assert sorted(sizes) == [5, MAX_REQUEST, MAX_REQUEST]
+
+
+def test_fsync_reaches_every_object_on_every_replica() -> None:
+    lay = _layout(count=2, replicas=2)
+    cl = FakeCluster(lay)
+    cl.run(plan.fsync(None, INO, lay, b"c"))
+    assert sorted(cl.log) == sorted((f"s{st}r{r}", "fsync", st)
+                                    for st in range(2) for r in range(2))
+
+
+class _Local:
+    def __init__(self, fds: dict[int, int | None]) -> None:
+        self.fds = fds
+
+    def tried(self, stripe: int) -> bool:
+        return stripe in self.fds
+
+    def known_fd(self, stripe: int) -> int | None:
+        return self.fds.get(stripe)
+
+
+def test_local_descriptors_execute_their_stripes_pieces() -> None:
+    lay = _layout(count=3)
+    cl = FakeCluster(lay)
+    data = os.urandom(6 * UNIT)
+    cl.store(data)
+    del cl.objects[("s0r0", 0)][UNIT + 5:]  # a short local object: zeros after it
+    want = bytearray(data)
+    want[3 * UNIT + 5:4 * UNIT] = bytes(UNIT - 5)
+    local = _Local({0: 0, 1: None})  # stripe 0 local (fd 0), 1 refused, 2 not asked yet
+    cl.local_fds = {2: 2}
+    assert _read(cl, 0, len(data), local=local) == bytes(want)
+    assert sorted(cl.local_reads) == [0, 2]
+    assert [(s, st) for s, _, st in cl.log] == [("s1r0", 1)]  # only stripe 1 went remote
+
+
+def test_a_small_plan_is_one_effect() -> None:
+    lay = _layout(count=4)
+    buf = memoryview(bytearray(100))
+    p = plan.read(None, INO, lay, UNIT + 10, buf, b"c")
+    eff = p.send(None)
+    assert isinstance(eff, Send) and eff.fields == {"obj": [INO, 1], "off": 10, "len": 100,
+                                                    "cap": b"c"}
+    with pytest.raises(StopIteration):
+        p.send(100)
+
+
+class _FakeStager:
+    """A pinned buffer of two halves; copies land in a bytearray standing for the GPU."""
+
+    def __init__(self, half: int, device: bytearray) -> None:
+        self.half = half
+        self.view = memoryview(bytearray(2 * half))
+        self.device = device
+        self.pending = [False, False]
+        self.events: list[str] = []
+
+    def copy(self, slot: int, dst: int, src_off: int, n: int) -> None:
+        assert not self.pending[slot]
+        self.device[dst:dst + n] = self.view[src_off:src_off + n]
+        self.pending[slot] = True
+        self.events.append(f"copy{slot}")
+
+    def wait(self, slot: int) -> None:
+        self.pending[slot] = False
+        self.events.append(f"wait{slot}")
+
+
+def test_a_device_destination_is_staged_in_two_alternating_halves() -> None:
+    lay = _layout(count=3)
+    cl = FakeCluster(lay)
+    data = os.urandom(5 * UNIT + 11)
+    cl.store(data)
+    device = bytearray(len(data))
+    st = _FakeStager(UNIT, device)
+    real = cl.do
+
+    def do(eff: Any) -> Any:
+        if isinstance(eff, plan.ToDevice):
+            return st.copy(eff.slot, eff.dst_ptr, eff.src_off, eff.n)
+        if isinstance(eff, plan.DeviceWait):
+            return st.wait(eff.slot)
+        return real(eff)
+
+    cl.do = do  # type: ignore[method-assign]
+
+    def chunk(view: memoryview, off: int) -> plan.Plan[int]:
+        yield from plan.read(None, INO, lay, off, view, b"c")
+        return len(view)
+
+    assert cl.run(plan.read_device(st, 0, 7, len(data) - 7, chunk)) == len(data) - 7
+    assert bytes(device[:len(data) - 7]) == data[7:]
+    assert st.events[:4] == ["wait0", "copy0", "wait1", "copy1"]
+    assert st.events[-2:] == ["wait0", "wait1"] and st.pending == [False, False]
