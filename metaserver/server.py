@@ -39,6 +39,7 @@ from pfs import auth, caps
 from pfs.auth import ClientAuth, ServerAuth
 from pfs.config import ConfigError, MetaConfig
 from pfs.layout import object_size
+from pfs.wire.connect import open_rpc
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
 
@@ -413,8 +414,8 @@ class MetaService(RpcService):
             if s is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
             assert self._nursery is not None
-            client = await self._own_auth.open_rpc(self._nursery, s.host, s.port,
-                                                   limits=self.limits, timeout=DATA_TIMEOUT)
+            client = await open_rpc(self._own_auth, self._nursery, s.host, s.port,
+                                    limits=self.limits, timeout=DATA_TIMEOUT)
             self._dclients[sid] = client
             return client
 

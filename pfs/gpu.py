@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op
+from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op, register_engine
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,9 @@ class GdsEngine(Engine):
 
     async def fsync(self, fd: int) -> None:
         raise OSError(errno.ENOTSUP, "the gds engine only reads")
+
+
+register_engine("gds", GdsEngine)
 
 
 # -- staging ------------------------------------------------------------------------

@@ -132,13 +132,13 @@ def test_threads_share_a_bounded_pool_of_connections(client_toml, workdir,
         c.write_file(f"{workdir}/p", data)
         direct = c.aio.direct
         opened: list[str] = []
-        real_open = direct._auth.open_blocking
+        real_open = direct_mod.open_blocking
 
-        def counting_open(host, port, **kw):
+        def counting_open(auth, host, port, **kw):
             opened.append(f"{host}:{port}")
-            return real_open(host, port, **kw)
+            return real_open(auth, host, port, **kw)
 
-        monkeypatch.setattr(direct._auth, "open_blocking", counting_open)
+        monkeypatch.setattr(direct_mod, "open_blocking", counting_open)
         with c.open(f"{workdir}/p", "rb") as f:
             f.pread(1, 0)  # the addresses of the servers
 

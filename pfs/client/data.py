@@ -14,6 +14,7 @@ import trio
 from pfs.auth import ClientAuth
 from pfs.layout import Layout, Piece, stripe_extents
 from pfs.shortcircuit import HandleObjects
+from pfs.wire.connect import open_rpc
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ class DataClient:
             if len(conns) < self._per_server:
                 host, port = await self._address(sid)
                 try:
-                    conns.append(await self._auth.open_rpc(self._nursery, host, port,
-                                                           timeout=self.timeout))
+                    conns.append(await open_rpc(self._auth, self._nursery, host, port,
+                                                timeout=self.timeout))
                 except OSError as first:
                     err = first
                     self._addrs.pop(sid, None)  # it may have moved: ask again next time
@@ -107,8 +108,8 @@ class DataClient:
                         if moved != (host, port):
                             host, port = moved
                             try:
-                                conns.append(await self._auth.open_rpc(
-                                    self._nursery, host, port, timeout=self.timeout))
+                                conns.append(await open_rpc(
+                                    self._auth, self._nursery, host, port, timeout=self.timeout))
                             except OSError as again:
                                 self._addrs.pop(sid, None)
                                 err = again
