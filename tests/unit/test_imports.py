@@ -4,6 +4,7 @@ boundaries that the folder list promises."""
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,13 +42,18 @@ for _group in LIBRARY:
 
 
 def package_dirs() -> dict[str, str]:
-    """Source folder -> the package name it is installed as (pyproject's package-dir)."""
+    """Source folder -> the package name it is installed as: its own name, or a name under
+    pfs given by pyproject's package-dir or by a link pfs/NAME -> ../NAME."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     mapping = pyproject.get("tool", {}).get("setuptools", {}).get("package-dir", {})
     dirs = {"pfs": "pfs", "metaserver": "metaserver", "dataserver": "dataserver", "fuse": "fuse"}
     for package, folder in mapping.items():
         if package and folder in dirs:
             dirs[folder] = package
+    for folder in dirs:
+        link = ROOT / "pfs" / folder
+        if link.is_symlink() and link.resolve() == (ROOT / folder).resolve():
+            dirs[folder] = f"pfs.{folder}"
     return dirs
 
 
@@ -170,6 +176,25 @@ def test_boundaries() -> None:
         for t in sorted(targets):
             if group_of(t) in FORBIDDEN.get(src, set()):
                 bad.append(f"{name} ({src}) imports {t} ({group_of(t)})")
+    assert bad == []
+
+
+def test_folders_installed_under_pfs_are_imported_by_that_name() -> None:
+    """A folder installed as pfs.NAME imported as NAME works from a checkout (the checkout
+    is on sys.path) and nowhere else."""
+    mapped = {f for f, package in package_dirs().items() if package != f}
+    alternatives = "|".join(mapped) or "$^"
+    run_m = re.compile(r"""-m["']?,?\s*["']?(""" + alternatives + r""")\b(?![.\w-])""")
+    bad = []
+    files = [p for f in [*package_dirs(), "tests"] for p in (ROOT / f).rglob("*.py")]
+    for path in files:
+        text = path.read_text()
+        for node in _import_nodes(ast.parse(text, str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if not node.level else [])
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
+                    if n.split(".")[0] in mapped]
+        bad += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in run_m.finditer(text)]
     assert bad == []
 
 
