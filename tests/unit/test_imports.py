@@ -179,6 +179,16 @@ def test_boundaries() -> None:
     assert bad == []
 
 
+def test_an_explicit_package_list_names_every_package() -> None:
+    """With a package-dir mapping, pyproject lists the packages: a new folder must be in it."""
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text()).get(
+        "tool", {}).get("setuptools", {}).get("packages")
+    if not isinstance(listed, list):
+        pytest.skip("packages are found, not listed")
+    found = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert sorted(found ^ set(listed)) == []
+
+
 def test_folders_installed_under_pfs_are_imported_by_that_name() -> None:
     """A folder installed as pfs.NAME imported as NAME works from a checkout (the checkout
     is on sys.path) and nowhere else."""
