@@ -22,9 +22,10 @@ from pfs.auth import ClientAuth, ServerAuth
 from pfs.caps import Capability, CapCache, CapVerifier
 from pfs.config import DataConfig, parse_addr
 from pfs.engine import Engine, get_engine
-from pfs.shortcircuit import local_socket_name
+from pfs.wire.connect import open_rpc
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
+from pfs.wire.transport import local_socket_name
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +267,8 @@ class DataService(RpcService):
         while True:
             try:
                 async with trio.open_nursery() as nursery:
-                    client = await self.own_auth.open_rpc(nursery, meta_host, meta_port,
-                                                          timeout=max(5.0, 2 * heartbeat))
+                    client = await open_rpc(self.own_auth, nursery, meta_host, meta_port,
+                                            timeout=max(5.0, 2 * heartbeat))
                     try:
                         await self._register(client, host, port)
                         if failures:

@@ -13,6 +13,7 @@ from metaserver.registry import Registry
 from pfs import caps
 from pfs.auth import ClientAuth
 from pfs.layout import object_size
+from pfs.wire.connect import open_rpc
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import RpcClient
 
@@ -62,8 +63,8 @@ class DataPlane:
             if addr is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
             assert self._nursery is not None, "DataPlane.run is not running"
-            client = await self._auth.open_rpc(self._nursery, addr[0], addr[1],
-                                               limits=self._limits, timeout=DATA_TIMEOUT)
+            client = await open_rpc(self._auth, self._nursery, addr[0], addr[1],
+                                    limits=self._limits, timeout=DATA_TIMEOUT)
             self._clients[sid] = client
             return client
 

@@ -466,33 +466,6 @@ class ClientAuth:
         _check_head(conn.recv_head(), conn.name, Kind.REPLY, "the server's auth verdict")
         conn.pin_version(version)
 
-    def open_blocking(self, host: str, port: int, timeout: float = 60.0) -> Any:
-        """An authenticated :class:`pfs.wire.blocking.BlockingRpcClient`."""
-        from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
-
-        conn = BlockingConnection.open(host, port, timeout=min(timeout, AUTH_TIMEOUT),
-                                       tls=self.tls)
-        try:
-            self.hello_blocking(conn)
-        except ProtocolError as exc:
-            conn.close()
-            raise OSError(errno.EPROTO, f"{host}:{port}: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
-        conn.set_timeout(timeout)
-        return BlockingRpcClient(conn)
-
-    async def open_rpc(self, nursery: trio.Nursery, host: str, port: int, **kw: Any) -> Any:
-        from pfs.wire.rpc import RpcClient
-
-        try:
-            return await RpcClient.open(nursery, host, port, tls=self.tls, hello=self.hello, **kw)
-        except trio.TooSlowError:
-            raise OSError(errno.ETIMEDOUT, f"{host}:{port}: authentication timed out") from None
-        except ProtocolError as exc:
-            raise OSError(errno.EPROTO, f"{host}:{port}: {exc}") from None
-
 
 def client_auth(key_file: str = "", key_name: str = "", tls_cert: str = "", tls_key: str = "",
                 tls_ca: str = "") -> ClientAuth:

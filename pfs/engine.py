@@ -36,7 +36,7 @@ import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import trio
@@ -643,21 +643,34 @@ def default_engine() -> str:
     return "uring" if uring_unavailable() is None else "posix"
 
 
+# Engines that live outside this module (``gds``, in pfs.gpu), by name: registered by their
+# module, so this one never imports them.
+_REGISTERED: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    """Make ``get_engine(name)`` return ``factory(**options)``."""
+    _REGISTERED[name] = factory
+
+
 def get_engine(name: str = "posix", **options: Any) -> Engine:
     """The engine called ``name``; ``options`` go to its constructor (``queue_depth``...).
 
     ``auto`` is :func:`default_engine`. ``uring`` raises ``OSError(ENOTSUP)`` saying why
     where the kernel (or the sandbox) has no io_uring. ``gds`` is not a host-memory engine:
     GPU destinations go through :mod:`pfs.gpu`; here it raises a clear error when kvikio or
-    CUDA is missing and otherwise returns that module's engine."""
+    CUDA is missing and otherwise returns that module's engine (registered when pfs.gpu is
+    imported)."""
     if name == "auto":
         name = default_engine()
     if name == "posix":
         return PosixEngine(**options)
     if name in ("uring", "io_uring"):
         return UringEngine(**options)
+    factory = _REGISTERED.get(name)
+    if factory is not None:
+        return factory(**options)
     if name == "gds":
-        from pfs.gpu import GdsEngine
-
-        return GdsEngine(**options)
+        raise OSError(errno.ENOTSUP, "the gds engine reads into GPU memory: it comes with "
+                                     "pfs.gpu (import it; needs pip install 'pfs[gpu]')")
     raise OSError(errno.EINVAL, f"unknown I/O engine {name!r}; known: auto, {', '.join(ENGINES)}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from pfs.client.plan import Call, Plan, one, read_device
 from pfs.client.trio_driver import TrioDriver
-from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op
+from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op, register_engine
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +254,9 @@ class GdsEngine(Engine):
 
     async def fsync(self, fd: int) -> None:
         raise OSError(errno.ENOTSUP, "the gds engine only reads")
+
+
+register_engine("gds", GdsEngine)
 
 
 # -- staging ------------------------------------------------------------------------

@@ -812,9 +812,9 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     src = os.fspath(source)
     own_client = None
     if client is None and src.startswith("pfs://"):
-        import pfs
+        from pfs.client.sync import Client  # only for pfs:// paths without a client
 
-        own_client = client = pfs.connect(config=config, meta=meta)
+        own_client = client = Client.connect(config=config, meta=meta)
     if src.startswith("pfs://"):
         src = "/" + src[len("pfs://"):].lstrip("/")
     try:

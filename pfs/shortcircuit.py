@@ -27,14 +27,9 @@ import trio
 from pfs.client.plan import open_fd_request
 from pfs.errors import ProtocolError, from_wire
 from pfs.wire.protocol import Kind
-from pfs.wire.transport import Connection, open_unix_connection
+from pfs.wire.transport import Connection, local_socket_name, open_unix_connection
 
 log = logging.getLogger(__name__)
-
-
-def local_socket_name(sid: str) -> str:
-    """The abstract Unix socket a data server of id ``sid`` serves local clients on."""
-    return "\0pfs-data/" + sid
 
 
 class _Channel:

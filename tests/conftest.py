@@ -82,3 +82,45 @@ def run_threads(target, n: int) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+# -- tiers: `pytest -m unit|integration|mount|slow` -------------------------------------
+# The tier of a test is its folder: unit (no processes), integration (real server
+# processes), mount (FUSE).
+TIERS = ("unit", "integration", "mount")
+# Tests of another tier that mount pfs too, so that `-m "not mount"` leaves them out.
+ALSO_MOUNT = {"test_bench_io500.py::test_phases_mount", "test_bench_sweep.py::test_mount"}
+# Tests that take 2 s or more (`-m "not slow"` for a quick run).
+SLOW = {
+    "test_bench.py::test_sigterm_stops_the_clusters_a_bench_started",
+    "test_bench_io500.py::test_phases_mount",
+    "test_bench_sweep.py::test_mount",
+    "test_bench_sweep.py::test_quick_local_and_native",
+    "test_cluster.py::test_a_dirty_close_outlasts_a_metaserver_outage",
+    "test_cluster.py::test_cli_round_trip",
+    "test_cluster.py::test_kill_9_metaserver_keeps_every_acknowledged_change",
+    "test_cluster.py::test_metaserver_down_is_an_error_then_recovers",
+    "test_cluster.py::test_open_handles_survive_a_metaserver_restart",
+    "test_direct.py::test_a_close_with_nothing_to_commit_rides_on_the_next_call",
+    "test_fuse_model.py::test_model",
+    "test_fuse_mount.py::test_metaserver_gone_and_back",
+    "test_meta_server.py::test_deleter_survives_a_failed_commit",
+    "test_meta_server.py::test_deletions_stuck_on_one_server_do_not_block_the_rest",
+    "test_meta_server.py::test_failed_deletion_is_retried_soon",
+    "test_protocol.py::test_frames_round_trip_in_any_chunking",
+    "test_security.py::test_bench_caps_runs",
+    "test_security.py::test_decoder_survives_mutated_frames",
+    "test_security.py::test_seeded_fuzz_against_live_servers",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
+        key = f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+        if key in ALSO_MOUNT:
+            item.add_marker("mount")
+        if key in SLOW:
+            item.add_marker("slow")

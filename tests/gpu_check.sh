@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for the loader fast path, on a machine with an NVIDIA GPU (< 8 minutes):
-#   1. the GPU tests (tests/test_gpu.py -m gpu, and the loader's CUDA test);
+#   1. the GPU tests (tests/integration/test_gpu.py -m gpu, and the loader's CUDA test);
 #   2. a small GDS benchmark: a 1 GiB file read into device memory with kvikio (GDS, or
 #      kvikio's compat mode where the GDS driver is absent), against preadv into pinned
 #      host memory + cudaMemcpy, and through pfs.gpu.DeviceStager.
@@ -23,7 +23,7 @@ for m in ("kvikio", "cupy", "torch"):
 PYEOF
 
 echo "== GPU tests"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rs
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_gpu.py -rs
 
 echo "== GDS benchmark (${SIZE_MB} MiB)"
 timeout 180 "$PY" - "$SIZE_MB" <<'PYEOF'

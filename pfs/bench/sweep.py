@@ -253,7 +253,7 @@ def run_engine_worker(path: str, point: Point, cfg: SweepConfig, w: Worker, wid:
                       start: threading.Barrier) -> None:
     import trio
 
-    from pfs.engine import Op, get_engine
+    from pfs.engine import Engine, Op, get_engine
 
     base, direct, qd = parse_engine(point.engine)
     write = "write" in point.pattern
@@ -263,8 +263,12 @@ def run_engine_worker(path: str, point: Point, cfg: SweepConfig, w: Worker, wid:
     flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_DIRECT if direct else 0)
 
     async def main() -> None:
-        eng = get_engine("uring" if base == "uring" else base,
-                         queue_depth=max(qd, 1))
+        if base == "gds":
+            from pfs.gpu import GdsEngine  # the gpu extra's engine: GPU buffers only
+
+            eng: Engine = GdsEngine(queue_depth=max(qd, 1))
+        else:
+            eng = get_engine(base, queue_depth=max(qd, 1))
         fd = os.open(path, flags)
         try:
             bufs = _buffers(nbuf, bs, base == "gds", write)

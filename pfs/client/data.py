@@ -12,6 +12,7 @@ from typing import Any
 import trio
 
 from pfs.auth import ClientAuth
+from pfs.wire.connect import open_rpc
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,8 @@ class DataClient:
             if len(conns) < self._per_server:
                 host, port = await self._address(sid)
                 try:
-                    conns.append(await self._auth.open_rpc(self._nursery, host, port,
-                                                           timeout=self.timeout))
+                    conns.append(await open_rpc(self._auth, self._nursery, host, port,
+                                                timeout=self.timeout))
                 except OSError as first:
                     err = first
                     self._addrs.pop(sid, None)  # it may have moved: ask again next time
@@ -105,8 +106,8 @@ class DataClient:
                         if moved != (host, port):
                             host, port = moved
                             try:
-                                conns.append(await self._auth.open_rpc(
-                                    self._nursery, host, port, timeout=self.timeout))
+                                conns.append(await open_rpc(
+                                    self._auth, self._nursery, host, port, timeout=self.timeout))
                             except OSError as again:
                                 self._addrs.pop(sid, None)
                                 err = again

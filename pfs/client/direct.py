@@ -17,6 +17,7 @@ from typing import Any
 
 from pfs.auth import ClientAuth
 from pfs.wire.blocking import BlockingRpcClient
+from pfs.wire.connect import open_blocking
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class DirectData:
                     break
                 self._cond.wait()
         try:
-            return self._auth.open_blocking(addr[0], addr[1], timeout=self.timeout)
+            return open_blocking(self._auth, addr[0], addr[1], timeout=self.timeout)
         except OSError as exc:  # moved, down, refused: the trio driver finds out
             log.debug("blocking connection to data server %s at %s:%d: %s", sid, *addr, exc)
             with self._cond:

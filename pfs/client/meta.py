@@ -24,6 +24,7 @@ from pfs import auth
 from pfs.auth import ClientAuth
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.wire.blocking import BlockingRpcClient
+from pfs.wire.connect import open_blocking, open_rpc
 from pfs.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class MetaClient:
         async with self._connect_lock:
             if self._rpc is None or not self._rpc.alive:
                 try:
-                    self._rpc = await self._auth.open_rpc(self._nursery, self.host, self.port,
-                                                          timeout=self.timeout)
+                    self._rpc = await open_rpc(self._auth, self._nursery, self.host,
+                                               self.port, timeout=self.timeout)
                 except auth.AuthError:
                     raise
                 except OSError as exc:
@@ -92,7 +93,7 @@ class MetaClient:
             if rpc is None or not rpc.alive:
                 self._blocking = None
                 try:
-                    rpc = self._auth.open_blocking(self.host, self.port, timeout=self.timeout)
+                    rpc = open_blocking(self._auth, self.host, self.port, timeout=self.timeout)
                 except auth.AuthError:
                     raise
                 except OSError as exc:

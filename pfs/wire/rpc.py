@@ -16,10 +16,11 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from pfs.auth import OPEN, Identity, ServerAuth
 from pfs.errors import ProtocolError, from_wire, to_wire
 from pfs.wire.protocol import FrameHead, Kind, Limits
 from pfs.wire.transport import (
@@ -30,9 +31,6 @@ from pfs.wire.transport import (
     tls_connection,
     tune_socket,
 )
-
-if TYPE_CHECKING:
-    from pfs.auth import Identity, ServerAuth
 
 log = logging.getLogger(__name__)
 
@@ -334,8 +332,6 @@ class RpcService:
         """Hook: authenticate or set up per-connection state. The base authenticates
         the peer with ``self.auth`` (nothing is served before) and sets ``ctx.identity``."""
         if self.auth is None:
-            from pfs.auth import OPEN
-
             ctx.identity = OPEN
             return
         ctx.identity = await self.auth.authenticate(ctx.conn)

@@ -388,6 +388,11 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
     return str(peer) or "<unix>"
 
 
+def local_socket_name(sid: str) -> str:
+    """The abstract Unix socket a data server of id ``sid`` serves local clients on."""
+    return "\0pfs-data/" + sid
+
+
 async def open_unix_connection(name: str, limits: Limits | None = None,
                                timeout: float = 5.0) -> Connection:
     """Connect to a local Unix socket (a leading NUL names an abstract socket)."""

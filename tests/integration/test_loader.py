@@ -25,7 +25,7 @@ from pfs.loader import DTYPES, CheckpointError, LoadStats, load_safetensors
 try:
     import torch
 except ImportError:  # the numpy path is tested either way
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 FRAMEWORKS = ["numpy", pytest.param("torch", marks=pytest.mark.skipif(
     torch is None, reason="torch not installed"))]
@@ -49,7 +49,7 @@ SPECS: list[dict[str, tuple[str, tuple[int, ...]]]] = [
 def serialize(tensors: dict[str, dict[str, Any]], path: Path, metadata: dict[str, str]) -> None:
     """safetensors.serialize_file from raw bytes, on the old (dict) and new (TensorSpec) API."""
     if not hasattr(safetensors, "TensorSpec"):  # safetensors < 0.8
-        safetensors.serialize_file(tensors, str(path), metadata=metadata)
+        safetensors.serialize_file(tensors, str(path), metadata=metadata)  # type: ignore[arg-type]
         return
     keep = []
     specs = {}
@@ -214,7 +214,7 @@ def explicit_rows(name: str, shape: tuple[int, ...], rank: int, size: int) -> tu
 def test_tp_slices_equal_slices_of_full(ckpt: tuple[Path, Any], framework: str,
                                         tp_size: int) -> None:
     d, truth = ckpt
-    split = {"*.q_proj.weight": 0, "*.o_proj.weight": 1, "embed.weight": -1,
+    split: dict[str, Any] = {"*.q_proj.weight": 0, "*.o_proj.weight": 1, "embed.weight": -1,
              "layers.1.fp8b": 1, "layers.1.d": 2, "layers.2.i32": explicit_rows,
              "lm_head.weight": lambda n, s, r, k: None}
     dims = {"layers.0.q_proj.weight": 0, "layers.1.q_proj.weight": 0,
@@ -393,7 +393,7 @@ def test_pfs_bit_exact_and_tp(client: Any, pfs_ckpt: str, ckpt: tuple[Path, Any]
     out = load_safetensors(pfs_ckpt, client=client, framework=framework, stats=stats)
     check_full(out, truth, framework)
     assert stats.engine == "pfs" and stats.files == 4
-    split = {"*.q_proj.weight": 0, "*.o_proj.weight": 1}
+    split: dict[str, Any] = {"*.q_proj.weight": 0, "*.o_proj.weight": 1}
     for rank in range(2):
         part = load_safetensors(pfs_ckpt, client=client, framework=framework, tp_rank=rank,
                                 tp_size=2, split=split)

@@ -127,7 +127,7 @@ def test_client_close_releases_descriptors_of_files_left_open(client_toml, workd
     c = pfs.connect(config=client_toml)
     f = c.open(f"{workdir}/f", "rb")
     f.read()
-    assert c.aio.local.stats["fds"] > 0  # it read through short-circuit descriptors
+    assert c.aio.local is not None and c.aio.local.stats["fds"] > 0  # it read through short-circuit descriptors
     c.close()  # f is left open
     f.close()
     del f
@@ -203,6 +203,7 @@ def test_small_reads_of_local_objects_stay_in_the_calling_thread(client_toml, wo
             hops: list[object] = []
             real = c._loop.run
             c._loop.run = lambda fn, *a: hops.append(fn) or real(fn, *a)  # type: ignore
+            assert c.aio.local is not None
             before = c.aio.local.stats["local_reads"]
             rng = random.Random(5)
             for _ in range(300):

@@ -12,13 +12,13 @@ import pytest
 
 from pfs.config import ClientConfig, DataConfig, MetaConfig, load
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 @pytest.mark.parametrize("name,cls", [("meta.toml", MetaConfig), ("data.toml", DataConfig),
                                       ("client.toml", ClientConfig)])
 def test_example_configs_load(name: str, cls: type) -> None:
-    cfg = load(cls, DEPLOY / "etc" / name)  # unknown keys or wrong types would raise
+    cfg: object = load(cls, DEPLOY / "etc" / name)  # unknown keys or wrong types would raise
     assert isinstance(cfg, cls)
 
 

@@ -124,7 +124,7 @@ def test_a_final_close_error_is_not_retried() -> None:
 
 
 def test_open_with_o_creat_falls_back_to_the_existing_file() -> None:
-    c = SimpleNamespace(cred=Cred(1, 1), umask=0o022, handles=[])
+    c: Any = SimpleNamespace(cred=Cred(1, 1), umask=0o022, handles=[])
     c._handle = lambda r, flags, p: (r["fh"], flags, p)
 
     def answer(eff: Any) -> Any:
@@ -156,7 +156,7 @@ def test_renew_reopens_on_ebadf() -> None:
 
 
 def test_paths_are_checked_before_any_request() -> None:
-    c = SimpleNamespace(cred=Cred(0, 0), umask=0)
+    c: Any = SimpleNamespace(cred=Cred(0, 0), umask=0)
     for bad, code in [("", errno.ENOENT), ("a\0b", errno.EINVAL)]:
         with pytest.raises(OSError) as err:
             drive(ops.mkdir(c, bad), lambda eff: {})

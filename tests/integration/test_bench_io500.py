@@ -110,7 +110,7 @@ class View:
 
 
 def cfg(**kw: Any) -> Io500Config:
-    base = dict(stonewall=0.0, easy_size=EASY_T * T, easy_transfer=T, hard_segments=HARD_S,
+    base: dict[str, Any] = dict(stonewall=0.0, easy_size=EASY_T * T, easy_transfer=T, hard_segments=HARD_S,
                 easy_files=EASY_F, hard_files=HARD_F, verify=True, timestamp="t", seed=12345)
     base.update(kw)
     return Io500Config(**base)

@@ -187,7 +187,7 @@ def test_direct_meta_off_goes_through_the_loop(client_toml: Path, tmp_path: Path
         assert not c.aio.meta.direct
         hops: list[object] = []
         real = c._loop.run
-        c._loop.run = lambda fn, *a: hops.append(fn) or real(fn, *a)  # type: ignore[method-assign]
+        c._loop.run = lambda fn, *a: hops.append(fn) or real(fn, *a)  # type: ignore[method-assign,func-returns-value]
         d = f"/indirect-{id(c)}"
         c.mkdir(d)
         with c.open(f"{d}/f", "xb"):

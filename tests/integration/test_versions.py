@@ -22,6 +22,7 @@ from pfs import auth, cluster, versions
 from pfs.config import ClientConfig, load
 from pfs.errors import ProtocolError, RemoteProtocolError
 from pfs.versions import LEGACY_RANGE, METADATA_FORMAT, OBJECT_FORMAT, FormatError, negotiate
+from pfs.wire.connect import open_blocking, open_rpc
 from pfs.wire.protocol import FrameDecoder, Kind, Peer, encode_frame
 from pfs.wire.rpc import ConnContext, Request, RpcService
 from pfs.wire.transport import open_connection
@@ -135,11 +136,11 @@ def test_handshake_uses_the_highest_common_version(tmp_path: Path, make: Any,
 
     async def main() -> None:
         async with echo_server(mode) as (port, n):
-            rpc = await mode.client.open_rpc(n, "127.0.0.1", port)
+            rpc = await open_rpc(mode.client, n, "127.0.0.1", port)
             assert rpc.conn.decoder.version == want and rpc.conn.decoder.pinned
             assert (await rpc.call("ping")).fields["version"] == want  # the server's side
             rpc.close()
-            blocking = await trio.to_thread.run_sync(mode.client.open_blocking, "127.0.0.1",
+            blocking = await trio.to_thread.run_sync(open_blocking, mode.client, "127.0.0.1",
                                                      port)
             try:
                 r = await trio.to_thread.run_sync(blocking.call, "ping", {})
@@ -162,11 +163,11 @@ def test_a_peer_with_no_common_version_gets_a_clear_error(tmp_path: Path, make: 
     async def main() -> None:
         async with echo_server(mode) as (port, n):
             async def trio_call() -> None:
-                rpc = await mode.client.open_rpc(n, "127.0.0.1", port)
+                rpc = await open_rpc(mode.client, n, "127.0.0.1", port)
                 await rpc.call("ping")  # TLS, client in range 1: refused at its first call
 
             def blocking_call() -> None:
-                rpc = mode.client.open_blocking("127.0.0.1", port)
+                rpc = open_blocking(mode.client, "127.0.0.1", port)
                 try:
                     rpc.call("ping")
                 finally:
@@ -245,13 +246,14 @@ def test_real_metaserver_negotiates_or_refuses(private_cluster: Path) -> None:
     async def main() -> None:
         async with trio.open_nursery() as n:
             newer = dataclasses.replace(base, versions=(1, versions.PROTOCOL_MAX + 3))
-            rpc = await newer.open_rpc(n, host, int(port_s))
+            rpc = await open_rpc(newer, n, host, int(port_s))
             assert rpc.conn.decoder.version == versions.PROTOCOL_MAX
             assert (await rpc.call("hello", {"client": "t"})).fields["root"] == K.ROOT_INO
             rpc.close()
             future = (versions.PROTOCOL_MAX + 1, versions.PROTOCOL_MAX + 2)
             with pytest.raises(OSError) as info:
-                await dataclasses.replace(base, versions=future).open_rpc(n, host, int(port_s))
+                await open_rpc(dataclasses.replace(base, versions=future), n, host,
+                               int(port_s))
             assert info.value.errno == errno.EPROTO
             msg = str(info.value)
             assert cfg.meta in msg and versions.fmt_range(future) in msg

@@ -141,7 +141,7 @@ def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
         writable = False
 
     with pytest.raises(GpuUnavailable, match="libcuda.so.1"):
-        trio.run(FileHandle.pread_into, Handle(), FakeDeviceArray((16,)), 0)
+        trio.run(FileHandle.pread_into, Handle(), FakeDeviceArray((16,)), 0)  # type: ignore[arg-type]
 
 
 def test_loader_cuda_device_needs_gpu(tmp_path: Path) -> None:

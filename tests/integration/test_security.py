@@ -25,6 +25,7 @@ from pfs.client.aio import AsyncClient
 from pfs.client.plan import write_request
 from pfs.config import ClientConfig, ConfigError, DataConfig, LayoutDefaults, MetaConfig, NodeKey
 from pfs.engine import PosixEngine
+from pfs.wire.connect import open_rpc
 from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, encode_frame
 from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
 from pfs.wire.transport import open_connection
@@ -211,23 +212,23 @@ def test_unauthenticated_and_wrong_key_peers_get_nothing(tmp_path: Path) -> None
                     for name in ("full", "nobody"):
                         rogue = auth.client_auth(str(bad), name)
                         with pytest.raises(OSError) as info:
-                            await rogue.open_rpc(n, "127.0.0.1", port)
+                            await open_rpc(rogue, n, "127.0.0.1", port)
                         assert info.value.errno == errno.EACCES
                 # a client key cannot register a rogue data server
                 good = auth.client_auth(str(keys.full), "full")
-                c = await good.open_rpc(n, "127.0.0.1", mport)
+                c = await open_rpc(good, n, "127.0.0.1", mport)
                 await expect(errno.EACCES, c.call("register", {
                     "sid": None, "host": "127.0.0.1", "port": 9, "total": 1, "free": 1}))
                 # and the cluster key (a data server's) gives no namespace access
                 srv = auth.client_auth(str(keys.cluster))
-                c2 = await srv.open_rpc(n, "127.0.0.1", mport)
+                c2 = await open_rpc(srv, n, "127.0.0.1", mport)
                 await expect(errno.EACCES, c2.call("mkdir", {"parent": 1, "name": b"x",
                                                              "mode": 0o755, "cred": ROOTC}))
                 # a client that holds a key refuses a server that cannot prove it holds it
                 fake = RpcService()
                 fport = await n.start(fake.serve, "127.0.0.1", 0)
                 with pytest.raises(OSError) as info:
-                    await good.open_rpc(n, "127.0.0.1", fport)
+                    await open_rpc(good, n, "127.0.0.1", fport)
                 assert info.value.errno == errno.EACCES
                 for x in (c, c2):
                     x.close()
@@ -240,10 +241,10 @@ def test_permissions_uid_ranges_and_root_squash(tmp_path: Path) -> None:
     async def main() -> None:
         async with secure(tmp_path, root_squash=True) as (meta, keys, _):
             async with trio.open_nursery() as n:
-                full = await auth.client_auth(str(keys.full), "full").open_rpc(n, "127.0.0.1",
-                                                                                int(meta.rsplit(":", 1)[1]))
-                lim = await auth.client_auth(str(keys.limited), "lim").open_rpc(
-                    n, "127.0.0.1", int(meta.rsplit(":", 1)[1]))
+                full = await open_rpc(auth.client_auth(str(keys.full), "full"), n, "127.0.0.1",
+                                      int(meta.rsplit(":", 1)[1]))
+                lim = await open_rpc(auth.client_auth(str(keys.limited), "lim"),
+                                     n, "127.0.0.1", int(meta.rsplit(":", 1)[1]))
                 # root is squashed to nobody: cannot write in the root-owned 0755 root dir
                 await expect(errno.EACCES, full.call("mkdir", {"parent": 1, "name": b"r",
                                                                "mode": 0o755, "cred": ROOTC}))

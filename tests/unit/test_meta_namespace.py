@@ -95,7 +95,7 @@ def fs(store: Any) -> FS:
 def err(code: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
     with pytest.raises(OSError) as info:
         fn(*args, **kw)
-    assert info.value.errno == code, f"{errno.errorcode.get(info.value.errno)} != {errno.errorcode[code]}: {info.value}"
+    assert info.value.errno == code, f"{errno.errorcode.get(info.value.errno or 0)} != {errno.errorcode[code]}: {info.value}"
 
 
 def test_root_and_reopen(fs: FS) -> None:

@@ -113,6 +113,7 @@ def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "pfs.cli", "bench", "meta", "--files",
                              "1000000", "--reps", "1", "--local-dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 60
