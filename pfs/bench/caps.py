@@ -75,7 +75,8 @@ def micro(n: int = 20000) -> dict[str, float]:
     from dataserver.server import DataService
     from pfs import caps
     from pfs.engine import PosixEngine
-    from pfs.wire.rpc import ConnContext, Request
+    from pfs.messages.data import Read
+    from pfs.wire.rpc import ConnContext
 
     signer = caps.CapSigner.generate()
     with _tf.TemporaryDirectory() as d:
@@ -84,7 +85,7 @@ def micro(n: int = 20000) -> dict[str, float]:
         svc.set_security(signer.public_bytes, 0)
         cap, _ = signer.issue(5, caps.READ | caps.WRITE)
         ctx = ConnContext(None, "bench")  # type: ignore[arg-type]
-        req = Request("read", {"obj": [5, 1], "off": 0, "len": 4096, "cap": cap}, None)
+        req = Read(obj=(5, 1), off=0, len=4096, cap=cap)
         svc._cap(ctx, req, caps.READ, (5, 1))
         t0 = time.perf_counter()
         for _ in range(n):
