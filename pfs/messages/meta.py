@@ -40,7 +40,6 @@ from pfs.messages.records import (
 
 REGISTRY = Registry("metaserver")
 MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
-PROTOCOL_VERSION = 1
 
 
 def _name(doc: str = "") -> Any:
