@@ -28,6 +28,8 @@ from pfs.client.meta import MetaClient, fsname
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.layout import Layout
+from pfs.messages import meta as M
+from pfs.messages.records import At, WireCred
 from pfs.shortcircuit import HandleObjects, LocalServers
 
 log = logging.getLogger(__name__)
@@ -562,9 +564,15 @@ class AsyncClient:
     def _path(self, path: str | bytes) -> bytes:
         return fsname(self._norm(path))
 
+    def _at(self, path: str | bytes) -> At:
+        return At.by_path(self._path(path))
+
+    def _wcred(self) -> WireCred:
+        return self.meta.wire_cred(self.cred)
+
     async def mkdir(self, path: str | bytes, mode: int = 0o777) -> None:
-        await self.meta.call("mkdir", path=self._path(path), mode=mode & ~self.umask,
-                             cred=self.cred.to_wire())
+        await self.meta.request(M.Mkdir(at=self._at(path), mode=mode & ~self.umask,
+                                        cred=self._wcred()))
 
     async def makedirs(self, path: str | bytes, mode: int = 0o777, exist_ok: bool = False) -> None:
         p = self._norm(path).rstrip("/")
@@ -582,27 +590,27 @@ class AsyncClient:
                 raise
 
     async def remove(self, path: str | bytes) -> None:
-        await self.meta.call("unlink", path=self._path(path), cred=self.cred.to_wire())
+        await self.meta.request(M.Unlink(at=self._at(path), cred=self._wcred()))
 
     unlink = remove
 
     async def rmdir(self, path: str | bytes) -> None:
-        await self.meta.call("rmdir", path=self._path(path), cred=self.cred.to_wire())
+        await self.meta.request(M.Rmdir(at=self._at(path), cred=self._wcred()))
 
     async def rename(self, src: str | bytes, dst: str | bytes, flags: int = 0) -> None:
-        await self.meta.call("rename", path=self._path(src), newpath=self._path(dst),
-                             flags=flags, cred=self.cred.to_wire())
+        await self.meta.request(M.Rename(at=self._at(src), new=self._at(dst), flags=flags,
+                                         cred=self._wcred()))
 
     replace = rename
 
     async def link(self, src: str | bytes, dst: str | bytes) -> None:
         attr = await self.lstat(src)
-        await self.meta.call("link", ino=attr.st_ino, newpath=self._path(dst),
-                             cred=self.cred.to_wire())
+        await self.meta.request(M.Link(ino=attr.st_ino, new=self._at(dst),
+                                       cred=self._wcred()))
 
     async def symlink(self, target: str | bytes, path: str | bytes) -> None:
-        await self.meta.call("symlink", path=self._path(path), target=fsname(target),
-                             cred=self.cred.to_wire())
+        await self.meta.request(M.Symlink(at=self._at(path), target=fsname(target),
+                                          cred=self._wcred()))
 
     async def readlink(self, path: str | bytes) -> str:
         attr = await self.lstat(path)
@@ -667,9 +675,9 @@ class AsyncClient:
         p = self._norm(path)
         if flags & os.O_CREAT:
             try:
-                r = await self.meta.call("create", path=self._path(p), mode=perm & ~self.umask,
-                                         flags=flags, cred=self.cred.to_wire())
-                return self._handle(r, flags, p)
+                r = await self.meta.request(M.Create(at=self._at(p), mode=perm & ~self.umask,
+                                                     flags=flags, cred=self._wcred()))
+                return self._handle(r.to_wire(), flags, p)
             except FileExistsError:
                 if flags & os.O_EXCL:
                     raise
