@@ -81,8 +81,20 @@ class Field:
         return _bad(self.code if code is None else code,
                     f"{method}: field '{self.key}' must be {what}")
 
+    def limits(self) -> str:
+        """The limits in words, for docs/rpc.md ("" when none)."""
+        return ""
+
     def describe(self) -> str:
-        return f"`{self.key}` ({self.doc or self.type_doc})"
+        what = self.doc or ", ".join(x for x in (self.type_doc, self.limits()) if x)
+        return f"`{self.key}` ({what})"
+
+
+def _len_limit(max_len: int | None, code: int, unit: str) -> str:
+    if max_len is None:
+        return ""
+    text = f"at most {max_len} {unit}"
+    return text if code == errno.EINVAL else f"{text}, else {errno.errorcode[code]}"
 
 
 def _is_int(v: Any) -> bool:
@@ -96,6 +108,13 @@ class IntField(Field):
                  range_code: int = errno.EINVAL, **kw: Any) -> None:
         super().__init__(**kw)
         self.lo, self.hi, self.range_code = lo, hi, range_code
+
+    def limits(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"{self.lo} to {self.hi}"
+        if self.lo is not None:
+            return f">= {self.lo}"
+        return "" if self.hi is None else f"<= {self.hi}"
 
     def quick(self, v: str) -> str:
         expr = f"type({v}) is int"
@@ -134,6 +153,9 @@ class StrField(Field):
         super().__init__(**kw)
         self.max_len, self.len_code = max_len, len_code
 
+    def limits(self) -> str:
+        return _len_limit(self.max_len, self.len_code, "characters")
+
     def quick(self, v: str) -> str:
         expr = f"type({v}) is str"
         return expr if self.max_len is None else f"{expr} and len({v}) <= {self.max_len}"
@@ -157,6 +179,9 @@ class BytesField(Field):
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.max_len, self.len_code = max_len, len_code
+
+    def limits(self) -> str:
+        return _len_limit(self.max_len, self.len_code, "bytes")
 
     def quick(self, v: str) -> str:
         expr = f"type({v}) is bytes"
@@ -183,6 +208,9 @@ class ListField(Field):
                  **kw: Any) -> None:
         super().__init__(**kw)
         self.item, self.max_len = item, max_len
+
+    def limits(self) -> str:
+        return "" if self.max_len is None else f"at most {self.max_len} items"
 
     def quick(self, v: str) -> str:
         expr = f"type({v}) is list"

@@ -60,7 +60,7 @@ class FdReply(ReplyMessage):
 
 
 class DeletedReply(ReplyMessage):
-    deleted: int = Int()
+    deleted: int = Int(doc="int")
 
 
 class DataStatfsReply(ReplyMessage):
@@ -92,7 +92,7 @@ class Truncate(DataRequest, method="truncate", reply=Empty):
 
 
 class Delete(DataRequest, method="delete", reply=DeletedReply):
-    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE, doc="list of object ids")
+    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE, doc="list of object ids, at most 65536")
     cap: Any = _cap("bytes, admin")
 
 

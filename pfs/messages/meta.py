@@ -42,12 +42,12 @@ REGISTRY = Registry("metaserver")
 MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
 
 
-def _name(doc: str = "") -> Any:
-    return Bytes(max_len=NAME_MAX, len_code=errno.ENAMETOOLONG, doc=doc or "bytes")
+def _name() -> Any:
+    return Bytes(max_len=NAME_MAX, len_code=errno.ENAMETOOLONG)
 
 
 def _xname() -> Any:
-    return Bytes(max_len=XATTR_NAME_MAX, len_code=errno.ERANGE, doc="bytes")
+    return Bytes(max_len=XATTR_NAME_MAX, len_code=errno.ERANGE)
 
 
 class MetaRequest(RequestMessage, registry=REGISTRY):
@@ -79,8 +79,8 @@ class EntryReply(ReplyMessage):
 
 
 class HelloReply(ReplyMessage):
-    root: int = Int()
-    version: int = Int()
+    root: int = Int(doc="1")
+    version: int = Int(doc="int")
 
 
 class ResolveReply(ReplyMessage):
@@ -96,22 +96,22 @@ class OpenedReply(ReplyMessage):
     fh: int = Int()
     layout: dict[str, Any] | None = Layout(default=None)
     cap: bytes = Bytes()
-    cap_ttl: float = Anything(doc="seconds")
+    cap_ttl: float = Anything()
     parent_attr: dict[str, Any] | None = Attr(default=None)
 
 
 class CapReply(ReplyMessage):
     cap: bytes = Bytes()
-    cap_ttl: float = Anything(doc="seconds")
+    cap_ttl: float = Anything()
 
 
 class TargetReply(ReplyMessage):
-    target: bytes = Bytes()
+    target: bytes = Bytes(doc="bytes")
 
 
 class ReaddirReply(ReplyMessage):
     entries: list[Any] = List(doc="[[name, ino, mode, cookie, attr-or-nil], ...]")
-    eof: bool = Bool()
+    eof: bool = Bool(doc="bool")
 
 
 class StatfsReply(ReplyMessage):
@@ -126,7 +126,7 @@ class StatfsReply(ReplyMessage):
 
 
 class ValueReply(ReplyMessage):
-    value: bytes = Bytes()
+    value: bytes = Bytes(doc="bytes")
 
 
 class NamesReply(ReplyMessage):
@@ -148,7 +148,7 @@ class RegisterReply(ReplyMessage):
     sid: str = Str()
     cap_key: bytes | None = Bytes(default=None)
     gen: int | None = Int(default=None)
-    cap_ttl: float | None = Anything(default=None, doc="seconds")
+    cap_ttl: float | None = Anything(default=None)
     data_keys: dict[str, bytes] | None = Map(default=None,
                                              doc="{node key name: data-plane key}")
 
@@ -160,7 +160,7 @@ class Hello(MetaRequest, method="hello", reply=HelloReply):
 
 class Resolve(MetaRequest, method="resolve", reply=ResolveReply):
     path: bytes = Bytes(max_len=PATH_MAX - 1, len_code=errno.ENAMETOOLONG,
-                        doc="bytes, absolute inside pfs")
+                        doc="bytes, absolute inside pfs, at most 4095 bytes, else ENAMETOOLONG")
     follow: bool = Bool(default=True)
     cred: WireCred = Cred()
 
@@ -206,13 +206,13 @@ class Mknod(EntryChange, method="mknod", reply=EntryReply):
 
 class Create(EntryChange, method="create", reply=OpenedReply):
     mode: int = Int()
-    flags: int = Int(default=os.O_WRONLY, doc="os.O_* bits")
+    flags: int = Int(default=os.O_WRONLY, doc="os.O_* bits, default O_WRONLY")
     cred: WireCred = Cred()
 
 
 class Open(MetaRequest, method="open", reply=OpenedReply):
     ino: int = Int()
-    flags: int = Int(default=os.O_RDONLY, doc="os.O_* bits")
+    flags: int = Int(default=os.O_RDONLY, doc="os.O_* bits, default O_RDONLY")
     cred: WireCred = Cred()
 
 
@@ -228,7 +228,7 @@ class Close(MetaRequest, method="close", reply=Empty):
 
 
 class Release(MetaRequest, method="release", reply=Empty):
-    note = "only its `closes` (below)"
+    note = "only its `closes`, below"
 
 
 class CommitSize(MetaRequest, method="commit_size", reply=AttrReply):
@@ -259,7 +259,7 @@ class Link(MetaRequest, method="link", reply=AttrReply):
 
 
 class Symlink(EntryChange, method="symlink", reply=EntryReply):
-    target: bytes = Bytes(max_len=SYMLINK_MAX, len_code=errno.ENAMETOOLONG, doc="bytes")
+    target: bytes = Bytes(max_len=SYMLINK_MAX, len_code=errno.ENAMETOOLONG)
     cred: WireCred = Cred()
 
 
@@ -288,7 +288,7 @@ class Getxattr(MetaRequest, method="getxattr", reply=ValueReply):
 class Setxattr(MetaRequest, method="setxattr", reply=Empty):
     ino: int = Int()
     name: bytes = _xname()
-    value: bytes = Bytes(max_len=XATTR_SIZE_MAX, len_code=errno.E2BIG, doc="bytes")
+    value: bytes = Bytes(max_len=XATTR_SIZE_MAX, len_code=errno.E2BIG)
     flags: int = Int(default=0, doc="XATTR_CREATE=1, XATTR_REPLACE=2")
     cred: WireCred = Cred()
 
@@ -322,7 +322,8 @@ class Servers(MetaRequest, method="servers", reply=ServersReply):
 
 class Register(MetaRequest, method="register", reply=RegisterReply):
     note = "data servers only"
-    sid: str | None = Str(default=None, max_len=128, doc="str or nil", nil=True)
+    sid: str | None = Str(default=None, max_len=128, doc="str or nil, at most 128",
+                          nil=True)
     host: str = Str(max_len=1024)
     port: int = Int(lo=1, hi=65535)
     total: int = Int(lo=0)

@@ -167,7 +167,8 @@ class AtField(Composite):
 
     def describe(self) -> str:
         p = self.prefix
-        return f"`{p}parent`, `{p}name` (or `{p}path`)"
+        return (f"`{p}parent`, `{p}name` ({self.name_.limits()}), or `{p}path` "
+                f"({self.path.limits()})")
 
 
 def Cred(*, default: Any = REQUIRED) -> Any:  # noqa: N802
