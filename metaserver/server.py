@@ -316,7 +316,7 @@ class MetaService(RpcService):
                              parent_attr=parent_attr)
 
     # ------------------------------------------------------------------ who may do what
-    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply:
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
         ident = ctx.identity
         if ident is not None and ident.role == "server" and req.method not in SERVER_METHODS:
             raise OSError(errno.EACCES, f"{req.method}: data server credentials give no "

@@ -20,7 +20,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
@@ -235,9 +235,12 @@ _REQUIRED: Any = object()
 
 @dataclass(slots=True)
 class Request:
+    """A request frame as received: what an untyped service's handler gets."""
+
     method: str
     fields: dict[str, Any]
     payload: bytearray | None
+    reply: ClassVar[None] = None  # no reply class (``encode``)
 
     def _get(self, key: str, types: type | tuple[type, ...], what: str, default: Any) -> Any:
         if key not in self.fields:
@@ -392,13 +395,14 @@ class RpcService:
         return handler, req if cls is None else cls.from_wire(req.fields, req.payload)
 
     @staticmethod
-    def encode(msg: Any, result: Any) -> Reply:
-        """The reply frame of what a handler returned for ``msg``."""
+    def encode(msg: Any, result: Any) -> Reply | dict[str, Any]:
+        """What a handler returned for ``msg``, encoded: a reply's map (no payload, the
+        common case: no :class:`Reply` built), or a :class:`Reply` with its map."""
+        if type(result) is msg.reply:  # only typed requests have a reply class
+            return result.to_wire()  # type: ignore[no-any-return]
         if isinstance(result, ReplyMessage):
-            if type(result) is not msg.reply:
-                raise TypeError(f"{msg.method} answered a {type(result).__name__}, "
-                                f"not a {msg.reply.__name__}")
-            return Reply(result.to_wire())
+            raise TypeError(f"{msg.method} answered a {type(result).__name__}, "
+                            f"not a {msg.reply.__name__}")
         if isinstance(result, Reply):
             if isinstance(result.fields, ReplyMessage):
                 result.fields = result.fields.to_wire()
@@ -408,7 +412,7 @@ class RpcService:
                             f"{msg.reply.__name__}")
         return Reply(result or {})
 
-    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply:
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
         handler, msg = self.decode(req)
         return self.encode(msg, await handler(ctx, msg))
 
@@ -565,6 +569,9 @@ class RpcService:
                 log.exception("%s: %s failed", self.name, req.method)
                 await self._send_error(ctx.conn, rid, OSError(
                     errno.EIO, f"internal error in {req.method}; see the server log"))
+                return
+            if isinstance(reply, dict):  # a typed reply, encoded
+                await ctx.conn.send_frame(Kind.REPLY, rid, reply, None)
                 return
             try:
                 fields = reply.fields
