@@ -15,7 +15,7 @@ import time
 
 import trio
 
-from dataserver.objects import MAX_ID, ObjectStore
+from dataserver.objects import ObjectStore
 from pfs import auth, caps
 from pfs.auth import ClientAuth, ServerAuth
 from pfs.caps import Capability, CapCache, CapVerifier
@@ -24,6 +24,7 @@ from pfs.engine import Engine, get_engine
 from pfs.messages import data as D
 from pfs.messages import meta as M
 from pfs.messages.base import Empty
+from pfs.messages.records import MAX_ID
 from pfs.shortcircuit import local_socket_name
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
