@@ -4,7 +4,7 @@ A message class lists its fields with a *field spec* (``Int``, ``Bytes``, ``List
 the wire key, the Python type, the limits and the errno a violation answers::
 
     class Getattr(MetaRequest, method="getattr", reply=AttrReply):
-        ino: int = Ino()
+        ino: int = Int()
 
 The metaclass turns the specs into ``__slots__`` and compiles, per class, a
 ``from_wire(map, payload)`` that validates and builds the object, and a ``to_wire()``
@@ -14,7 +14,8 @@ default, the error naming the field) only when the quick test fails, so decoding
 no more than the ad-hoc checks it replaces.
 
 The wire format is the msgpack map of ``docs/rpc.md``; a field whose value is ``None``
-is left out of the map (the decoder reads an absent and a nil field alike).
+is left out of the map (the decoder reads an absent and a nil field alike) unless it
+is declared ``nil=True`` (fields the protocol has always sent as nil).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
 
 
-def _bad(code: int, text: str) -> OSError:
+def violation(code: int, text: str) -> OSError:
+    """The error a request that breaks a field's rule answers."""
     return OSError(code, text)
 
 
@@ -70,7 +72,7 @@ class Field:
     def convert(self, v: Any, method: str) -> Any:
         if v is MISSING or v is None:
             if self.default is REQUIRED:
-                raise _bad(errno.EINVAL, f"{method}: missing field '{self.key}'")
+                raise violation(errno.EINVAL, f"{method}: missing field '{self.key}'")
             return self.default
         return self.check(v, method)
 
@@ -78,7 +80,7 @@ class Field:
         return v
 
     def fail(self, method: str, what: str, code: int | None = None) -> OSError:
-        return _bad(self.code if code is None else code,
+        return violation(self.code if code is None else code,
                     f"{method}: field '{self.key}' must be {what}")
 
     def limits(self) -> str:
@@ -128,7 +130,7 @@ class IntField(Field):
         if not _is_int(v):
             raise self.fail(method, "an integer")
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
-            raise _bad(self.range_code, f"{method}: {self.key} {v} out of range "
+            raise violation(self.range_code, f"{method}: {self.key} {v} out of range "
                                         f"[{self.lo}, {self.hi}]")
         return int(v)
 
@@ -164,7 +166,7 @@ class StrField(Field):
         if not isinstance(v, str):
             raise self.fail(method, "a string")
         if self.max_len is not None and len(v) > self.max_len:
-            raise _bad(self.len_code, f"{method}: field '{self.key}' longer than "
+            raise violation(self.len_code, f"{method}: field '{self.key}' longer than "
                                       f"{self.max_len}")
         return str(v)
 
@@ -193,7 +195,7 @@ class BytesField(Field):
         elif not isinstance(v, (bytes, bytearray, memoryview)):
             raise self.fail(method, "bytes")
         if self.max_len is not None and len(v) > self.max_len:
-            raise _bad(self.len_code, f"{method}: field '{self.key}' of {len(v)} bytes, "
+            raise violation(self.len_code, f"{method}: field '{self.key}' of {len(v)} bytes, "
                                       f"at most {self.max_len}")
         return bytes(v)
 
@@ -226,7 +228,7 @@ class ListField(Field):
         if not isinstance(v, (list, tuple)):
             raise self.fail(method, "a list")
         if self.max_len is not None and len(v) > self.max_len:
-            raise _bad(errno.EINVAL, f"{method}: {self.key}: {len(v)} items, "
+            raise violation(errno.EINVAL, f"{method}: {self.key}: {len(v)} items, "
                                      f"at most {self.max_len}")
         if self.item is None:
             return list(v)
@@ -351,10 +353,8 @@ def _py(value: Any, consts: dict[str, Any]) -> str:
 
 
 class Composite(Field):
-    """A field spread over several wire keys (see ``At``); compiled by hand."""
-
-    def keys(self) -> tuple[str, ...]:
-        raise NotImplementedError
+    """A field spread over several wire keys (see ``At``): its own ``decode`` and
+    ``put`` instead of compiled code."""
 
     def decode(self, m: dict[str, Any], method: str) -> Any:
         raise NotImplementedError
@@ -417,8 +417,6 @@ def _compile(cls: type, fields: dict[str, Field]) -> None:
     cls.__init__ = scope["__init__"]  # type: ignore[misc]
 
 
-
-
 @dataclass_transform(kw_only_default=True, eq_default=True,
                      field_specifiers=(Int, Bool, Str, Bytes, List, Map, Anything, Payload))
 class MessageMeta(type):
@@ -451,7 +449,8 @@ class MessageMeta(type):
 
 
 class Message(metaclass=MessageMeta):
-    """Base of every message; instances are treated as immutable values."""
+    """Base of every message. Instances are slotted, keyword-built values, treated as
+    immutable (not enforced: a guard on every attribute set would cost each decode)."""
 
     __slots__ = ()
     _fields: ClassVar[dict[str, Field]]

@@ -18,7 +18,7 @@ from pfs.messages.base import (
     Field,
     IntField,
     MapField,
-    _bad,
+    violation,
 )
 
 NAME_MAX = 255
@@ -58,12 +58,12 @@ class CredField(Field):
 
     def check(self, v: Any, method: str) -> Any:
         if not isinstance(v, (list, tuple)) or len(v) not in (2, 3) or not _ints(v[:2]):
-            raise _bad(errno.EINVAL, "cred must be [uid, gid, [gids]]")
+            raise violation(errno.EINVAL, "cred must be [uid, gid, [gids]]")
         groups: tuple[int, ...] = ()
         if len(v) == 3:
             g = v[2]
             if not isinstance(g, (list, tuple)) or len(g) > MAX_GROUPS or not _ints(g):
-                raise _bad(errno.EINVAL, "cred groups must be a list of integers")
+                raise violation(errno.EINVAL, "cred groups must be a list of integers")
             groups = tuple(g)
         return (v[0], v[1], groups)
 
@@ -90,7 +90,7 @@ class ObjIdField(Field):
         if (isinstance(v, (list, tuple)) and len(v) == 2
                 and all(type(x) is int and 0 <= x < MAX_ID for x in v)):
             return (v[0], v[1])
-        raise _bad(errno.EINVAL, f"bad object id {v!r}: want [ino, stripe], "
+        raise violation(errno.EINVAL, f"bad object id {v!r}: want [ino, stripe], "
                                  f"two integers in [0, 2**63)")
 
     def encode(self, v: Any) -> Any:
@@ -108,7 +108,7 @@ class TimeField(Field):
     def check(self, v: Any, method: str) -> Any:
         if v == NOW or (isinstance(v, int) and not isinstance(v, bool)):
             return v
-        raise _bad(errno.EINVAL, f"{method}: field '{self.key}' must be an integer or 'now'")
+        raise violation(errno.EINVAL, f"{method}: field '{self.key}' must be an integer or 'now'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +142,6 @@ class AtField(Composite):
         self.parent = IntField(key=prefix + "parent")
         self.name_ = BytesField(max_len=NAME_MAX, len_code=errno.ENAMETOOLONG,
                                 key=prefix + "name")
-
-    def keys(self) -> tuple[str, ...]:
-        return (self.parent.key, self.name_.key, self.path.key)
 
     def decode(self, m: dict[str, Any], method: str) -> At:
         path = m.get(self.path.key, MISSING)
