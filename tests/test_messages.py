@@ -113,8 +113,9 @@ def test_wire_format_is_the_old_one() -> None:
     assert M.Register(host="h", port=1, total=2, free=1).to_wire() == {
         "m": "register", "sid": None, "host": "h", "port": 1, "total": 2, "free": 1}
     assert M.Mkdir(at=At.by_path(b"/a"), mode=0o755, cred=cred).to_wire() == {
-        "m": "mkdir", "path": b"/a", "mode": 0o755, "cred": [1, 2, [3]],
-        "want_parent": False}
+        "m": "mkdir", "path": b"/a", "mode": 0o755, "cred": [1, 2, [3]]}
+    assert M.Unlink(at=At.of(1, b"a"), cred=cred, want_parent=True).to_wire() == {
+        "m": "unlink", "parent": 1, "name": b"a", "cred": [1, 2, [3]], "want_parent": True}
     assert M.Rename(at=At.of(1, b"a"), new=At.by_path(b"/b"), cred=cred).to_wire() == {
         "m": "rename", "parent": 1, "name": b"a", "newpath": b"/b", "flags": 0,
         "cred": [1, 2, [3]]}

@@ -46,9 +46,10 @@ class Field:
     type_doc = "any"
 
     def __init__(self, *, default: Any = REQUIRED, doc: str = "", key: str = "",
-                 code: int = errno.EINVAL, nil: bool = False) -> None:
+                 code: int = errno.EINVAL, nil: bool = False, sparse: bool = False) -> None:
         self.default = default
         self.nil = nil  # sent even when None (else a None field is left out)
+        self.sparse = sparse  # not sent when it is its default either
         self.doc = doc
         self.key = key  # filled from the attribute name when empty
         self.name = ""  # attribute name
@@ -281,8 +282,9 @@ def Int(*, default: Any = REQUIRED, lo: int | None = None, hi: int | None = None
                     nil=nil)
 
 
-def Bool(*, default: Any = REQUIRED, doc: str = "", key: str = "") -> Any:  # noqa: N802
-    return BoolField(default=default, doc=doc, key=key)
+def Bool(*, default: Any = REQUIRED, doc: str = "", key: str = "",  # noqa: N802
+         sparse: bool = False) -> Any:
+    return BoolField(default=default, doc=doc, key=key, sparse=sparse)
 
 
 def Str(*, default: Any = REQUIRED, max_len: int | None = None, doc: str = "",  # noqa: N802
@@ -397,7 +399,8 @@ def _compile(cls: type, fields: dict[str, Field]) -> None:
                            else f"    d[{key}] = self.{name}")
             else:
                 enc.append(f"    v = self.{name}")
-                enc.append(f"    if v is not None or {spec.nil}: d[{key}] = "
+                skip = f"v is not None and v != {dflt}" if spec.sparse else "v is not None"
+                enc.append(f"    if {skip} or {spec.nil}: d[{key}] = "
                            + (f"{f}.encode(v)" if type(spec).encode is not Field.encode
                               else "v"))
         if spec.required:

@@ -62,7 +62,7 @@ class EntryChange(MetaRequest):
     symlink); ``want_parent`` asks for the directory's new attributes in the reply."""
 
     at: At = Entry()
-    want_parent: bool = Bool(default=False)
+    want_parent: bool = Bool(default=False, sparse=True)  # sent only when asked
 
 
 # ------------------------------------------------------------------ replies
