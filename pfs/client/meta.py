@@ -50,6 +50,7 @@ class MetaClient:
         self.host, self.port = host, port
         self.timeout = timeout
         self.cred = cred or Cred.current()
+        self._wire_cred: tuple[Cred | None, WireCred] = (None, (0, 0, ()))
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
         self.direct = direct
@@ -190,9 +191,15 @@ class MetaClient:
         return self.on_parent_attr is not None
 
     def wire_cred(self, cred: Cred | None = None) -> WireCred:
-        """A message's ``cred``: ``cred``, or the client's own."""
+        """A message's ``cred``: ``cred``, or the client's own (the last one's is kept:
+        callers pass the same credentials over and over)."""
         c = cred or self.cred
-        return (c.uid, c.gid, tuple(c.groups))
+        last = self._wire_cred
+        if last[0] is c:
+            return last[1]
+        wire = (c.uid, c.gid, tuple(c.groups))
+        self._wire_cred = (c, wire)
+        return wire
 
     _cred = wire_cred
 

@@ -1,14 +1,16 @@
 """Shared records and field types: credentials, object ids, times, where an entry is
 (``At``), and the attribute/layout maps. Defined once, used by both services' messages.
 
+Credentials and object ids are tuples in Python; msgpack sends a tuple as an array, so
+they go on the wire as they are (``[uid, gid, [gids]]``, ``[ino, stripe]``).
+
 The POSIX limits here are the ones the metaserver enforces (``metaserver/namespace.py``
 checks them again, with the same errnos, for callers that do not come over the wire).
 """
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pfs.messages.base import (
     MISSING,
@@ -67,9 +69,6 @@ class CredField(Field):
             groups = tuple(g)
         return (v[0], v[1], groups)
 
-    def encode(self, v: Any) -> Any:
-        return [v[0], v[1], list(v[2])]
-
     def describe(self) -> str:
         return "`cred`"
 
@@ -93,9 +92,6 @@ class ObjIdField(Field):
         raise violation(errno.EINVAL, f"bad object id {v!r}: want [ino, stripe], "
                                  f"two integers in [0, 2**63)")
 
-    def encode(self, v: Any) -> Any:
-        return [v[0], v[1]]
-
 
 class TimeField(Field):
     """A time: integer nanoseconds since the epoch, or ``"now"``."""
@@ -111,8 +107,7 @@ class TimeField(Field):
         raise violation(errno.EINVAL, f"{method}: field '{self.key}' must be an integer or 'now'")
 
 
-@dataclass(frozen=True, slots=True)
-class At:
+class At(NamedTuple):
     """Where an entry is: ``parent`` + ``name``, or an absolute ``path`` the metaserver
     resolves (the last component not followed)."""
 
@@ -126,7 +121,7 @@ class At:
 
     @classmethod
     def by_path(cls, path: bytes) -> At:
-        return cls(path=path)
+        return cls(None, None, path)
 
 
 class AtField(Composite):
