@@ -29,30 +29,19 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from pfs.messages.records import ObjId  # checked off the wire by its message
 
 from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
 
 log = logging.getLogger(__name__)
 
-ObjId = tuple[int, int]
-
-MAX_ID = 1 << 63
 DEFAULT_MAX_OPEN = 1024
 SID_FILE = "server.id"
 FORMAT_FILE = "FORMAT"
 MAX_SID_LEN = 256
 _OBJ_DIR = "objects"
 _MASK64 = (1 << 64) - 1
-
-
-def check_obj(value: Any) -> ObjId:
-    """An object id off the wire: ``[ino, stripe]``, two ints in ``[0, 2**63)``."""
-    if (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(type(v) is int and 0 <= v < MAX_ID for v in value)):
-        return (value[0], value[1])
-    raise OSError(errno.EINVAL, f"bad object id {value!r}: want [ino, stripe], "
-                                f"two integers in [0, 2**63)")
 
 
 # -- format of a data directory ---------------------------------------------------

@@ -12,39 +12,36 @@ import logging
 import os
 import random
 import time
-from typing import Any
 
 import trio
 
-from dataserver.objects import MAX_ID, ObjectStore, check_obj
+from dataserver.objects import ObjectStore
 from pfs import auth, caps
 from pfs.auth import ClientAuth, ServerAuth
 from pfs.caps import Capability, CapCache, CapVerifier
 from pfs.config import DataConfig, parse_addr
 from pfs.engine import Engine, get_engine
 from pfs.wire.connect import open_rpc
+from pfs.messages import data as D
+from pfs.messages import meta as M
+from pfs.messages.base import Empty
+from pfs.messages.records import MAX_ID
 from pfs.wire.protocol import Limits
 from pfs.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.wire.transport import local_socket_name
 
 log = logging.getLogger(__name__)
 
-MAX_DELETE = 1 << 16  # object ids in one delete request
+MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
-
-
-def _offset(req: Request, key: str) -> int:
-    value: int = req.int(key)
-    if not 0 <= value < MAX_ID:
-        raise OSError(errno.EINVAL, f"{req.method}: {key} {value} out of range [0, 2**63)")
-    return value
 
 
 class DataService(RpcService):
     """Serves objects from ``store`` through ``engine``."""
 
     name = "dataserver"
+    messages = D.REGISTRY
 
     def __init__(self, store: ObjectStore, engine: Engine, limits: Limits | None = None,
                  *, use_sendfile: bool = True, auth: ServerAuth | None = None,
@@ -87,7 +84,7 @@ class DataService(RpcService):
                 if name != auth.CLUSTER:
                     self.auth.keys[name] = (key, auth.Identity(name, "client"))
 
-    def _cap(self, ctx: ConnContext, req: Request, need: int, obj: tuple[int, int],
+    def _cap(self, ctx: ConnContext, req: D.DataRequest, need: int, obj: tuple[int, int],
              writes: bool = False) -> Capability | None:
         """The request's verified capability for ``obj`` with one of the ``need`` rights;
         EACCES if it has none, ESTALE if it is too old to write."""
@@ -99,7 +96,7 @@ class DataService(RpcService):
                 raise OSError(errno.EACCES, "capability refused: this data server is not "
                                             "registered with a metaserver yet")
             cache = ctx.state["caps"] = CapCache(self.verifier)
-        cap = cache.get(req.fields.get("cap"))
+        cap = cache.get(getattr(req, "cap", None))
         if not cap.rights & need:
             raise OSError(errno.EACCES, f"capability refused: it does not allow {req.method}")
         if not cap.covers(*obj):
@@ -124,41 +121,39 @@ class DataService(RpcService):
             self.fences = {k: v for k, v in self.fences.items() if v[1] >= limit}
 
     # -- data methods ----------------------------------------------------------
-    async def rpc_read(self, ctx: ConnContext, req: Request) -> Reply:
-        obj = check_obj(req.any("obj"))
+    async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
+        obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
-        off = _offset(req, "off")
-        length: int = req.int("len")
-        if not 0 <= length <= self.limits.max_payload:
+        if length > self.limits.max_payload:
             raise OSError(errno.EINVAL, f"read: len {length} out of range "
                                         f"[0, {self.limits.max_payload}]")
         got = self.store.acquire(obj)
         if got is None:
-            return Reply({"n": 0})
+            return Reply(D.ReadReply(n=0))
         fd, release = got
         try:
             size = os.fstat(fd).st_size
             n = max(0, min(length, size - off))
             if n == 0:
                 release()
-                return Reply({"n": 0})
+                return Reply(D.ReadReply(n=0))
             if self.use_sendfile:
-                return Reply({"n": n}, file=(fd, off, n), release=release)
+                return Reply(D.ReadReply(n=n), file=(fd, off, n), release=release)
             buf = bytearray(n)
             n = await self.engine.read_into(fd, off, memoryview(buf))
         except BaseException:
             release()
             raise
         release()
-        return Reply({"n": n}, payload=memoryview(buf)[:n])
+        return Reply(D.ReadReply(n=n), payload=memoryview(buf)[:n])
 
-    async def rpc_open_fd(self, ctx: ConnContext, req: Request) -> Reply:
+    async def rpc_open_fd(self, ctx: ConnContext, req: D.OpenFd) -> Reply:
         """Short-circuit reads: a read-only descriptor of the object, passed to a client
         on this host over the local socket after the same capability check as a read."""
         if not ctx.local:
             raise OSError(errno.EPERM, "open_fd: descriptors are handed out only over the "
                                        "data server's local socket")
-        obj = check_obj(req.any("obj"))
+        obj = req.obj
         self._cap(ctx, req, caps.READ, obj)
         got = self.store.acquire(obj)
         if got is None:
@@ -173,7 +168,7 @@ class DataService(RpcService):
         except OSError:
             os.close(ro)
             raise
-        return Reply({"size": size}, fds=[ro], release=lambda: os.close(ro))
+        return Reply(D.FdReply(size=size), fds=[ro], release=lambda: os.close(ro))
 
     async def serve_local(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
@@ -187,13 +182,12 @@ class DataService(RpcService):
         except OSError as exc:  # e.g. another process of this id on the host: no fast path
             log.warning("no local socket for short-circuit reads: %s", exc)
 
-    async def rpc_write(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        obj = check_obj(req.any("obj"))
+    async def rpc_write(self, ctx: ConnContext, req: D.Write) -> D.CountReply:
+        obj, off = req.obj, req.off
         self._cap(ctx, req, caps.WRITE, obj, writes=True)
-        off = _offset(req, "off")
         data = req.payload
         if not data:
-            return {"n": 0}
+            return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
             raise OSError(errno.EFBIG, f"write: {off}+{len(data)} beyond the largest object")
         got = self.store.acquire(obj, create=True)
@@ -203,35 +197,31 @@ class DataService(RpcService):
             n = await self.engine.write(fd, off, data)
         finally:
             release()
-        return {"n": n}
+        return D.CountReply(n=n)
 
-    async def rpc_truncate(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        obj = check_obj(req.any("obj"))
-        size = _offset(req, "size")
+    async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
+        obj, size = req.obj, req.size
         cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True)
         if cap is not None:
             self._fence(obj[0], cap.gen)
         self.store.truncate(obj, size)
-        return {}
+        return Empty()
 
-    async def rpc_delete(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        raw = req.list("objs")
-        if len(raw) > MAX_DELETE:
-            raise OSError(errno.EINVAL, f"delete: {len(raw)} objects, at most {MAX_DELETE}")
-        objs = [check_obj(o) for o in raw]  # all valid before any is deleted
+    async def rpc_delete(self, ctx: ConnContext, req: D.Delete) -> D.DeletedReply:
+        objs = req.objs  # all valid (the message checked them) before any is deleted
         for o in objs:
             cap = self._cap(ctx, req, caps.ADMIN, o, writes=True)
             if cap is not None:
                 self._fence(o[0], cap.gen)
         deleted = sum(1 for o in objs if self.store.delete(o))
-        return {"deleted": deleted}
+        return D.DeletedReply(deleted=deleted)
 
-    async def rpc_fsync(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        obj = check_obj(req.any("obj"))
+    async def rpc_fsync(self, ctx: ConnContext, req: D.Fsync) -> Empty:
+        obj = req.obj
         self._cap(ctx, req, caps.READ | caps.WRITE, obj)
         got = self.store.acquire(obj)
         if got is None:
-            return {}
+            return Empty()
         fd, release = got
         try:
             await self.engine.fsync(fd)
@@ -239,16 +229,16 @@ class DataService(RpcService):
             release()
         for d in self.store.take_unsynced_dirs(obj):
             await trio.to_thread.run_sync(_fsync_dir, d)
-        return {}
+        return Empty()
 
-    async def rpc_stat_obj(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        obj = check_obj(req.any("obj"))
+    async def rpc_stat_obj(self, ctx: ConnContext, req: D.StatObj) -> D.SizeReply:
+        obj = req.obj
         self._cap(ctx, req, caps.READ | caps.WRITE, obj)
-        return {"size": self.store.size(obj)}
+        return D.SizeReply(size=self.store.size(obj))
 
-    async def rpc_statfs(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_statfs(self, ctx: ConnContext, req: D.Statfs) -> D.DataStatfsReply:
         cap = self.store.capacity()
-        return {"total": cap.total, "free": cap.free, "objects": cap.objects}
+        return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects)
 
     # -- registration ----------------------------------------------------------
     async def keep_registered(self, meta: str, host: str, port: int, heartbeat: float, *,
@@ -282,8 +272,9 @@ class DataService(RpcService):
                         while True:
                             await trio.sleep(heartbeat)
                             cap = self.store.capacity()
-                            await client.call("heartbeat", {"sid": self.sid, "total": cap.total,
-                                                            "free": cap.free})
+                            assert self.sid is not None
+                            await client.request(M.Heartbeat(sid=self.sid, total=cap.total,
+                                                             free=cap.free))
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised
@@ -301,14 +292,14 @@ class DataService(RpcService):
         if host in ("", "0.0.0.0", "::"):  # advertise the address the metaserver sees us on
             host = client.conn.sock.getsockname()[0]
         cap = self.store.capacity()
-        res = await client.call("register", {"sid": self.sid, "host": host, "port": port,
-                                             "total": cap.total, "free": cap.free})
-        sid = res.fields.get("sid")
-        if not isinstance(sid, str) or not sid:
+        res: M.RegisterReply = await client.request(M.Register(
+            sid=self.sid, host=host, port=port, total=cap.total, free=cap.free))
+        sid = res.sid
+        if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
-        key, gen, ttl = (res.fields.get(k) for k in ("cap_key", "gen", "cap_ttl"))
-        data_keys = res.fields.get("data_keys") or {}
-        if isinstance(key, bytes) and isinstance(gen, int) and isinstance(data_keys, dict):
+        key, gen, ttl = res.cap_key, res.gen, res.cap_ttl
+        data_keys = res.data_keys or {}
+        if key is not None and gen is not None:
             self.set_security(key, gen, float(ttl) if isinstance(ttl, (int, float)) else 300.0,
                               {k: v for k, v in data_keys.items()
                                if isinstance(k, str) and isinstance(v, bytes)})

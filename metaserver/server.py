@@ -34,31 +34,26 @@ from metaserver.commit import CommitQueue, dry_run
 from metaserver.dataplane import DataPlane
 from metaserver.deleter import Deleter
 from metaserver.handles import OpenFiles, rights_of
-from metaserver.namespace import NOW, Cred, Namespace
+from metaserver.namespace import Cred, Namespace
 from metaserver.registry import Registry
 from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
 from metaserver.store import LmdbStore, Store, WriteTxn
 from pfs import caps
 from pfs.config import MetaConfig
+from pfs.messages import meta as M
+from pfs.messages.base import Empty
+from pfs.messages.records import At
 from pfs.wire.protocol import Limits
-from pfs.wire.rpc import ConnContext, Request, RpcService
+from pfs.wire.rpc import ConnContext, Reply, Request, RpcService
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
 
-def _time(req: Request, key: str) -> int | str | None:
-    value = req.any(key)
-    if value is None or value == NOW:
-        return value
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise OSError(errno.EINVAL, f"{req.method}: field '{key}' must be an integer or 'now'")
-    return value
-
-
 class MetaService(RpcService):
     name = "meta"
+    messages = M.REGISTRY
     # read-only handlers that never wait: answered in the connection's reader task
     inline_methods = frozenset({"hello", "resolve", "lookup", "getattr", "access", "readlink",
                                 "readdir", "statfs", "getxattr", "listxattr", "get_layout",
@@ -140,43 +135,51 @@ class MetaService(RpcService):
         return self.deleter.deleting(ino)
 
     def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
-                      flags: int, cred: Cred) -> dict[str, Any]:
+                      flags: int, cred: Cred, parent_attr: Any = None) -> M.OpenedReply:
         """An open/create reply: the handle, and a capability for its data."""
         ino = attr["ino"]
         fh = self.handles.new_handle(ctx, ino, flags, cred.root)
         cap, ttl = self.signer.issue(ino, rights_of(flags))
-        return {"attr": attr, "fh": fh, "layout": layout, "cap": cap, "cap_ttl": ttl}
+        return M.OpenedReply(attr=attr, fh=fh, layout=layout, cap=cap, cap_ttl=ttl,
+                             parent_attr=parent_attr)
 
     # ------------------------------------------------------------------ who may do what
-    async def dispatch(self, ctx: ConnContext, req: Request) -> Any:
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
         ident = ctx.identity
         if ident is not None and ident.role == "server" and req.method not in SERVER_METHODS:
             raise OSError(errno.EACCES, f"{req.method}: data server credentials give no "
                                         "access to the namespace")
-        if "closes" in req.fields:
-            self.handles.release_closed(ctx, req.list("closes"))
-        return await super().dispatch(ctx, req)
+        try:
+            handler, msg = self.decode(req)
+        except OSError:
+            # a request refused (bad field, unknown method) still releases its handles
+            closes = req.fields.get("closes")
+            if closes:
+                self.handles.release_closed(ctx, closes)
+            raise
+        if msg.closes:
+            self.handles.release_closed(ctx, msg.closes)
+        return self.encode(msg, await handler(ctx, msg))
 
-    async def rpc_release(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_release(self, ctx: ConnContext, req: M.Release) -> Empty:
         """Only its ``closes`` (handled in ``dispatch``): what a client sends when no
         other request comes soon enough to carry them."""
-        return {}
+        return Empty()
 
-    def _at(self, req: Request, cred: Cred, parent_key: str = "parent", name_key: str = "name",
-            path_key: str = "path") -> tuple[int, bytes]:
+    def _at(self, at: At, cred: Cred) -> tuple[int, bytes]:
         """Where a request's entry lives: ``parent`` + ``name``, or a ``path`` resolved here
         (one round trip for path-based clients instead of a resolve, then the call)."""
-        if path_key in req.fields:
-            path = req.bytes(path_key)
+        if at.path is not None:
             with self.store.read() as txn:
-                return self.ns.entry_of(txn, cred, path)
-        return req.int(parent_key), req.bytes(name_key)
+                return self.ns.entry_of(txn, cred, at.path)
+        assert at.parent is not None and at.name is not None  # the message checked
+        return at.parent, at.name
 
-    def _cred(self, ctx: ConnContext, req: Request) -> Cred:
-        """The caller's credentials, squashed and checked against what its key allows."""
-        if "cred" not in req.fields:
-            raise OSError(errno.EINVAL, f"{req.method}: missing field 'cred'")
-        cred = Cred.from_wire(req.fields["cred"])
+    def _cred(self, ctx: ConnContext, req: Any) -> Cred:
+        """The caller's credentials (the request's ``cred``, checked by its message),
+        squashed and checked against what its key allows."""
+        uid, gid, groups = req.cred
+        cred = Cred(uid, gid, groups)
         cfg = self.config
         if cfg.root_squash and cred.uid == 0:
             cred = Cred(cfg.squash_uid, cfg.squash_gid, ())
@@ -198,29 +201,29 @@ class MetaService(RpcService):
         self.handles.connection_lost(ctx)
 
     # ------------------------------------------------------------------ handlers
-    async def rpc_hello(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        ctx.state["client"] = req.str("client", "")
-        return {"root": K.ROOT_INO, "version": PROTOCOL_VERSION}
+    async def rpc_hello(self, ctx: ConnContext, req: M.Hello) -> M.HelloReply:
+        ctx.state["client"] = req.client
+        return M.HelloReply(root=K.ROOT_INO, version=PROTOCOL_VERSION)
 
-    async def rpc_resolve(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, path, follow = self._cred(ctx, req), req.bytes("path"), req.bool("follow", True)
+    async def rpc_resolve(self, ctx: ConnContext, req: M.Resolve) -> M.ResolveReply:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            return self.ns.resolve(txn, cred, path, follow)
+            r = self.ns.resolve(txn, cred, req.path, req.follow)
+        return M.ResolveReply(attr=r["attr"], parent=r["parent"], name=r["name"])
 
-    async def rpc_lookup(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, parent, name = self._cred(ctx, req), req.int("parent"), req.bytes("name")
+    async def rpc_lookup(self, ctx: ConnContext, req: M.Lookup) -> M.AttrReply:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            return {"attr": self.ns.lookup(txn, cred, parent, name)}
+            return M.AttrReply(attr=self.ns.lookup(txn, cred, req.parent, req.name))
 
-    async def rpc_getattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        ino = req.int("ino")
+    async def rpc_getattr(self, ctx: ConnContext, req: M.Getattr) -> M.AttrReply:
         with self.store.read() as txn:
-            return {"attr": self.ns.getattr(txn, ino)}
+            return M.AttrReply(attr=self.ns.getattr(txn, req.ino))
 
-    async def rpc_setattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = self._cred(ctx, req), req.int("ino")
-        kw: dict[str, Any] = {k: req.opt_int(k) for k in ("mode", "uid", "gid", "size")}
-        kw["atime"], kw["mtime"] = _time(req, "atime"), _time(req, "mtime")
+    async def rpc_setattr(self, ctx: ConnContext, req: M.Setattr) -> M.AttrReply:
+        cred, ino = self._cred(ctx, req), req.ino
+        kw: dict[str, Any] = {"mode": req.mode, "uid": req.uid, "gid": req.gid,
+                              "size": req.size, "atime": req.atime, "mtime": req.mtime}
         size = kw["size"]
         if size is not None:
             with self.store.read() as txn:
@@ -231,52 +234,49 @@ class MetaService(RpcService):
                     await self.commit.mutate(functools.partial(self._try_setattr, cred, ino, kw))
                 await self.dataplane.truncate_objects(ino, plan[0], size)
         attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
-        return {"attr": attr}
+        return M.AttrReply(attr=attr)
 
     def _try_setattr(self, cred: Cred, ino: int, kw: dict[str, Any], txn: WriteTxn) -> None:
         """Raise what ``setattr`` would raise; change nothing."""
         dry_run(txn, lambda sub: self.ns.setattr(sub, cred, ino, **kw))
 
-    async def rpc_access(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, mask = self._cred(ctx, req), req.int("ino"), req.int("mask")
+    async def rpc_access(self, ctx: ConnContext, req: M.Access) -> Empty:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            self.ns.access(txn, cred, ino, mask)
-        return {}
+            self.ns.access(txn, cred, req.ino, req.mask)
+        return Empty()
 
-    async def _entry_change(self, req: Request, parent: int,
-                            fn: Callable[[WriteTxn], Any]) -> dict[str, Any]:
+    async def _entry_change(self, req: M.EntryChange, parent: int,
+                            fn: Callable[[WriteTxn], Any]) -> M.EntryReply:
         """Run ``fn`` (it makes or removes an entry of ``parent``; its result, if any, is
         the reply's ``attr``). With ``want_parent`` the reply also carries the parent's
         new attributes: the kernel asks for them next (its cached ones went stale), and
         the mount can answer without a round trip."""
-        want = req.bool("want_parent")
+        want = req.want_parent
 
         def op(txn: WriteTxn) -> tuple[Any, Any]:
             return fn(txn), self.ns.getattr(txn, parent) if want else None
 
         result, parent_attr = await self.commit.mutate(op)
-        out: dict[str, Any] = {} if result is None else {"attr": result}
-        if parent_attr is not None:
-            out["parent_attr"] = parent_attr
-        return out
+        return M.EntryReply(attr=result, parent_attr=parent_attr)
 
-    async def rpc_mkdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, mode = self._cred(ctx, req), req.int("mode")
-        parent, name = self._at(req, cred)
+    async def rpc_mkdir(self, ctx: ConnContext, req: M.Mkdir) -> M.EntryReply:
+        cred, mode = self._cred(ctx, req), req.mode
+        parent, name = self._at(req.at, cred)
         return await self._entry_change(req, parent,
                                         lambda t: self.ns.mkdir(t, cred, parent, name, mode))
 
-    async def rpc_mknod(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_mknod(self, ctx: ConnContext, req: M.Mknod) -> M.EntryReply:
         cred = self._cred(ctx, req)
-        parent, name = self._at(req, cred)
-        mode, rdev = req.int("mode"), req.int("rdev", 0)
+        parent, name = self._at(req.at, cred)
+        mode, rdev = req.mode, req.rdev
         return await self._entry_change(
             req, parent, lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))
 
-    async def rpc_create(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_create(self, ctx: ConnContext, req: M.Create) -> M.OpenedReply:
         cred = self._cred(ctx, req)
-        parent, name = self._at(req, cred)
-        mode, flags = req.int("mode"), req.int("flags", os.O_WRONLY)
+        parent, name = self._at(req.at, cred)
+        mode, flags = req.mode, req.flags
         if flags & os.O_TRUNC:
             with self.store.read() as txn:
                 plan = self.ns.create_plan(txn, cred, parent, name, flags)
@@ -284,7 +284,7 @@ class MetaService(RpcService):
                 await self.dataplane.truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
-        want_parent = req.bool("want_parent")
+        want_parent = req.want_parent
 
         def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
             attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
@@ -300,13 +300,10 @@ class MetaService(RpcService):
             for ino in opened:  # the op ran but the batch did not commit
                 await self.handles.release(ino)
             raise
-        reply = self._opened_reply(ctx, attr, layout, flags, cred)
-        if parent_attr is not None:
-            reply["parent_attr"] = parent_attr
-        return reply
+        return self._opened_reply(ctx, attr, layout, flags, cred, parent_attr)
 
-    async def rpc_open(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, flags = self._cred(ctx, req), req.int("ino"), req.int("flags", os.O_RDONLY)
+    async def rpc_open(self, ctx: ConnContext, req: M.Open) -> M.OpenedReply:
+        cred, ino, flags = self._cred(ctx, req), req.ino, req.flags
         if not flags & os.O_TRUNC:
             self.handles.ref(ino)
             try:
@@ -340,16 +337,16 @@ class MetaService(RpcService):
             raise
         return self._opened_reply(ctx, attr, layout, flags, cred)
 
-    async def rpc_renew(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_renew(self, ctx: ConnContext, req: M.Renew) -> M.CapReply:
         """A fresh capability for an open handle (before the old one expires, or after
         a truncation made it stale)."""
-        h = self.handles.handle(ctx, req.int("fh"))
+        h = self.handles.handle(ctx, req.fh)
         cap, ttl = self.signer.issue(h.ino, h.rights)
-        return {"cap": cap, "cap_ttl": ttl}
+        return M.CapReply(cap=cap, cap_ttl=ttl)
 
-    async def rpc_close(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
-        h = self.handles.close_handle(ctx, req.int("fh"))
+    async def rpc_close(self, ctx: ConnContext, req: M.Close) -> Empty:
+        written_end, mtime = req.written_end, req.mtime
+        h = self.handles.close_handle(ctx, req.fh)
         ino, root = h.ino, h.root
         try:
             if written_end is not None or mtime is not None:
@@ -360,111 +357,106 @@ class MetaService(RpcService):
                     pass
         finally:
             await self.handles.release(ino)
-        return {}
+        return Empty()
 
-    async def rpc_commit_size(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        written_end, mtime = req.opt_int("written_end"), req.opt_int("mtime")
-        h = self.handles.handle(ctx, req.int("fh"))
+    async def rpc_commit_size(self, ctx: ConnContext, req: M.CommitSize) -> M.AttrReply:
+        written_end, mtime = req.written_end, req.mtime
+        h = self.handles.handle(ctx, req.fh)
         ino, root = h.ino, h.root
-        return {"attr": await self.commit.mutate(
-            lambda t: self.ns.commit_size(t, ino, written_end, mtime, root))}
+        return M.AttrReply(attr=await self.commit.mutate(
+            lambda t: self.ns.commit_size(t, ino, written_end, mtime, root)))
 
-    async def rpc_unlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_unlink(self, ctx: ConnContext, req: M.Unlink) -> M.EntryReply:
         cred = self._cred(ctx, req)
-        parent, name = self._at(req, cred)
+        parent, name = self._at(req.at, cred)
         return await self._entry_change(req, parent,
                                         lambda t: self.ns.unlink(t, cred, parent, name))
 
-    async def rpc_rmdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_rmdir(self, ctx: ConnContext, req: M.Rmdir) -> M.EntryReply:
         cred = self._cred(ctx, req)
-        parent, name = self._at(req, cred)
+        parent, name = self._at(req.at, cred)
         return await self._entry_change(req, parent,
                                         lambda t: self.ns.rmdir(t, cred, parent, name))
 
-    async def rpc_rename(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_rename(self, ctx: ConnContext, req: M.Rename) -> Empty:
         cred = self._cred(ctx, req)
-        parent, name = self._at(req, cred)
-        newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
-        flags = req.int("flags", 0)
+        parent, name = self._at(req.at, cred)
+        newparent, newname = self._at(req.new, cred)
+        flags = req.flags
         await self.commit.mutate(
             lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
-        return {}
+        return Empty()
 
-    async def rpc_link(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = self._cred(ctx, req), req.int("ino")
-        newparent, newname = self._at(req, cred, "newparent", "newname", "newpath")
-        return {"attr": await self.commit.mutate(
-            lambda t: self.ns.link(t, cred, ino, newparent, newname))}
+    async def rpc_link(self, ctx: ConnContext, req: M.Link) -> M.AttrReply:
+        cred, ino = self._cred(ctx, req), req.ino
+        newparent, newname = self._at(req.new, cred)
+        return M.AttrReply(attr=await self.commit.mutate(
+            lambda t: self.ns.link(t, cred, ino, newparent, newname)))
 
-    async def rpc_symlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, target = self._cred(ctx, req), req.bytes("target")
-        parent, name = self._at(req, cred)
+    async def rpc_symlink(self, ctx: ConnContext, req: M.Symlink) -> M.EntryReply:
+        cred, target = self._cred(ctx, req), req.target
+        parent, name = self._at(req.at, cred)
         return await self._entry_change(
             req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
 
-    async def rpc_readlink(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        ino = req.int("ino")
+    async def rpc_readlink(self, ctx: ConnContext, req: M.Readlink) -> M.TargetReply:
         with self.store.read() as txn:
-            return {"target": self.ns.readlink(txn, ino)}
+            return M.TargetReply(target=self.ns.readlink(txn, req.ino))
 
-    async def rpc_readdir(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = self._cred(ctx, req), req.int("ino")
-        cookie, limit, plus = req.int("cookie", 0), req.int("limit", 1024), req.bool("plus")
+    async def rpc_readdir(self, ctx: ConnContext, req: M.Readdir) -> M.ReaddirReply:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            entries, eof = self.ns.readdir(txn, cred, ino, cookie, limit, plus)
-        return {"entries": entries, "eof": eof}
+            entries, eof = self.ns.readdir(txn, cred, req.ino, req.cookie, req.limit,
+                                           req.plus)
+        return M.ReaddirReply(entries=entries, eof=eof)
 
-    async def rpc_statfs(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_statfs(self, ctx: ConnContext, req: M.Statfs) -> M.StatfsReply:
         total, free = self.registry.capacity()
         with self.store.read() as txn:
-            return self.ns.statfs(txn, total, free)
+            return M.StatfsReply(**self.ns.statfs(txn, total, free))
 
-    async def rpc_getxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
+    async def rpc_getxattr(self, ctx: ConnContext, req: M.Getxattr) -> M.ValueReply:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            return {"value": self.ns.getxattr(txn, cred, ino, name)}
+            return M.ValueReply(value=self.ns.getxattr(txn, cred, req.ino, req.name))
 
-    async def rpc_setxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
-        value, flags = req.bytes("value"), req.int("flags", 0)
+    async def rpc_setxattr(self, ctx: ConnContext, req: M.Setxattr) -> Empty:
+        cred, ino, name = self._cred(ctx, req), req.ino, req.name
+        value, flags = req.value, req.flags
         await self.commit.mutate(lambda t: self.ns.setxattr(t, cred, ino, name, value, flags))
-        return {}
+        return Empty()
 
-    async def rpc_listxattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = self._cred(ctx, req), req.int("ino")
+    async def rpc_listxattr(self, ctx: ConnContext, req: M.Listxattr) -> M.NamesReply:
+        cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            return {"names": self.ns.listxattr(txn, cred, ino)}
+            return M.NamesReply(names=self.ns.listxattr(txn, cred, req.ino))
 
-    async def rpc_removexattr(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino, name = self._cred(ctx, req), req.int("ino"), req.bytes("name")
+    async def rpc_removexattr(self, ctx: ConnContext, req: M.Removexattr) -> Empty:
+        cred, ino, name = self._cred(ctx, req), req.ino, req.name
         await self.commit.mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
-        return {}
+        return Empty()
 
-    async def rpc_get_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        ino = req.int("ino")
+    async def rpc_get_layout(self, ctx: ConnContext, req: M.GetLayout) -> M.LayoutReply:
         with self.store.read() as txn:
-            return {"layout": self.ns.get_layout(txn, ino)}
+            return M.LayoutReply(layout=self.ns.get_layout(txn, req.ino))
 
-    async def rpc_set_layout(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
-        cred, ino = self._cred(ctx, req), req.int("ino")
-        unit, count, replicas = req.int("unit", 0), req.int("count", 0), req.int("replicas", 0)
-        return {"layout": await self.commit.mutate(
-            lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas))}
+    async def rpc_set_layout(self, ctx: ConnContext, req: M.SetLayout) -> M.LayoutReply:
+        cred, ino = self._cred(ctx, req), req.ino
+        unit, count, replicas = req.unit, req.count, req.replicas
+        return M.LayoutReply(layout=await self.commit.mutate(
+            lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas)))
 
-    async def rpc_servers(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_servers(self, ctx: ConnContext, req: M.Servers) -> M.ServersReply:
         with self.store.read() as txn:
             stored = self.ns.list_servers(txn)
-        return {"servers": self.registry.describe(stored)}
+        return M.ServersReply(servers=self.registry.describe(stored))
 
-    async def rpc_register(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_register(self, ctx: ConnContext, req: M.Register) -> M.RegisterReply:
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "register: only a data server (cluster key or server "
                                         "certificate) may register")
-        sid = req.str("sid", None) or uuid.uuid4().hex
-        host, port = req.str("host"), req.int("port")
-        total, free = req.int("total"), req.int("free")
-        if not 0 < port < 65536 or total < 0 or free < 0 or len(sid) > 128:
-            raise OSError(errno.EINVAL, "register: bad port, sizes or sid")
+        sid = req.sid or uuid.uuid4().hex  # port, sizes and sid: checked by the message
+        host, port, total, free = req.host, req.port, req.total, req.free
         await self.commit.mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free))
         self.registry.register(sid, host, port, total, free)
@@ -474,21 +466,22 @@ class MetaService(RpcService):
         # what it needs to check clients: the capability key, the generation floor
         # (capabilities from before this registration are stale for writing: it may have
         # restarted and lost its fences) and the node keys' data-plane keys
-        return {"sid": sid, "cap_key": self.signer.public_bytes, "gen": self.signer.next_gen(),
-                "cap_ttl": self.config.cap_ttl, "data_keys": self._data_keys}
+        return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
+                               gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
+                               data_keys=self._data_keys)
 
-    async def rpc_heartbeat(self, ctx: ConnContext, req: Request) -> dict[str, Any]:
+    async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
-        sid, total, free = req.str("sid"), req.int("total"), req.int("free")
+        sid, total, free = req.sid, req.total, req.free
         if self.registry.heartbeat(sid, total, free):
-            return {}
+            return Empty()
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
         self.registry.register(sid, rec["host"], rec["port"], total, free)
-        return {}
+        return Empty()
 
 
 async def serve_meta(config: MetaConfig, *, store: Store | None = None,

@@ -4,11 +4,11 @@ One multiplexed connection; when it breaks, the call in flight fails with the er
 the next call reconnects, so a mount whose metaserver went away returns errors and
 recovers when it is back.
 
-``direct=True`` (the synchronous client): calls go over a blocking connection instead,
-one at a time, from whichever thread makes them; ``call`` then never suspends, so the
-synchronous client runs metadata-only coroutines to completion in the caller's thread
-(``pfs.client.sync``) with no hop into its trio thread. A call made from the trio
-thread blocks that loop for one round trip.
+``direct=True`` (the synchronous client): calls go over a blocking connection instead
+(``_blocking_call``), one at a time, from whichever thread makes them: the blocking
+driver carries the sync client's metadata plans (``pfs.client.ops``) out in the caller's
+thread with no hop into its trio thread. A call made from the trio thread blocks that
+loop for one round trip.
 """
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ import trio
 from pfs import auth
 from pfs.auth import ClientAuth
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.messages import meta as M
+from pfs.messages.base import RequestMessage
+from pfs.messages.records import At, WireCred
 from pfs.wire.blocking import BlockingRpcClient
 from pfs.wire.connect import open_blocking, open_rpc
-from pfs.wire.rpc import RpcClient
+from pfs.wire.rpc import RpcClient, parse_reply
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class MetaClient:
         self.host, self.port = host, port
         self.timeout = timeout
         self.cred = cred or Cred.current()
+        self._wire_cred: tuple[Cred | None, WireCred] = (None, (0, 0, ()))
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
         self.direct = direct
@@ -78,7 +82,7 @@ class MetaClient:
                     raise
                 except OSError as exc:
                     raise self._unreachable(exc) from None
-                await self._rpc.call("hello", {"client": f"pfs-{os.getpid()}"})
+                await self._rpc.request(M.Hello(client=f"pfs-{os.getpid()}"))
             return self._rpc
 
     def _unreachable(self, exc: OSError) -> OSError:
@@ -99,7 +103,8 @@ class MetaClient:
                 except OSError as exc:
                     raise self._unreachable(exc) from None
                 try:
-                    rpc.call("hello", {"client": f"pfs-{os.getpid()}"})
+                    hello = M.Hello(client=f"pfs-{os.getpid()}")
+                    parse_reply(hello, rpc.call(hello.method, hello.to_wire()))
                 except BaseException:
                     rpc.close()
                     raise
@@ -118,6 +123,8 @@ class MetaClient:
         return rpc.call(method, fields)
 
     async def call(self, method: str, **fields: Any) -> dict[str, Any]:
+        """An untyped call (fields as keywords, the reply's map back); prefer
+        :meth:`request` with a message of :mod:`pfs.messages.meta`."""
         if self.direct:
             return self._blocking_call(method, fields)
         rpc = await self._client()
@@ -154,22 +161,38 @@ class MetaClient:
             due = bool(self._closes)
         if due:
             try:
-                self._blocking_call("release", {})
+                self._blocking_call("release", M.Release().to_wire())
             except OSError as exc:  # the connection broke: the server released them
                 log.debug("releasing closed handles: %s", exc)
 
-    async def _entry_call(self, method: str, parent: int, want_parent: bool,
-                          **fields: Any) -> tuple[dict[str, Any], StatResult | None]:
-        """An entry change in directory ``parent``: the reply, and with ``want_parent``
-        the directory's attributes after the change (docs/rpc.md), else None."""
-        if not want_parent:
-            return await self.call(method, parent=parent, **fields), None
-        r = await self.call(method, parent=parent, want_parent=True, **fields)
-        pa = r.get("parent_attr")
+    async def request(self, msg: RequestMessage) -> Any:
+        """A typed call: ``msg`` (a request of :mod:`pfs.messages.meta`) out, its typed
+        reply back (``EPROTO`` if the reply does not fit it)."""
+        fields = msg.to_wire()
+        if self.direct:
+            return parse_reply(msg, self._blocking_call(msg.method, fields))
+        rpc = await self._client()
+        return parse_reply(msg, (await rpc.call(msg.method, fields)).fields)
+
+    async def _entry(self, msg: M.EntryChange) -> tuple[Any, StatResult | None]:
+        """An entry change: the typed reply, and the directory's attributes after the
+        change when ``msg`` asked for them (``want_parent``, docs/rpc.md), else None."""
+        r = await self.request(msg)
+        pa = r.parent_attr
         return r, StatResult.from_wire(pa) if pa is not None else None
 
-    def _cred(self, cred: Cred | None) -> list[Any]:
-        return (cred or self.cred).to_wire()
+    def wire_cred(self, cred: Cred | None = None) -> WireCred:
+        """A message's ``cred``: ``cred``, or the client's own (the last one's is kept:
+        callers pass the same credentials over and over)."""
+        c = cred or self.cred
+        last = self._wire_cred
+        if last[0] is c:
+            return last[1]
+        wire = (c.uid, c.gid, tuple(c.groups))
+        self._wire_cred = (c, wire)
+        return wire
+
+    _cred = wire_cred
 
     def disconnect(self) -> None:
         if self._rpc is not None:
@@ -192,129 +215,141 @@ class MetaClient:
     # -- namespace -----------------------------------------------------------
     async def resolve(self, path: str | bytes, follow: bool = True,
                       cred: Cred | None = None) -> tuple[StatResult, int, bytes]:
-        r = await self.call("resolve", path=fsname(path), follow=follow, cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"]), r["parent"], r["name"]
+        r = await self.request(M.Resolve(path=fsname(path), follow=follow,
+                                         cred=self._cred(cred)))
+        return StatResult.from_wire(r.attr), r.parent, r.name
 
     async def lookup(self, parent: int, name: str | bytes, cred: Cred | None = None) -> StatResult:
-        r = await self.call("lookup", parent=parent, name=fsname(name), cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"])
+        r = await self.request(M.Lookup(parent=parent, name=fsname(name), cred=self._cred(cred)))
+        return StatResult.from_wire(r.attr)
 
     async def getattr(self, ino: int) -> StatResult:
-        return StatResult.from_wire((await self.call("getattr", ino=ino))["attr"])
+        return StatResult.from_wire((await self.request(M.Getattr(ino=ino))).attr)
 
     async def setattr(self, ino: int, cred: Cred | None = None, **changes: Any) -> StatResult:
-        fields = {k: v for k, v in changes.items() if v is not None}
-        r = await self.call("setattr", ino=ino, cred=self._cred(cred), **fields)
-        return StatResult.from_wire(r["attr"])
+        r = await self.request(M.Setattr(ino=ino, cred=self._cred(cred), **changes))
+        return StatResult.from_wire(r.attr)
 
     async def access(self, ino: int, mask: int, cred: Cred | None = None) -> None:
-        await self.call("access", ino=ino, mask=mask, cred=self._cred(cred))
+        await self.request(M.Access(ino=ino, mask=mask, cred=self._cred(cred)))
 
     # The six entry changes take ``want_parent``: the parent's attributes after the
     # change come back as the last value (None without it).
     async def mkdir(self, parent: int, name: str | bytes, mode: int, cred: Cred | None = None,
                     want_parent: bool = False) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry_call("mkdir", parent, want_parent, name=fsname(name),
-                                       mode=mode, cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"]), pa
+        r, pa = await self._entry(M.Mkdir(at=At.of(parent, fsname(name)), mode=mode,
+                                          cred=self._cred(cred), want_parent=want_parent))
+        return StatResult.from_wire(r.attr), pa
 
     async def mknod(self, parent: int, name: str | bytes, mode: int, rdev: int = 0,
                     cred: Cred | None = None, want_parent: bool = False
                     ) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry_call("mknod", parent, want_parent, name=fsname(name),
-                                       mode=mode, rdev=rdev, cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"]), pa
+        r, pa = await self._entry(M.Mknod(at=At.of(parent, fsname(name)), mode=mode, rdev=rdev,
+                                          cred=self._cred(cred), want_parent=want_parent))
+        return StatResult.from_wire(r.attr), pa
 
     async def create(self, parent: int, name: str | bytes, mode: int, flags: int,
                      cred: Cred | None = None, want_parent: bool = False
                      ) -> tuple[dict[str, Any], StatResult | None]:
-        return await self._entry_call("create", parent, want_parent, name=fsname(name),
-                                      mode=mode, flags=flags, cred=self._cred(cred))
+        r, pa = await self._entry(M.Create(at=At.of(parent, fsname(name)), mode=mode,
+                                           flags=flags, cred=self._cred(cred),
+                                           want_parent=want_parent))
+        return r.to_wire(), pa
 
     async def open(self, ino: int, flags: int, cred: Cred | None = None) -> dict[str, Any]:
-        return await self.call("open", ino=ino, flags=flags, cred=self._cred(cred))
+        r = await self.request(M.Open(ino=ino, flags=flags, cred=self._cred(cred)))
+        return r.to_wire()
 
     async def close(self, fh: int, written_end: int | None = None,
                     mtime: int | None = None) -> None:
-        await self.call("close", fh=fh, written_end=written_end, mtime=mtime)
+        await self.request(M.Close(fh=fh, written_end=written_end, mtime=mtime))
 
     async def renew(self, fh: int) -> dict[str, Any]:
         """A fresh capability for open handle ``fh``: ``{"cap", "cap_ttl"}``."""
-        return await self.call("renew", fh=fh)
+        return (await self.request(M.Renew(fh=fh))).to_wire()
 
     async def commit_size(self, fh: int, written_end: int | None,
                           mtime: int | None = None) -> StatResult:
-        r = await self.call("commit_size", fh=fh, written_end=written_end, mtime=mtime)
-        return StatResult.from_wire(r["attr"])
+        r = await self.request(M.CommitSize(fh=fh, written_end=written_end, mtime=mtime))
+        return StatResult.from_wire(r.attr)
 
     async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None,
                      want_parent: bool = False) -> StatResult | None:
-        _, pa = await self._entry_call("unlink", parent, want_parent, name=fsname(name),
-                                       cred=self._cred(cred))
+        _, pa = await self._entry(M.Unlink(at=At.of(parent, fsname(name)),
+                                           cred=self._cred(cred), want_parent=want_parent))
         return pa
 
     async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None,
                     want_parent: bool = False) -> StatResult | None:
-        _, pa = await self._entry_call("rmdir", parent, want_parent, name=fsname(name),
-                                       cred=self._cred(cred))
+        _, pa = await self._entry(M.Rmdir(at=At.of(parent, fsname(name)),
+                                          cred=self._cred(cred), want_parent=want_parent))
         return pa
 
     async def rename(self, parent: int, name: str | bytes, newparent: int,
                      newname: str | bytes, flags: int = 0, cred: Cred | None = None) -> None:
-        await self.call("rename", parent=parent, name=fsname(name), newparent=newparent,
-                        newname=fsname(newname), flags=flags, cred=self._cred(cred))
+        await self.request(M.Rename(at=At.of(parent, fsname(name)),
+                                    new=At.of(newparent, fsname(newname)), flags=flags,
+                                    cred=self._cred(cred)))
 
     async def link(self, ino: int, newparent: int, newname: str | bytes,
                    cred: Cred | None = None) -> StatResult:
-        r = await self.call("link", ino=ino, newparent=newparent, newname=fsname(newname),
-                            cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"])
+        r = await self.request(M.Link(ino=ino, new=At.of(newparent, fsname(newname)),
+                                      cred=self._cred(cred)))
+        return StatResult.from_wire(r.attr)
 
     async def symlink(self, parent: int, name: str | bytes, target: str | bytes,
                       cred: Cred | None = None, want_parent: bool = False
                       ) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry_call("symlink", parent, want_parent, name=fsname(name),
-                                       target=fsname(target), cred=self._cred(cred))
-        return StatResult.from_wire(r["attr"]), pa
+        r, pa = await self._entry(M.Symlink(at=At.of(parent, fsname(name)),
+                                            target=fsname(target), cred=self._cred(cred),
+                                            want_parent=want_parent))
+        return StatResult.from_wire(r.attr), pa
 
     async def readlink(self, ino: int) -> bytes:
-        return (await self.call("readlink", ino=ino))["target"]
+        r: M.TargetReply = await self.request(M.Readlink(ino=ino))
+        return r.target
 
     async def readdir(self, ino: int, cookie: int = 0, limit: int = 1024, plus: bool = False,
                       cred: Cred | None = None) -> tuple[list[DirEntry], bool]:
-        r = await self.call("readdir", ino=ino, cookie=cookie, limit=limit, plus=plus,
-                            cred=self._cred(cred))
+        r = await self.request(M.Readdir(ino=ino, cookie=cookie, limit=limit, plus=plus,
+                                         cred=self._cred(cred)))
         out = []
-        for name, child, mode, ck, attr in r["entries"]:
+        for name, child, mode, ck, attr in r.entries:
             out.append(DirEntry(os.fsdecode(name), "", child, mode, ck,
                                 StatResult.from_wire(attr) if attr else None))
-        return out, bool(r["eof"])
+        return out, bool(r.eof)
 
     async def statfs(self) -> dict[str, int]:
-        return await self.call("statfs")
+        return (await self.request(M.Statfs())).to_wire()
 
     async def getxattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> bytes:
-        return (await self.call("getxattr", ino=ino, name=fsname(name),
-                                cred=self._cred(cred)))["value"]
+        r: M.ValueReply = await self.request(M.Getxattr(ino=ino, name=fsname(name),
+                                                        cred=self._cred(cred)))
+        return r.value
 
     async def setxattr(self, ino: int, name: str | bytes, value: bytes, flags: int = 0,
                        cred: Cred | None = None) -> None:
-        await self.call("setxattr", ino=ino, name=fsname(name), value=bytes(value), flags=flags,
-                        cred=self._cred(cred))
+        await self.request(M.Setxattr(ino=ino, name=fsname(name), value=bytes(value),
+                                      flags=flags, cred=self._cred(cred)))
 
     async def listxattr(self, ino: int, cred: Cred | None = None) -> list[bytes]:
-        return (await self.call("listxattr", ino=ino, cred=self._cred(cred)))["names"]
+        r: M.NamesReply = await self.request(M.Listxattr(ino=ino, cred=self._cred(cred)))
+        return r.names
 
     async def removexattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self.call("removexattr", ino=ino, name=fsname(name), cred=self._cred(cred))
+        await self.request(M.Removexattr(ino=ino, name=fsname(name), cred=self._cred(cred)))
 
     async def get_layout(self, ino: int) -> dict[str, Any]:
-        return (await self.call("get_layout", ino=ino))["layout"]
+        r: M.LayoutReply = await self.request(M.GetLayout(ino=ino))
+        return r.layout  # type: ignore[return-value]  # nil for symlinks and devices
 
     async def set_layout(self, ino: int, unit: int = 0, count: int = 0, replicas: int = 0,
                          cred: Cred | None = None) -> dict[str, Any]:
-        return (await self.call("set_layout", ino=ino, unit=unit, count=count,
-                                replicas=replicas, cred=self._cred(cred)))["layout"]
+        r: M.LayoutReply = await self.request(M.SetLayout(ino=ino, unit=unit, count=count,
+                                                          replicas=replicas,
+                                                          cred=self._cred(cred)))
+        return r.layout  # type: ignore[return-value]
 
     async def servers(self) -> dict[str, dict[str, Any]]:
-        return (await self.call("servers"))["servers"]
+        r: M.ServersReply = await self.request(M.Servers())
+        return r.servers

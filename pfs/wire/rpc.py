@@ -2,8 +2,12 @@
 
 ``RpcClient`` multiplexes many calls on one connection by request id; a reply's payload
 is received straight into the buffer the caller passed (``into=``). ``RpcService`` is the
-server side: methods named ``rpc_<name>`` receive a :class:`Request` and return a dict or
-a :class:`Reply`; an ``OSError`` they raise travels back as errno + message.
+server side: methods named ``rpc_<name>``. A service with a message registry
+(``messages``, see :mod:`pfs.messages`) hands each handler its typed request, decoded and
+validated from the frame (a bad field answers the message's errno), and encodes the typed
+reply it returns (or a :class:`Reply` around one, for payloads and descriptors). A
+service without one (test fakes) gets the raw :class:`Request` and returns a dict. An
+``OSError`` a handler raises travels back as errno + message.
 """
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import trio
 
 from pfs.auth import OPEN, Identity, ServerAuth
 from pfs.errors import ProtocolError, from_wire, to_wire
+from pfs.messages.base import Registry, ReplyMessage, RequestMessage
 from pfs.wire.protocol import FrameHead, Kind, Limits
 from pfs.wire.transport import (
     Connection,
@@ -184,6 +189,13 @@ class RpcClient:
         assert call.fields is not None
         return Result(call.fields, call.payload, call.nbytes)
 
+    async def request(self, msg: RequestMessage, *, payload: Payload | None = None,
+                      timeout: float | None = None) -> Any:
+        """A typed call: ``msg`` out, its reply class back (a reply that does not
+        match it is ``EPROTO``: the peer broke the protocol)."""
+        result = await self.call(msg.method, msg.to_wire(), payload=payload, timeout=timeout)
+        return parse_reply(msg, result.fields)
+
     async def _abandon(self, rid: int, call: _Call) -> None:
         """The caller gives up on a call (timeout, cancellation)."""
         if self._pending.pop(rid, None) is not None or call.done.is_set() \
@@ -205,6 +217,14 @@ class RpcClient:
         self.conn.close()
 
 
+def parse_reply(msg: RequestMessage, fields: dict[str, Any]) -> Any:
+    """The typed reply to ``msg`` from a reply frame's map."""
+    try:
+        return msg.reply.from_wire(fields)
+    except OSError as exc:
+        raise OSError(errno.EPROTO, f"bad reply to {msg.method}: {exc.strerror}") from None
+
+
 # ---------------------------------------------------------------------------
 # server side
 # ---------------------------------------------------------------------------
@@ -213,9 +233,12 @@ _REQUIRED: Any = object()
 
 @dataclass(slots=True)
 class Request:
+    """A request frame as received: what an untyped service's handler gets."""
+
     method: str
     fields: dict[str, Any]
     payload: bytearray | None
+    reply: ClassVar[None] = None  # no reply class (``encode``)
 
     def _get(self, key: str, types: type | tuple[type, ...], what: str, default: Any) -> Any:
         if key not in self.fields:
@@ -260,7 +283,7 @@ def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
 
 @dataclass(slots=True)
 class Reply:
-    fields: dict[str, Any]
+    fields: dict[str, Any] | ReplyMessage  # a message is encoded by the service
     payload: bytes | bytearray | memoryview | None = None
     # (fd, offset, count): payload sent from a file with sendfile; closed by ``release``
     file: tuple[int, int, int] | None = None
@@ -314,14 +337,31 @@ class RpcService:
     auth_timeout = 10.0  # seconds a new connection has to authenticate
     conn_payload_budget = 256 << 20  # payload bytes in flight per connection
     payload_budget = 1 << 30  # ... and across all connections
+    # the typed messages of this service's methods; None: handlers get raw requests
+    messages: Registry | None = None
 
     def __init__(self, limits: Limits | None = None, auth: ServerAuth | None = None) -> None:
         self.limits = limits or Limits()
         self.auth = auth
-        self._methods: dict[str, Callable[[ConnContext, Request], Awaitable[Any]]] = {
-            attr[4:]: getattr(self, attr) for attr in dir(self) if attr.startswith("rpc_")}
+        self._methods: dict[str, tuple[Callable[[ConnContext, Any], Awaitable[Any]],
+                                       type[RequestMessage] | None]] = {}
+        for name in self.handler_names():
+            msg = None if self.messages is None else self.messages.get(name)
+            if self.messages is not None and msg is None:
+                raise TypeError(f"{self.name}: rpc_{name} has no message in "
+                                f"{self.messages.service}'s registry")
+            self._methods[name] = (getattr(self, "rpc_" + name), msg)
+        if self.messages is not None:
+            unserved = [m for m in self.messages.requests if m not in self._methods]
+            if unserved:
+                raise TypeError(f"{self.name}: no handler for {', '.join(unserved)}")
         self._budget: ByteBudget | None = None
         self._conn_slots: trio.Semaphore | None = None
+
+    @classmethod
+    def handler_names(cls) -> list[str]:
+        """The methods this service answers (its ``rpc_<name>`` handlers)."""
+        return [attr[4:] for attr in dir(cls) if attr.startswith("rpc_")]
 
     def is_inline(self, req: Request) -> bool:
         """Whether ``req`` is answered in the reader task (see ``inline_methods``); a
@@ -339,14 +379,38 @@ class RpcService:
     def connection_lost(self, ctx: ConnContext) -> None:
         """Hook: release what the connection held (open files...)."""
 
-    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply:
-        handler = self._methods.get(req.method)
-        if handler is None:
+    def decode(self, req: Request) -> tuple[Callable[[ConnContext, Any], Awaitable[Any]],
+                                            Any]:
+        """The handler of ``req`` and what it receives: the typed request (validated:
+        a bad field raises the message's errno), or ``req`` itself for an untyped
+        service. ENOSYS for an unknown method."""
+        entry = self._methods.get(req.method)
+        if entry is None:
             raise OSError(errno.ENOSYS, f"{self.name}: unknown method {req.method!r}")
-        result = await handler(ctx, req)
+        handler, cls = entry
+        return handler, req if cls is None else cls.from_wire(req.fields, req.payload)
+
+    @staticmethod
+    def encode(msg: Any, result: Any) -> Reply | dict[str, Any]:
+        """What a handler returned for ``msg``, encoded: a reply's map (no payload, the
+        common case: no :class:`Reply` built), or a :class:`Reply` with its map."""
+        if type(result) is msg.reply:  # only typed requests have a reply class
+            return result.to_wire()  # type: ignore[no-any-return]
+        if isinstance(result, ReplyMessage):
+            raise TypeError(f"{msg.method} answered a {type(result).__name__}, "
+                            f"not a {msg.reply.__name__}")
         if isinstance(result, Reply):
+            if isinstance(result.fields, ReplyMessage):
+                result.fields = result.fields.to_wire()
             return result
+        if isinstance(msg, RequestMessage):
+            raise TypeError(f"{msg.method} answered {type(result).__name__}, not a "
+                            f"{msg.reply.__name__}")
         return Reply(result or {})
+
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
+        handler, msg = self.decode(req)
+        return self.encode(msg, await handler(ctx, msg))
 
     # -- serving --------------------------------------------------------------
     async def serve(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -502,14 +566,19 @@ class RpcService:
                 await self._send_error(ctx.conn, rid, OSError(
                     errno.EIO, f"internal error in {req.method}; see the server log"))
                 return
+            if isinstance(reply, dict):  # a typed reply, encoded
+                await ctx.conn.send_frame(Kind.REPLY, rid, reply, None)
+                return
             try:
+                fields = reply.fields
+                assert isinstance(fields, dict)  # encoded by ``encode``
                 if reply.fds:
-                    await ctx.conn.send_frame_with_fds(Kind.REPLY, rid, reply.fields, reply.fds)
+                    await ctx.conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
                 elif reply.file is not None:
                     fd, off, count = reply.file
-                    await ctx.conn.send_frame_from_file(Kind.REPLY, rid, reply.fields, fd, off, count)
+                    await ctx.conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
                 else:
-                    await ctx.conn.send_frame(Kind.REPLY, rid, reply.fields, reply.payload)
+                    await ctx.conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
             finally:
                 if reply.release is not None:
                     reply.release()

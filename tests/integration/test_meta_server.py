@@ -23,6 +23,7 @@ from metaserver import deleter
 from metaserver.server import MetaService, serve_meta
 from metaserver.store import LmdbStore
 from pfs.config import LayoutDefaults, MetaConfig
+from pfs.messages import meta as M
 from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
 
 ROOTC = [0, 0, []]
@@ -452,22 +453,22 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
             flags = os.O_CREAT | os.O_RDWR
             with trio.CancelScope() as scope:
                 scope.cancel()
-                await svc.rpc_create(ctx, Request("create", {
-                    "parent": 1, "name": b"f", "mode": 0o644, "flags": flags, "cred": ROOTC}, None))
+                await svc.rpc_create(ctx, M.Create.from_wire({
+                    "parent": 1, "name": b"f", "mode": 0o644, "flags": flags, "cred": ROOTC}))
             await svc.commit.mutate(lambda t: None)  # the queued create has run
-            got = await svc.rpc_lookup(ctx, Request("lookup", {
-                "parent": 1, "name": b"f", "cred": ROOTC}, None))
-            ino = got["attr"]["ino"]
+            got = await svc.rpc_lookup(ctx, M.Lookup.from_wire({
+                "parent": 1, "name": b"f", "cred": ROOTC}))
+            ino = got.attr["ino"]
             assert not svc.handles.is_open(ino)
             with trio.CancelScope() as scope:
                 scope.cancel()
-                await svc.rpc_open(ctx, Request("open", {
-                    "ino": ino, "flags": os.O_RDWR | os.O_TRUNC, "cred": ROOTC}, None))
+                await svc.rpc_open(ctx, M.Open.from_wire({
+                    "ino": ino, "flags": os.O_RDWR | os.O_TRUNC, "cred": ROOTC}))
             await svc.commit.mutate(lambda t: None)
             assert not svc.handles.is_open(ino)
-            await svc.rpc_unlink(ctx, Request("unlink", {"parent": 1, "name": b"f",
-                                                         "cred": ROOTC}, None))
-            await expect(errno.ENOENT, svc.rpc_getattr(ctx, Request("getattr", {"ino": ino}, None)))
+            await svc.rpc_unlink(ctx, M.Unlink.from_wire({"parent": 1, "name": b"f",
+                                                          "cred": ROOTC}))
+            await expect(errno.ENOENT, svc.rpc_getattr(ctx, M.Getattr(ino=ino)))
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -1,0 +1,115 @@
+"""The data server's RPCs: one request class and one reply class each (``docs/rpc.md``).
+
+``obj`` is an object id ``[ino, stripe]``; offsets and sizes are in ``[0, 2**63)``
+(``EINVAL`` otherwise). ``cap`` is the capability the metaserver signed; its checks
+(and their ``EACCES``/``ESTALE``) are the server's, so any value passes here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pfs.messages.base import (
+    Anything,
+    Empty,
+    Int,
+    List,
+    Payload,
+    Registry,
+    ReplyMessage,
+    RequestMessage,
+)
+from pfs.messages.records import MAX_ID, Obj, ObjId, ObjIdField
+
+REGISTRY = Registry("dataserver")
+MAX_DELETE = 1 << 16  # object ids in one delete request
+
+
+def _offset(doc: str = "") -> Any:
+    return Int(lo=0, hi=MAX_ID - 1, doc=doc or "int in [0, 2**63)")
+
+
+def _cap(doc: str = "") -> Any:
+    return Anything(default=None, doc=doc or "bytes")
+
+
+class DataRequest(RequestMessage, registry=REGISTRY):
+    """Base of the data server's requests."""
+
+
+# ------------------------------------------------------------------ replies
+class CountReply(ReplyMessage):
+    n: int = Int()
+
+
+class ReadReply(ReplyMessage):
+    payload_doc = ("payload of `n <= len` bytes (short past the object's end: the "
+                   "reader fills zeros up to the file size)")
+    n: int = Int()
+
+
+class SizeReply(ReplyMessage):
+    note = "0 when absent"
+    size: int = Int()
+
+
+class FdReply(ReplyMessage):
+    payload_doc = ("as SCM_RIGHTS ancillary data on the reply's first byte, a read-only "
+                   "descriptor of the object file; only over the server's local socket "
+                   "(`EPERM` over TCP), `ENOENT` when the object holds no data")
+    size: int = Int()
+
+
+class DeletedReply(ReplyMessage):
+    deleted: int = Int(doc="int")
+
+
+class DataStatfsReply(ReplyMessage):
+    total: int = Int()
+    free: int = Int()
+    objects: int = Int()
+
+
+# ------------------------------------------------------------------ requests
+class Read(DataRequest, method="read", reply=ReadReply):
+    obj: ObjId = Obj()
+    off: int = _offset()
+    len: int = Int(lo=0, doc="at most Limits.max_payload")
+    cap: Any = _cap()
+
+
+class Write(DataRequest, method="write", reply=CountReply):
+    payload_doc = "the bytes"
+    obj: ObjId = Obj()
+    off: int = _offset()
+    cap: Any = _cap()
+    payload: Any = Payload(default=None)
+
+
+class Truncate(DataRequest, method="truncate", reply=Empty):
+    obj: ObjId = Obj()
+    size: int = _offset()
+    cap: Any = _cap("bytes, admin")
+
+
+class Delete(DataRequest, method="delete", reply=DeletedReply):
+    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE, doc="list of object ids, at most 65536")
+    cap: Any = _cap("bytes, admin")
+
+
+class Fsync(DataRequest, method="fsync", reply=Empty):
+    obj: ObjId = Obj()
+    cap: Any = _cap()
+
+
+class StatObj(DataRequest, method="stat_obj", reply=SizeReply):
+    obj: ObjId = Obj()
+    cap: Any = _cap()
+
+
+class Statfs(DataRequest, method="statfs", reply=DataStatfsReply):
+    pass
+
+
+class OpenFd(DataRequest, method="open_fd", reply=FdReply):
+    obj: ObjId = Obj()
+    cap: Any = _cap("bytes, read")

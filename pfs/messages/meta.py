@@ -1,0 +1,337 @@
+"""The metaserver's RPCs: one request class and one reply class each (``docs/rpc.md``).
+
+Every request may carry ``closes`` (handles to release first, see ``MetaRequest``).
+Entry calls name their entry with an ``At`` field: ``parent`` + ``name`` or ``path``
+(``newparent`` + ``newname`` or ``newpath`` for a rename's or link's destination).
+"""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from pfs.messages.base import (
+    Anything,
+    Bool,
+    Bytes,
+    Empty,
+    Int,
+    List,
+    Map,
+    Registry,
+    ReplyMessage,
+    RequestMessage,
+    Str,
+)
+from pfs.messages.records import (
+    NAME_MAX,
+    PATH_MAX,
+    SYMLINK_MAX,
+    XATTR_NAME_MAX,
+    XATTR_SIZE_MAX,
+    At,
+    Attr,
+    Cred,
+    Entry,
+    Layout,
+    Time,
+    WireCred,
+)
+
+REGISTRY = Registry("metaserver")
+MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
+
+
+def _name() -> Any:
+    return Bytes(max_len=NAME_MAX, len_code=errno.ENAMETOOLONG)
+
+
+def _xname() -> Any:
+    return Bytes(max_len=XATTR_NAME_MAX, len_code=errno.ERANGE)
+
+
+class MetaRequest(RequestMessage, registry=REGISTRY):
+    """Base of the metaserver's requests."""
+
+    closes: list[int] | None = List(Int(), max_len=MAX_CLOSES, default=None,
+                                    doc="handles released before the request")
+
+
+class EntryChange(MetaRequest):
+    """A change of an entry of a directory (mkdir, mknod, create, unlink, rmdir,
+    symlink); ``want_parent`` asks for the directory's new attributes in the reply."""
+
+    at: At = Entry()
+    want_parent: bool = Bool(default=False, sparse=True)  # sent only when asked
+
+
+# ------------------------------------------------------------------ replies
+class AttrReply(ReplyMessage):
+    attr: dict[str, Any] = Attr()
+
+
+class EntryReply(ReplyMessage):
+    """An entry change: the entry's attributes (none for a removal) and, with
+    ``want_parent``, the directory's."""
+
+    attr: dict[str, Any] | None = Attr(default=None)
+    parent_attr: dict[str, Any] | None = Attr(default=None)
+
+
+class HelloReply(ReplyMessage):
+    root: int = Int(doc="1")
+    version: int = Int(doc="int")
+
+
+class ResolveReply(ReplyMessage):
+    attr: dict[str, Any] = Attr()
+    parent: int = Int()
+    name: bytes = Bytes()
+
+
+class OpenedReply(ReplyMessage):
+    """An open handle and a capability for its data."""
+
+    attr: dict[str, Any] = Attr()
+    fh: int = Int()
+    layout: dict[str, Any] | None = Layout(default=None)
+    cap: bytes = Bytes()
+    cap_ttl: float = Anything()
+    parent_attr: dict[str, Any] | None = Attr(default=None)
+
+
+class CapReply(ReplyMessage):
+    cap: bytes = Bytes()
+    cap_ttl: float = Anything()
+
+
+class TargetReply(ReplyMessage):
+    target: bytes = Bytes(doc="bytes")
+
+
+class ReaddirReply(ReplyMessage):
+    entries: list[Any] = List(doc="[[name, ino, mode, cookie, attr-or-nil], ...]")
+    eof: bool = Bool(doc="bool")
+
+
+class StatfsReply(ReplyMessage):
+    bsize: int = Int()
+    frsize: int = Int()
+    blocks: int = Int()
+    bfree: int = Int()
+    bavail: int = Int()
+    files: int = Int()
+    ffree: int = Int()
+    namemax: int = Int()
+
+
+class ValueReply(ReplyMessage):
+    value: bytes = Bytes(doc="bytes")
+
+
+class NamesReply(ReplyMessage):
+    names: list[bytes] = List(doc="[bytes]")
+
+
+class LayoutReply(ReplyMessage):
+    layout: dict[str, Any] | None = Map("layout", nil=True)
+
+
+class ServersReply(ReplyMessage):
+    servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive"}}')
+
+
+class RegisterReply(ReplyMessage):
+    """What a data server needs to check clients (absent from a metaserver that checks
+    no capabilities)."""
+
+    sid: str = Str()
+    cap_key: bytes | None = Bytes(default=None)
+    gen: int | None = Int(default=None)
+    cap_ttl: float | None = Anything(default=None)
+    data_keys: dict[str, bytes] | None = Map(default=None,
+                                             doc="{node key name: data-plane key}")
+
+
+# ------------------------------------------------------------------ requests
+class Hello(MetaRequest, method="hello", reply=HelloReply):
+    client: str = Str(default="", max_len=256)
+
+
+class Resolve(MetaRequest, method="resolve", reply=ResolveReply):
+    path: bytes = Bytes(max_len=PATH_MAX - 1, len_code=errno.ENAMETOOLONG,
+                        doc="bytes, absolute inside pfs, at most 4095 bytes, else ENAMETOOLONG")
+    follow: bool = Bool(default=True)
+    cred: WireCred = Cred()
+
+
+class Lookup(MetaRequest, method="lookup", reply=AttrReply):
+    parent: int = Int()
+    name: bytes = _name()
+    cred: WireCred = Cred()
+
+
+class Getattr(MetaRequest, method="getattr", reply=AttrReply):
+    ino: int = Int()
+
+
+class Setattr(MetaRequest, method="setattr", reply=AttrReply):
+    note = "only the attributes given change"
+    ino: int = Int()
+    cred: WireCred = Cred()
+    mode: int | None = Int(default=None)
+    uid: int | None = Int(default=None)
+    gid: int | None = Int(default=None)
+    size: int | None = Int(default=None)
+    atime: int | str | None = Time()
+    mtime: int | str | None = Time()
+
+
+class Access(MetaRequest, method="access", reply=Empty):
+    ino: int = Int()
+    mask: int = Int(doc="R_OK/W_OK/X_OK bits")
+    cred: WireCred = Cred()
+
+
+class Mkdir(EntryChange, method="mkdir", reply=EntryReply):
+    mode: int = Int()
+    cred: WireCred = Cred()
+
+
+class Mknod(EntryChange, method="mknod", reply=EntryReply):
+    mode: int = Int()
+    rdev: int = Int(default=0)
+    cred: WireCred = Cred()
+
+
+class Create(EntryChange, method="create", reply=OpenedReply):
+    mode: int = Int()
+    flags: int = Int(default=os.O_WRONLY, doc="os.O_* bits, default O_WRONLY")
+    cred: WireCred = Cred()
+
+
+class Open(MetaRequest, method="open", reply=OpenedReply):
+    ino: int = Int()
+    flags: int = Int(default=os.O_RDONLY, doc="os.O_* bits, default O_RDONLY")
+    cred: WireCred = Cred()
+
+
+class Renew(MetaRequest, method="renew", reply=CapReply):
+    note = "a fresh capability for an open handle"
+    fh: int = Int()
+
+
+class Close(MetaRequest, method="close", reply=Empty):
+    fh: int = Int()
+    written_end: int | None = Int(default=None, doc="int or nil", nil=True)
+    mtime: int | None = Int(default=None, doc="int or nil", nil=True)
+
+
+class Release(MetaRequest, method="release", reply=Empty):
+    note = "only its `closes`, below"
+
+
+class CommitSize(MetaRequest, method="commit_size", reply=AttrReply):
+    fh: int = Int()
+    written_end: int | None = Int(default=None, doc="int or nil", nil=True)
+    mtime: int | None = Int(default=None, doc="int or nil", nil=True)
+
+
+class Unlink(EntryChange, method="unlink", reply=EntryReply):
+    cred: WireCred = Cred()
+
+
+class Rmdir(EntryChange, method="rmdir", reply=EntryReply):
+    cred: WireCred = Cred()
+
+
+class Rename(MetaRequest, method="rename", reply=Empty):
+    at: At = Entry()
+    new: At = Entry(prefix="new")
+    flags: int = Int(default=0, doc="0, RENAME_NOREPLACE=1, RENAME_EXCHANGE=2")
+    cred: WireCred = Cred()
+
+
+class Link(MetaRequest, method="link", reply=AttrReply):
+    ino: int = Int()
+    new: At = Entry(prefix="new")
+    cred: WireCred = Cred()
+
+
+class Symlink(EntryChange, method="symlink", reply=EntryReply):
+    target: bytes = Bytes(max_len=SYMLINK_MAX, len_code=errno.ENAMETOOLONG)
+    cred: WireCred = Cred()
+
+
+class Readlink(MetaRequest, method="readlink", reply=TargetReply):
+    ino: int = Int()
+
+
+class Readdir(MetaRequest, method="readdir", reply=ReaddirReply):
+    ino: int = Int()
+    cookie: int = Int(default=0, lo=0, doc="0 = start")
+    limit: int = Int(default=1024)
+    plus: bool = Bool(default=False)
+    cred: WireCred = Cred()
+
+
+class Statfs(MetaRequest, method="statfs", reply=StatfsReply):
+    pass
+
+
+class Getxattr(MetaRequest, method="getxattr", reply=ValueReply):
+    ino: int = Int()
+    name: bytes = _xname()
+    cred: WireCred = Cred()
+
+
+class Setxattr(MetaRequest, method="setxattr", reply=Empty):
+    ino: int = Int()
+    name: bytes = _xname()
+    value: bytes = Bytes(max_len=XATTR_SIZE_MAX, len_code=errno.E2BIG)
+    flags: int = Int(default=0, doc="XATTR_CREATE=1, XATTR_REPLACE=2")
+    cred: WireCred = Cred()
+
+
+class Listxattr(MetaRequest, method="listxattr", reply=NamesReply):
+    ino: int = Int()
+    cred: WireCred = Cred()
+
+
+class Removexattr(MetaRequest, method="removexattr", reply=Empty):
+    ino: int = Int()
+    name: bytes = _xname()
+    cred: WireCred = Cred()
+
+
+class GetLayout(MetaRequest, method="get_layout", reply=LayoutReply):
+    ino: int = Int()
+
+
+class SetLayout(MetaRequest, method="set_layout", reply=LayoutReply):
+    ino: int = Int()
+    unit: int = Int(default=0)
+    count: int = Int(default=0)
+    replicas: int = Int(default=0)
+    cred: WireCred = Cred()
+
+
+class Servers(MetaRequest, method="servers", reply=ServersReply):
+    pass
+
+
+class Register(MetaRequest, method="register", reply=RegisterReply):
+    note = "data servers only"
+    sid: str | None = Str(default=None, max_len=128, doc="str or nil, at most 128",
+                          nil=True)
+    host: str = Str(max_len=1024)
+    port: int = Int(lo=1, hi=65535)
+    total: int = Int(lo=0)
+    free: int = Int(lo=0)
+
+
+class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
+    note = "data servers only"
+    sid: str = Str(max_len=128)
+    total: int = Int()
+    free: int = Int()
