@@ -32,7 +32,7 @@ from pfs.messages.base import (
 from pfs.messages.records import At, AtField, CredField, ObjIdField, TimeField
 from pfs.wire.rpc import ConnContext, Reply, Request, RpcService
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL = [*M.REGISTRY, *D.REGISTRY]
 
 
