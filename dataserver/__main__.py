@@ -1,7 +1,7 @@
-"""``python -m dataserver``: run a data server.
+"""``python -m pfs.dataserver``: run a data server.
 
-    python -m dataserver --config data.toml
-    python -m dataserver --dir /nvme0/pfs --dir /nvme1/pfs --port 9500 --meta meta:9400
+    python -m pfs.dataserver --config data.toml
+    python -m pfs.dataserver --dir /nvme0/pfs --dir /nvme1/pfs --port 9500 --meta meta:9400
 
 Options given on the command line override the config file. ``--ready-fd N`` writes the
 bound port and a newline to file descriptor N once the server is listening (and
@@ -18,15 +18,15 @@ import sys
 
 import trio
 
-from dataserver.server import serve_data
-from pfs.config import ConfigError, DataConfig, load, parse_addr
-from pfs.daemon import serve_until_signalled
+from pfs.core.config import ConfigError, DataConfig, load, parse_addr
+from pfs.dataserver.server import serve_data
+from pfs.tools.daemon import serve_until_signalled
 
 log = logging.getLogger("dataserver")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, str, bool]:
-    p = argparse.ArgumentParser(prog="python -m dataserver", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pfs.dataserver", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="TOML file with DataConfig keys")
     p.add_argument("--dir", action="append", dest="dirs", metavar="DIR",
                    help="data directory, one per drive (repeatable; replaces the config's)")

@@ -13,7 +13,7 @@ meanwhile is closed on release.
 
 An absent object reads as empty (size 0): no error. Each data directory also holds
 ``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
-and ``FORMAT``, the directory's format (``pfs.versions.OBJECT_FORMAT``, as text), written
+and ``FORMAT``, the directory's format (``pfs.core.versions.OBJECT_FORMAT``, as text), written
 when the directory is first used. A directory in a format this pfs does not know, or in
 an older one that needs more than a stamp, is refused (naming ``pfs admin migrate
 --data``, which takes the steps of ``_STEPS``). One without ``FORMAT`` was made before
@@ -30,9 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pfs.messages.records import ObjId  # checked off the wire by its message
-
-from pfs.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
+from pfs.core.messages.records import ObjId  # checked off the wire by its message
+from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ _AT_OPEN = frozenset({0})
 
 def _upgrade_dir(d: str, at_open: bool) -> int | None:
     """Bring ``d`` to OBJECT_FORMAT; the format it was in (None: new, now stamped).
-    FormatError when this pfs cannot (see :func:`pfs.versions.upgrade_steps`)."""
+    FormatError when this pfs cannot (see :func:`pfs.core.versions.upgrade_steps`)."""
     found = dir_format(d)
     if found is None:
         _write_format(d, OBJECT_FORMAT)

@@ -15,20 +15,20 @@ import time
 
 import trio
 
-from dataserver.objects import ObjectStore
-from pfs import auth, caps
-from pfs.auth import ClientAuth, ServerAuth
-from pfs.caps import Capability, CapCache, CapVerifier
-from pfs.config import DataConfig, parse_addr
-from pfs.engine import Engine, get_engine
-from pfs.wire.connect import open_rpc
-from pfs.messages import data as D
-from pfs.messages import meta as M
-from pfs.messages.base import Empty
-from pfs.messages.records import MAX_ID
-from pfs.wire.protocol import Limits
-from pfs.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
-from pfs.wire.transport import local_socket_name
+from pfs.core import auth, caps
+from pfs.core.auth import ClientAuth, ServerAuth
+from pfs.core.caps import Capability, CapCache, CapVerifier
+from pfs.core.config import DataConfig, parse_addr
+from pfs.core.engine import Engine, get_engine
+from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
+from pfs.core.messages.base import Empty
+from pfs.core.messages.records import MAX_ID
+from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.protocol import Limits
+from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
+from pfs.core.wire.transport import local_socket_name
+from pfs.dataserver.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 

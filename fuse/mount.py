@@ -53,7 +53,7 @@ import sys
 import time
 from typing import Any
 
-from fuse.options import MountError, MountOptions, parse_options
+from pfs.fuse.options import MountError, MountOptions, parse_options
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
     import pyfuse3
     import trio
 
-    from fuse.ops import PfsOperations
     from pfs.client.aio import AsyncClient
+    from pfs.fuse.ops import PfsOperations
 
     def report(err: str | None) -> None:
         nonlocal ready
@@ -248,7 +248,7 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
 
 
 def cmd_mount(args: argparse.Namespace) -> None:
-    from pfs.config import ConfigError, client_config
+    from pfs.core.config import ConfigError, client_config
 
     try:
         opts = parse_options(args.options or [])
@@ -266,7 +266,7 @@ def cmd_mount(args: argparse.Namespace) -> None:
     if args.foreground:
         logging.getLogger().setLevel(logging.DEBUG if opts.debug else logging.INFO)
         sys.exit(run_foreground(cfg, mountpoint, opts, args.ready_fd))
-    argv = [sys.executable, "-m", "pfs.cli", "mount", "-f", "--meta", cfg.meta]
+    argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "-f", "--meta", cfg.meta]
     if config:
         argv += ["--config", os.path.abspath(config)]
     for item in args.options or []:
@@ -303,7 +303,7 @@ def cmd_umount(args: argparse.Namespace) -> None:
 
 
 def add_mount_parser(sub: Any, client_cmd: Any) -> None:
-    """Register ``pfs mount`` and ``pfs umount`` (called by ``pfs.cli.build_parser``)."""
+    """Register ``pfs mount`` and ``pfs umount`` (called by ``pfs.tools.cli.build_parser``)."""
     sp = client_cmd("mount", cmd_mount, "mount pfs with FUSE")
     sp.add_argument("mountpoint")
     sp.add_argument("-f", "--foreground", action="store_true",

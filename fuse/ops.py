@@ -25,9 +25,9 @@ from typing import Any
 
 import pyfuse3
 
-from fuse.options import MountTuning
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.fuse.options import MountTuning
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""``python -m metaserver``: run the metadata server.
+"""``python -m pfs.metaserver``: run the metadata server.
 
-    python -m metaserver --config meta.toml
-    python -m metaserver --db DIR [--host H] [--port P] [--ready-fd N]
+    python -m pfs.metaserver --config meta.toml
+    python -m pfs.metaserver --db DIR [--host H] [--port P] [--ready-fd N]
 
 ``--ready-fd N`` writes the bound port and a newline to file descriptor N once the
 server accepts connections, then closes it: a supervisor (``pfs cluster up``, tests)
@@ -17,16 +17,16 @@ import sys
 
 import trio
 
-from metaserver.server import serve_meta
-from pfs.config import ConfigError, MetaConfig, load
-from pfs.daemon import serve_until_signalled
-from pfs.versions import FormatError
+from pfs.core.config import ConfigError, MetaConfig, load
+from pfs.core.versions import FormatError
+from pfs.metaserver.server import serve_meta
+from pfs.tools.daemon import serve_until_signalled
 
 log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m metaserver", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pfs.metaserver", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="MetaConfig TOML file")
     p.add_argument("--db", help="LMDB directory (overrides the config)")
     p.add_argument("--host", help="address to listen on (overrides the config)")

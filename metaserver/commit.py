@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from metaserver.store import Store, WriteTxn
+from pfs.metaserver.store import Store, WriteTxn
 
 log = logging.getLogger(__name__)
 

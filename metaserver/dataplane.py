@@ -1,7 +1,7 @@
 """The metaserver's side of the data plane: its connections to data servers, and the two
 things it asks of them, truncating and deleting objects. Each call carries an admin
 capability for that one server; its generation fences the inode, so every capability
-issued before is stale for writing (pfs/caps.py)."""
+issued before is stale for writing (pfs/core/caps.py)."""
 from __future__ import annotations
 
 import errno
@@ -9,13 +9,13 @@ from typing import Any
 
 import trio
 
-from metaserver.registry import Registry
-from pfs import caps
-from pfs.auth import ClientAuth
-from pfs.layout import object_size
-from pfs.wire.connect import open_rpc
-from pfs.wire.protocol import Limits
-from pfs.wire.rpc import RpcClient
+from pfs.core import caps
+from pfs.core.auth import ClientAuth
+from pfs.core.layout import object_size
+from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.protocol import Limits
+from pfs.core.wire.rpc import RpcClient
+from pfs.metaserver.registry import Registry
 
 DATA_TIMEOUT = 30.0  # seconds per call to a data server
 DELETE_CHUNK = 1024  # object ids per delete request

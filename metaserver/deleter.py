@@ -12,9 +12,9 @@ from typing import Protocol
 
 import trio
 
-from metaserver.commit import CommitQueue
-from metaserver.namespace import Namespace
-from metaserver.store import Store, WriteTxn
+from pfs.metaserver.commit import CommitQueue
+from pfs.metaserver.namespace import Namespace
+from pfs.metaserver.store import Store, WriteTxn
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ IDLE_CHECK = 30.0  # seconds between rounds when nothing wakes the deleter
 
 
 class ObjectDeletion(Protocol):
-    """What the deleter needs of the data plane (:class:`metaserver.dataplane.DataPlane`)."""
+    """What the deleter needs of the data plane (:class:`pfs.metaserver.dataplane.DataPlane`)."""
 
     async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
         """Delete ``{sid: [[ino, stripe], ...]}``; the servers that failed, with why."""

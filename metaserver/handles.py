@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from metaserver import keys as K
-from metaserver.commit import CommitQueue
-from metaserver.store import Store, WriteTxn
-from pfs import caps
-from pfs.wire.rpc import ConnContext
+from pfs.core import caps
+from pfs.core.wire.rpc import ConnContext
+from pfs.metaserver import keys as K
+from pfs.metaserver.commit import CommitQueue
+from pfs.metaserver.store import Store, WriteTxn
 
 MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
 

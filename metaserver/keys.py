@@ -31,7 +31,7 @@ prefix  key                             value                                   
     ``delete`` to the data servers and removes the entry once they all answered.
 [4] Set when the last link goes while the inode is open; the last close (or the
     connection's end, or the next start of the server) reclaims it.
-[5] Written when the store is created (``pfs.versions.METADATA_FORMAT``); a store
+[5] Written when the store is created (``pfs.core.versions.METADATA_FORMAT``); a store
     without it predates format numbers and is format 0 (metaserver/store.py).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ DELQ = b"Q"
 ORPHAN = b"O"
 
 ROOT_INO = 1
-FORMAT = COUNTER + b"format"  # the store's format number, u64 (pfs/versions.py)
+FORMAT = COUNTER + b"format"  # the store's format number, u64 (pfs/core/versions.py)
 
 
 def u64(n: int) -> bytes:

@@ -2,7 +2,7 @@
 
 Every operation is a method of :class:`Namespace` that takes the transaction first and
 the caller's :class:`Cred`, checks POSIX rules and permissions, changes the records
-described in :mod:`metaserver.keys`, and returns wire-ready dicts (see ``docs/rpc.md``).
+described in :mod:`pfs.metaserver.keys`, and returns wire-ready dicts (see ``docs/rpc.md``).
 Errors are raised as ``OSError`` with the errno Linux would give. The server runs these
 inside its group-commit transactions; the tests run them against both store engines.
 
@@ -32,10 +32,10 @@ from typing import Any
 
 import msgpack
 
-from metaserver import keys as K
-from metaserver.store import Txn
-from pfs.config import LayoutDefaults
-from pfs.layout import check_geometry
+from pfs.core.config import LayoutDefaults
+from pfs.core.layout import check_geometry
+from pfs.metaserver import keys as K
+from pfs.metaserver.store import Txn
 
 R_OK, W_OK, X_OK = 4, 2, 1
 RENAME_NOREPLACE = 1

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pfs import auth, caps
-from pfs.auth import ClientAuth, ServerAuth
-from pfs.config import ConfigError, MetaConfig
+from pfs.core import auth, caps
+from pfs.core.auth import ClientAuth, ServerAuth
+from pfs.core.config import ConfigError, MetaConfig
 
 # Methods a peer with the "server" role (a data server) may call; every other one
 # needs a client (or, on an unsecured cluster, anyone).

@@ -2,20 +2,20 @@
 
 ``MetaService`` holds the RPC handlers and wires the parts they use, each a module:
 
-- :mod:`metaserver.commit`: group commit. Reads (getattr, lookup, readdir, ...) run in a
+- :mod:`pfs.metaserver.commit`: group commit. Reads (getattr, lookup, readdir, ...) run in a
   read transaction on the event loop; every mutation goes through the commit queue, and
   a handler replies only once its batch is on disk.
-- :mod:`metaserver.handles`: open handles per connection, open counts per inode, orphans
+- :mod:`pfs.metaserver.handles`: open handles per connection, open counts per inode, orphans
   (unlinked while open) and their reclaim.
-- :mod:`metaserver.registry`: which data servers are up, from registrations and
+- :mod:`pfs.metaserver.registry`: which data servers are up, from registrations and
   heartbeats; placement and ``statfs`` read it.
-- :mod:`metaserver.dataplane`: the connections to data servers; truncation and deletion
+- :mod:`pfs.metaserver.dataplane`: the connections to data servers; truncation and deletion
   of objects. Shrinking a file (setattr size, O_TRUNC) first truncates its objects on the
   data servers, then commits the new size, so old bytes never reappear past a later
   extension.
-- :mod:`metaserver.deleter`: deleted files' objects, queued (key ``Q``) in the
+- :mod:`pfs.metaserver.deleter`: deleted files' objects, queued (key ``Q``) in the
   transaction that drops them, deleted on the data servers in the background.
-- :mod:`metaserver.security`: keys, peer authentication, the capability signer.
+- :mod:`pfs.metaserver.security`: keys, peer authentication, the capability signer.
 """
 from __future__ import annotations
 
@@ -29,22 +29,22 @@ from typing import Any
 
 import trio
 
-from metaserver import keys as K
-from metaserver.commit import CommitQueue, dry_run
-from metaserver.dataplane import DataPlane
-from metaserver.deleter import Deleter
-from metaserver.handles import OpenFiles, rights_of
-from metaserver.namespace import Cred, Namespace
-from metaserver.registry import Registry
-from metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
-from metaserver.store import LmdbStore, Store, WriteTxn
-from pfs import caps
-from pfs.config import MetaConfig
-from pfs.messages import meta as M
-from pfs.messages.base import Empty
-from pfs.messages.records import At
-from pfs.wire.protocol import Limits
-from pfs.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.core import caps
+from pfs.core.config import MetaConfig
+from pfs.core.messages import meta as M
+from pfs.core.messages.base import Empty
+from pfs.core.messages.records import At
+from pfs.core.wire.protocol import Limits
+from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.metaserver import keys as K
+from pfs.metaserver.commit import CommitQueue, dry_run
+from pfs.metaserver.dataplane import DataPlane
+from pfs.metaserver.deleter import Deleter
+from pfs.metaserver.handles import OpenFiles, rights_of
+from pfs.metaserver.namespace import Cred, Namespace
+from pfs.metaserver.registry import Registry
+from pfs.metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
+from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ Engines: :class:`LmdbStore` (durable: ``sync=True``, every commit is on disk whe
 ``write()`` returns) and :class:`MemoryStore` (a sorted dict, for tests). The same
 metadata test suite runs against both.
 
-**Format.** An LMDB store records its format (``pfs.versions.METADATA_FORMAT``) under
+**Format.** An LMDB store records its format (``pfs.core.versions.METADATA_FORMAT``) under
 ``C format`` when it is created. :class:`LmdbStore` refuses a format it does not know,
 or an older one whose upgrade is more than an addition older servers ignore
-(:class:`pfs.versions.FormatError`, naming ``pfs admin migrate --db``, which takes the
+(:class:`pfs.core.versions.FormatError`, naming ``pfs admin migrate --db``, which takes the
 upgrade steps of ``_STEPS`` from the format found, in one transaction). A store without
 the key was made before formats were recorded (format 0); it is stamped as format 1 on
 open rather than refused: format 1 is format 0 plus that one key, which servers from
@@ -33,8 +33,8 @@ from typing import Protocol
 
 import lmdb
 
-from metaserver import keys as K
-from pfs.versions import METADATA_FORMAT, MIGRATE_DB, upgrade_steps
+from pfs.core.versions import METADATA_FORMAT, MIGRATE_DB, upgrade_steps
+from pfs.metaserver import keys as K
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ _AT_OPEN = frozenset({0})
 def _upgrade(txn: WriteTxn, path: str, at_open: bool) -> int | None:
     """Bring the store in ``txn`` to METADATA_FORMAT; the format it was in (None: it
     was empty, and is now stamped). FormatError when this pfs cannot (see
-    :func:`pfs.versions.upgrade_steps`)."""
+    :func:`pfs.core.versions.upgrade_steps`)."""
     found = store_format(txn)
     if found is None:
         txn.put(K.FORMAT, K.u64(METADATA_FORMAT))

@@ -24,8 +24,8 @@ def connect(config: Any = None, meta: str | None = None, **kwargs: Any) -> Clien
 def load_safetensors(source: Any, device: str = "cpu", client: Any = None,
                      **kwargs: Any) -> dict[str, Any]:
     """Load a (sharded) safetensors checkpoint from pfs or local disk into
-    ``{name: tensor}``; see :func:`pfs.loader.load_safetensors` (imported on first use)."""
-    from pfs.loader import load_safetensors as load
+    ``{name: tensor}``; see :func:`pfs.loader.safetensors.load_safetensors` (imported on first use)."""
+    from pfs.loader.safetensors import load_safetensors as load
 
     return load(source, device, client, **kwargs)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from pfs import cluster
+from pfs.tools import cluster
 
 # Shared CI machines are noisy: hypothesis must judge correctness, not speed.
 settings.register_profile("pfs", deadline=None)

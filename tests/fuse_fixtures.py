@@ -43,12 +43,12 @@ def fuse_usable() -> str | None:
 
 
 def pfs_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", "pfs.cli", *args], capture_output=True, text=True,
+    return subprocess.run([PY, "-m", "pfs.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd="/")
 
 
 def _mounted_here(path: Path) -> bool:
-    from fuse.mount import mount_entry
+    from pfs.fuse.mount import mount_entry
 
     return mount_entry(str(path)) is not None
 

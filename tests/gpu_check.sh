@@ -3,7 +3,7 @@
 #   1. the GPU tests (tests/integration/test_gpu.py -m gpu, and the loader's CUDA test);
 #   2. a small GDS benchmark: a 1 GiB file read into device memory with kvikio (GDS, or
 #      kvikio's compat mode where the GDS driver is absent), against preadv into pinned
-#      host memory + cudaMemcpy, and through pfs.gpu.DeviceStager.
+#      host memory + cudaMemcpy, and through pfs.loader.gpu.DeviceStager.
 # Needs the gpu extra: pip install -e '.[gpu,dev]' (kvikio-cu12, cupy-cuda12x).
 #   PY=.venv/bin/python tests/gpu_check.sh
 set -euo pipefail
@@ -30,7 +30,7 @@ timeout 180 "$PY" - "$SIZE_MB" <<'PYEOF'
 import os, sys, tempfile, time
 import cupy
 import trio
-import pfs.gpu as gpu
+import pfs.loader.gpu as gpu
 
 size = int(sys.argv[1]) << 20
 d = tempfile.mkdtemp(prefix="pfs-gds-")
@@ -75,7 +75,7 @@ rate("preadv -> pinned host -> cudaMemcpy", posix_copy)
 st = gpu.DeviceStager(64 << 20)
 async def pr(view, off):
     return os.preadv(fd, [view], off)
-rate("pfs.gpu.DeviceStager (2 x 32 MiB pinned)",
+rate("pfs.loader.gpu.DeviceStager (2 x 32 MiB pinned)",
      lambda: trio.run(st.read_into_device, pr, dev, 0))
 st.close()
 os.close(fd)

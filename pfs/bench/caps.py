@@ -25,14 +25,15 @@ from typing import Any
 
 import trio
 
-from pfs import caps, cluster
 from pfs.bench.common import fmt_size, parse_size
+from pfs.core import caps
+from pfs.tools import cluster
 
 
 async def _measure(toml: Path, path: str, size: int, block: int, seconds: float,
                    concurrency: int) -> float:
     from pfs.client.aio import AsyncClient
-    from pfs.config import ClientConfig, load
+    from pfs.core.config import ClientConfig, load
 
     # Every read must reach a data server, which checks its capability: with short-circuit
     # on (the default where the data servers are on this host) the client would read the

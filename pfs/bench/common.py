@@ -153,7 +153,7 @@ class ClusterUnderTest:
 
 
 def cluster_pids(d: Path) -> dict[str, int]:
-    from pfs import cluster
+    from pfs.tools import cluster
 
     try:
         return cluster.running(d)
@@ -167,7 +167,7 @@ def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[Clu
     client.toml sits in a cluster directory), ``--dir`` (started there if not running,
     left running), or a fresh one of ``data_servers`` in ``workdir/cluster``, stopped
     and removed afterwards."""
-    from pfs import cluster
+    from pfs.tools import cluster
 
     if getattr(args, "config", None):
         toml = Path(args.config).resolve()

@@ -133,7 +133,7 @@ class Target:
 # -- set-up ----------------------------------------------------------------------
 def pfs_mount(toml: Path, mnt: Path, opts: str) -> None:
     mnt.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pfs.cli", "mount", "--config", str(toml), str(mnt)]
+    argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "--config", str(toml), str(mnt)]
     if opts:
         argv += ["-o", opts]
     r = run_quiet(argv, timeout=120)
@@ -144,7 +144,7 @@ def pfs_mount(toml: Path, mnt: Path, opts: str) -> None:
 def pfs_umount(mnt: Path) -> None:
     if not _is_mounted(mnt):
         return
-    r = run_quiet([sys.executable, "-m", "pfs.cli", "umount", str(mnt)], timeout=60)
+    r = run_quiet([sys.executable, "-m", "pfs.tools.cli", "umount", str(mnt)], timeout=60)
     if r.returncode and _is_mounted(mnt):
         run_quiet(["fusermount3", "-u", str(mnt)])
     if _is_mounted(mnt):

@@ -2,7 +2,7 @@
 and ``uring`` engines at queue depths 1, 8 and 32, on three paths, in one run (issue 4):
 
 - ``local``: a plain file (``--file-size`` random bytes, in the page cache) read with
-  :func:`pfs.engine.get_engine` ``(engine, queue_depth=qd)``;
+  :func:`pfs.core.engine.get_engine` ``(engine, queue_depth=qd)``;
 - ``network``: a pfs file of the same size (stripe count ``--count``, unit ``--unit``)
   read by the native client with short-circuit **off**, so every read is an RPC to a
   data server over loopback TCP; the engine is the **data servers'** (``dataserver
@@ -127,7 +127,7 @@ def _record(lats: list[float], dt: float, span: dict[str, Any]) -> dict[str, Any
 
 
 def local_point(path: Path, size: int, engine: str, qd: int, seconds: float) -> dict[str, Any]:
-    from pfs.engine import get_engine
+    from pfs.core.engine import get_engine
 
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -151,7 +151,7 @@ def pfs_point(c: Any, path: str, size: int, qd: int, seconds: float, pids: list[
               engine: str | None = None) -> dict[str, Any]:
     """Random reads of pfs ``path`` through client ``c``; ``engine``: the short-circuit
     engine to read local objects with (a fresh one of queue depth qd)."""
-    from pfs.engine import get_engine
+    from pfs.core.engine import get_engine
 
     loc = c.aio.local
     if engine is not None:
@@ -241,7 +241,7 @@ def sync_point(c: Any, path: str, size: int, qd: int, seconds: float,
 def clusters(args: argparse.Namespace, wd: Path, engines: list[str]
              ) -> Iterator[dict[str, tuple[Path, list[int]]]]:
     """{server engine label: (client.toml, server pids)}."""
-    from pfs import cluster
+    from pfs.tools import cluster
 
     if args.config:
         toml = Path(args.config).resolve()
@@ -272,8 +272,8 @@ def clusters(args: argparse.Namespace, wd: Path, engines: list[str]
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import pfs
-    from pfs import config as cfgmod
-    from pfs.engine import uring_unavailable
+    from pfs.core import config as cfgmod
+    from pfs.core.engine import uring_unavailable
 
     if args.quick:
         args.file_size = min(args.file_size, 16 << 20)

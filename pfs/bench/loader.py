@@ -256,9 +256,9 @@ def same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import pfs
-    from pfs import config as cfgmod
     from pfs.bench import fusebench
-    from pfs.loader import LoadStats
+    from pfs.core import config as cfgmod
+    from pfs.loader.safetensors import LoadStats
 
     if args.quick:
         args.size = min(args.size, 24 << 20)

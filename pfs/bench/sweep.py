@@ -85,7 +85,7 @@ def _int_list(v: Any) -> list[int]:
 
 def gpu_present() -> bool:
     try:
-        from pfs.gpu import kvikio_missing, libcuda_missing
+        from pfs.loader.gpu import kvikio_missing, libcuda_missing
 
         return libcuda_missing() is None and kvikio_missing() is None
     except ImportError:
@@ -235,7 +235,7 @@ class Worker:
 
 
 def _buffers(n: int, bs: int, gpu: bool, fill: bool) -> list[Any]:
-    from pfs.engine import aligned_buffer
+    from pfs.core.engine import aligned_buffer
 
     if gpu:
         import cupy  # the gpu extra
@@ -253,7 +253,7 @@ def run_engine_worker(path: str, point: Point, cfg: SweepConfig, w: Worker, wid:
                       start: threading.Barrier) -> None:
     import trio
 
-    from pfs.engine import Engine, Op, get_engine
+    from pfs.core.engine import Engine, Op, get_engine
 
     base, direct, qd = parse_engine(point.engine)
     write = "write" in point.pattern
@@ -264,7 +264,7 @@ def run_engine_worker(path: str, point: Point, cfg: SweepConfig, w: Worker, wid:
 
     async def main() -> None:
         if base == "gds":
-            from pfs.gpu import GdsEngine  # the gpu extra's engine: GPU buffers only
+            from pfs.loader.gpu import GdsEngine  # the gpu extra's engine: GPU buffers only
 
             eng: Engine = GdsEngine(queue_depth=max(qd, 1))
         else:

@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "cluster": str(cut.dir) if cut.dir else None,
                        "local_file": str(local_path)},
         }
-        from pfs.config import ClientConfig, load
+        from pfs.core.config import ClientConfig, load
 
         net_cfg = load(ClientConfig, cut.client_toml)
         net_cfg.short_circuit = False  # pfs_read_*: every byte over TCP (a remote node)

@@ -19,7 +19,6 @@ from typing import Any
 
 import trio
 
-from pfs.auth import client_auth
 from pfs.client import ops, plan
 from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient
@@ -27,13 +26,14 @@ from pfs.client.direct import DirectData
 from pfs.client.meta import MetaClient
 from pfs.client.ops import StatVFS
 from pfs.client.plan import HandOver, Plan
+from pfs.client.shortcircuit import HandleObjects, LocalServers
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
-from pfs.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
-from pfs.gpu import STAGING_SIZE, DeviceStager, device_buffer
-from pfs.layout import Layout
-from pfs.shortcircuit import HandleObjects, LocalServers
+from pfs.core.auth import client_auth
+from pfs.core.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
+from pfs.core.layout import Layout
+from pfs.loader.gpu import STAGING_SIZE, DeviceStager, device_buffer
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class FileHandle:
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
         A GPU buffer (``__cuda_array_interface__``) is filled through pinned host staging
-        (:mod:`pfs.gpu`)."""
+        (:mod:`pfs.loader.gpu`)."""
         self._check(False)
         if hasattr(buf, "__cuda_array_interface__"):
             return await self._pread_device(buf, off)
@@ -369,7 +369,7 @@ class AsyncClient:
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
                                timeout=config.timeout, auth=creds.for_data())
-        # short-circuit reads of objects on this host's data servers (pfs/shortcircuit.py)
+        # short-circuit reads of objects on this host's data servers (pfs/client/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
         # plans carried out in the trio thread, and in the sync client's callers' threads
         self.driver = TrioDriver(self.data, self.meta)

@@ -11,9 +11,9 @@ from typing import Any
 
 import trio
 
-from pfs.auth import ClientAuth
-from pfs.wire.connect import open_rpc
-from pfs.wire.rpc import RpcClient
+from pfs.core.auth import ClientAuth
+from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
 

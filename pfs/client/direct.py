@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pfs.auth import ClientAuth
-from pfs.wire.blocking import BlockingRpcClient
-from pfs.wire.connect import open_blocking
+from pfs.core.auth import ClientAuth
+from pfs.core.wire.blocking import BlockingRpcClient
+from pfs.core.wire.connect import open_blocking
 
 log = logging.getLogger(__name__)
 

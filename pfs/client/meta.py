@@ -20,15 +20,15 @@ from typing import Any
 
 import trio
 
-from pfs import auth
-from pfs.auth import ClientAuth
 from pfs.client.types import Cred, DirEntry, StatResult
-from pfs.messages import meta as M
-from pfs.messages.base import RequestMessage
-from pfs.messages.records import At, WireCred
-from pfs.wire.blocking import BlockingRpcClient
-from pfs.wire.connect import open_blocking, open_rpc
-from pfs.wire.rpc import RpcClient, parse_reply
+from pfs.core import auth
+from pfs.core.auth import ClientAuth
+from pfs.core.messages import meta as M
+from pfs.core.messages.base import RequestMessage
+from pfs.core.messages.records import At, WireCred
+from pfs.core.wire.blocking import BlockingRpcClient
+from pfs.core.wire.connect import open_blocking, open_rpc
+from pfs.core.wire.rpc import RpcClient, parse_reply
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class MetaClient:
 
     async def call(self, method: str, **fields: Any) -> dict[str, Any]:
         """An untyped call (fields as keywords, the reply's map back); prefer
-        :meth:`request` with a message of :mod:`pfs.messages.meta`."""
+        :meth:`request` with a message of :mod:`pfs.core.messages.meta`."""
         if self.direct:
             return self._blocking_call(method, fields)
         rpc = await self._client()
@@ -166,7 +166,7 @@ class MetaClient:
                 log.debug("releasing closed handles: %s", exc)
 
     async def request(self, msg: RequestMessage) -> Any:
-        """A typed call: ``msg`` (a request of :mod:`pfs.messages.meta`) out, its typed
+        """A typed call: ``msg`` (a request of :mod:`pfs.core.messages.meta`) out, its typed
         reply back (``EPROTO`` if the reply does not fit it)."""
         fields = msg.to_wire()
         if self.direct:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from pfs.layout import Layout, Piece, stripe_extents
+from pfs.core.layout import Layout, Piece, stripe_extents
 
 T = TypeVar("T")
 Plan = Generator[Any, Any, T]

@@ -26,7 +26,7 @@ from pfs.client.aio import AsyncClient, FileHandle, open_flags
 from pfs.client.ops import StatVFS
 from pfs.client.plan import HandOver, Plan
 from pfs.client.types import Cred, DirEntry, StatResult
-from pfs.config import client_config
+from pfs.core.config import client_config
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

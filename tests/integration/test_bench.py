@@ -10,7 +10,7 @@ import pytest
 
 from pfs.bench import main as bench_main
 
-# pfs.cluster drops its Popen objects while the servers run on (they are daemons by
+# pfs.tools.cluster drops its Popen objects while the servers run on (they are daemons by
 # design); Popen.__del__ then warns, which the suite's "error" filter would turn into a
 # failure of whichever test happens to start the shared cluster.
 pytestmark = pytest.mark.filterwarnings(
@@ -110,7 +110,7 @@ def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "pfs.cli", "bench", "meta", "--files",
+    proc = subprocess.Popen([sys.executable, "-m", "pfs.tools.cli", "bench", "meta", "--files",
                              "1000000", "--reps", "1", "--local-dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.stderr is not None
@@ -132,7 +132,7 @@ def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:
             proc.wait()
         proc.stderr.close()
 
-    from pfs.cluster import _pid_alive  # a zombie (exited, not reaped) counts as gone
+    from pfs.tools.cluster import _pid_alive  # a zombie (exited, not reaped) counts as gone
 
     assert [pid for pid in pids if _pid_alive(pid)] == []
     assert list(tmp_path.iterdir()) == []  # its scratch directory went too

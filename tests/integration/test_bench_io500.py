@@ -373,7 +373,7 @@ def test_mpi_two_ranks(tmp_path: Path) -> None:
     argv = ["mpirun", "-np", "2"]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
-    argv += ["--oversubscribe", sys.executable, "-m", "pfs.cli", "bench", "io500",
+    argv += ["--oversubscribe", sys.executable, "-m", "pfs.tools.cli", "bench", "io500",
              "--path", str(target), "--stonewall", "0", "--easy-size", "4M",
              "--hard-segments", "4", "--easy-files", "6", "--hard-files", "110", "--verify",
              "--timestamp", "mpi", "--results", str(tmp_path / "res"), "--json", str(out)]

@@ -1,4 +1,4 @@
-"""The blocking metadata connection of the synchronous client (pfs/wire/blocking.py):
+"""The blocking metadata connection of the synchronous client (pfs/core/wire/blocking.py):
 against scripted misbehaving peers, and against the real cluster."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import pfs
-from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
-from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
+from pfs.core.wire.blocking import BlockingConnection, BlockingRpcClient
+from pfs.core.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
 from tests.conftest import run_threads
 
 
@@ -252,8 +252,8 @@ def test_asking_alive_during_a_call_leaves_its_tls_reply_alone(tmp_path: Path) -
     and the connection closed, or two threads drive one SSL object)."""
     import time
 
-    from pfs import certs
-    from pfs.auth import client_tls, server_tls
+    from pfs.core.auth import client_tls, server_tls
+    from pfs.tools import certs
 
     certs.generate(tmp_path, clients=["c"])
     sctx = server_tls(str(tmp_path / "server.pem"), str(tmp_path / "server.key"),

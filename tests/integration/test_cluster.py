@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import pfs
-from pfs import cluster
-from pfs.config import ClientConfig, ConfigError, load
+from pfs.core.config import ClientConfig, ConfigError, load
+from pfs.tools import cluster
 
 UNIT = 64 * 1024
 
@@ -179,7 +179,7 @@ def _pfs(*args: str, env_config: Path | None = None, input: bytes | None = None)
     env = dict(os.environ)
     if env_config is not None:
         env["PFS_CONFIG"] = str(env_config)
-    return subprocess.run([sys.executable, "-m", "pfs.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pfs.tools.cli", *args], capture_output=True,
                           env=env, input=input, timeout=120)
 
 

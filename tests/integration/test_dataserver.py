@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import trio
 
-from dataserver.objects import ObjectStore
-from dataserver.server import DataService, serve_data
-from pfs.config import DataConfig
-from pfs.engine import PosixEngine
-from pfs.wire.protocol import Limits
-from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.core.config import DataConfig
+from pfs.core.engine import PosixEngine
+from pfs.core.wire.protocol import Limits
+from pfs.core.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.dataserver.objects import ObjectStore
+from pfs.dataserver.server import DataService, serve_data
 
 TIMEOUT = 30
 
@@ -393,7 +393,7 @@ def test_subprocess_ready_fd_and_sigterm(tmp_path: Path) -> None:
         err = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "dataserver", "--dir", str(tmp_path / "d0"),
+                [sys.executable, "-m", "pfs.dataserver", "--dir", str(tmp_path / "d0"),
                  "--dir", str(tmp_path / "d1"), "--host", "127.0.0.1", "--port", "0",
                  "--meta", f"127.0.0.1:{mport}", "--heartbeat", "0.05", "--ready-fd", str(w)],
                 pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=err, stderr=err)
@@ -443,14 +443,14 @@ def test_subprocess_ready_fd_and_sigterm(tmp_path: Path) -> None:
 
 
 def test_cli_rejects_bad_options(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "dataserver", "--meta", "nocolon"],
+    res = subprocess.run([sys.executable, "-m", "pfs.dataserver", "--meta", "nocolon"],
                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert res.returncode == 2 and "HOST:PORT" in res.stderr
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     try:
-        res = subprocess.run([sys.executable, "-m", "dataserver", "--dir", str(tmp_path / "d"),
+        res = subprocess.run([sys.executable, "-m", "pfs.dataserver", "--dir", str(tmp_path / "d"),
                               "--meta", "", "--port", str(busy.getsockname()[1])],
                              capture_output=True, text=True, timeout=TIMEOUT)
     finally:

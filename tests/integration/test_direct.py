@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import pfs
-from pfs.config import ClientConfig, load
+from pfs.core.config import ClientConfig, load
 from tests.conftest import run_threads
 
 UNIT = 64 * 1024
@@ -136,7 +136,7 @@ def test_threads_share_a_bounded_pool_of_connections(client_toml, workdir,
         direct = c.aio.blocking.data
         assert direct is not None
         opened: list[str] = []
-        real_open = direct_mod.open_blocking
+        real_open = direct_mod.open_blocking  # the name direct.py imported
 
         def counting_open(auth, host, port, **kw):
             opened.append(f"{host}:{port}")
@@ -236,7 +236,7 @@ def test_a_close_with_nothing_to_commit_rides_on_the_next_call(client_toml, work
     create or read-only open, and the metaserver still learns the handle is gone."""
     import time
 
-    from pfs.wire.blocking import BlockingRpcClient
+    from pfs.core.wire.blocking import BlockingRpcClient
 
     sent: list[tuple[str, int]] = []
     real = BlockingRpcClient.call_into

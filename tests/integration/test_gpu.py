@@ -1,4 +1,4 @@
-"""pfs.gpu: GPU destinations. CPU-side tests use a fake object exposing
+"""pfs.loader.gpu: GPU destinations. CPU-side tests use a fake object exposing
 ``__cuda_array_interface__`` and mock only what cannot run here (the CUDA driver, kvikio,
 CuPy); tests marked ``gpu`` need a CUDA device and skip without one
 (``tests/gpu_check.sh`` runs them on a GPU machine)."""
@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import trio
 
-import pfs.gpu as gpu
-from pfs.engine import get_engine
-from pfs.gpu import GpuUnavailable, choose_path, device_buffer, is_device_buffer
+import pfs.loader.gpu as gpu
+from pfs.core.engine import get_engine
+from pfs.loader.gpu import GpuUnavailable, choose_path, device_buffer, is_device_buffer
 
 
 class FakeDeviceArray:
@@ -68,7 +68,7 @@ def test_host_buffers_never_touch_kvikio(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(gpu, "_import_kvikio", lambda: pytest.fail("kvikio imported"))
     assert choose_path(bytearray(10), local=True, profile="load") == "host"
     # and importing pfs (and its loader, engines, client) does not import kvikio
-    code = ("import sys, pfs, pfs.engine, pfs.loader, pfs.gpu, pfs.client.sync; "
+    code = ("import sys, pfs, pfs.core.engine, pfs.loader.safetensors, pfs.loader.gpu, pfs.client.sync; "
             "assert 'kvikio' not in sys.modules and 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -130,7 +130,7 @@ def test_gds_engine_refuses_host_buffers(driver: None, monkeypatch: pytest.Monke
 
 
 def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
-    """The async FileHandle hands GPU buffers to pfs.gpu, which says what is missing."""
+    """The async FileHandle hands GPU buffers to pfs.loader.gpu, which says what is missing."""
     from pfs.client.aio import FileHandle
 
     class Handle:
@@ -146,7 +146,7 @@ def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
 
 def test_loader_cuda_device_needs_gpu(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from pfs.loader import load_safetensors
+    from pfs.loader.safetensors import load_safetensors
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: covered by the gpu tests")
@@ -253,7 +253,7 @@ def test_gpu_loader_cuda(tmp_path: Path) -> None:
         pytest.skip("torch has no CUDA here")
     from safetensors.torch import save_file
 
-    from pfs.loader import load_safetensors
+    from pfs.loader.safetensors import load_safetensors
 
     t = {"a": torch.randn(1000, 257).to(torch.bfloat16), "b": torch.arange(10)}
     save_file(t, str(tmp_path / "m.safetensors"))
@@ -273,7 +273,7 @@ def test_loader_gds_plan_with_fake_kvikio(tmp_path: Path, monkeypatch: pytest.Mo
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
-    import pfs.loader as L
+    import pfs.loader.safetensors as L
 
     class FakeCuFile:
         def __init__(self, path: str, flags: str) -> None:

@@ -20,7 +20,7 @@ import safetensors
 from safetensors import safe_open
 
 import pfs
-from pfs.loader import DTYPES, CheckpointError, LoadStats, load_safetensors
+from pfs.loader.safetensors import DTYPES, CheckpointError, LoadStats, load_safetensors
 
 try:
     import torch
@@ -359,7 +359,7 @@ def test_duplicate_tensor_across_shards(ckpt: tuple[Path, Any], tmp_path: Path) 
 
 
 def test_cli_load_local(ckpt: tuple[Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from pfs.cli import main
+    from pfs.tools.cli import main
 
     d, truth = ckpt
     main(["load", str(d), "--local", "--framework", "numpy"])
@@ -425,7 +425,7 @@ def test_pfs_errors(client: Any, workdir: str, ckpt: tuple[Path, Any]) -> None:
 
 def test_cli_load_pfs(client_toml: Path, pfs_ckpt: str, ckpt: tuple[Path, Any],
                       capsys: pytest.CaptureFixture[str]) -> None:
-    from pfs.cli import main
+    from pfs.tools.cli import main
 
     _, truth = ckpt
     main(["load", pfs_ckpt, "--config", str(client_toml), "--framework", "numpy"])

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import trio
 
-from metaserver import deleter
-from metaserver.server import MetaService, serve_meta
-from metaserver.store import LmdbStore
-from pfs.config import LayoutDefaults, MetaConfig
-from pfs.messages import meta as M
-from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.core.config import LayoutDefaults, MetaConfig
+from pfs.core.messages import meta as M
+from pfs.core.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.metaserver import deleter
+from pfs.metaserver.server import MetaService, serve_meta
+from pfs.metaserver.store import LmdbStore
 
 ROOTC = [0, 0, []]
 USERC = [1000, 1000, [1000]]
@@ -306,7 +306,7 @@ async def test_no_servers_and_dead_servers(tmp_path: Path) -> None:
 def start_process(db: Path) -> tuple[subprocess.Popen[bytes], int]:
     rfd, wfd = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "metaserver", "--db", str(db), "--host", "127.0.0.1",
+        [sys.executable, "-m", "pfs.metaserver", "--db", str(db), "--host", "127.0.0.1",
          "--port", "0", "--ready-fd", str(wfd), "--log-level", "WARNING"],
         pass_fds=(wfd,), stdin=subprocess.DEVNULL)
     os.close(wfd)
@@ -419,7 +419,7 @@ def test_acknowledged_changes_survive_kill9(tmp_path: Path) -> None:
 
 
 def test_service_on_memory_store() -> None:
-    from metaserver.store import MemoryStore
+    from pfs.metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -442,7 +442,7 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
     """A create or O_TRUNC open whose handler is cancelled (its connection reset) while
     the operation waits in the group-commit queue must not leave the inode counted as
     open: unlinking it later deletes it instead of keeping an orphan forever."""
-    from metaserver.store import MemoryStore
+    from pfs.metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

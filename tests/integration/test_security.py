@@ -17,18 +17,26 @@ from typing import Any
 import pytest
 import trio
 
-from dataserver.objects import ObjectStore
-from dataserver.server import DataService, serve_data
-from metaserver.server import serve_meta
-from pfs import auth, caps, cluster
 from pfs.client.aio import AsyncClient
 from pfs.client.plan import write_request
-from pfs.config import ClientConfig, ConfigError, DataConfig, LayoutDefaults, MetaConfig, NodeKey
-from pfs.engine import PosixEngine
-from pfs.wire.connect import open_rpc
-from pfs.wire.protocol import HEADER, MAGIC, VERSION, Kind, encode_frame
-from pfs.wire.rpc import ConnContext, Request, RpcClient, RpcService
-from pfs.wire.transport import open_connection
+from pfs.core import auth, caps
+from pfs.core.config import (
+    ClientConfig,
+    ConfigError,
+    DataConfig,
+    LayoutDefaults,
+    MetaConfig,
+    NodeKey,
+)
+from pfs.core.engine import PosixEngine
+from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.protocol import HEADER, MAGIC, VERSION, Kind, encode_frame
+from pfs.core.wire.rpc import ConnContext, Request, RpcClient, RpcService
+from pfs.core.wire.transport import open_connection
+from pfs.dataserver.objects import ObjectStore
+from pfs.dataserver.server import DataService, serve_data
+from pfs.metaserver.server import serve_meta
+from pfs.tools import cluster
 
 ROOTC = [0, 0, []]
 TIMEOUT = 30
@@ -278,10 +286,10 @@ def test_world_readable_key_file_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="accessible by group or others"):
         pfs.connect(config=ClientConfig(meta="127.0.0.1:1", key_file=str(key), key_name="x"))
-    r = subprocess.run([sys.executable, "-m", "dataserver", "--dir", str(tmp_path / "d"),
+    r = subprocess.run([sys.executable, "-m", "pfs.dataserver", "--dir", str(tmp_path / "d"),
                         "--meta", "", "--key-file", str(key)], capture_output=True, timeout=60)
     assert r.returncode != 0 and b"chmod 600" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "metaserver", "--db", str(tmp_path / "m"),
+    r = subprocess.run([sys.executable, "-m", "pfs.metaserver", "--db", str(tmp_path / "m"),
                         "--port", "0", "--key-file", str(key)], capture_output=True, timeout=60)
     assert r.returncode != 0 and b"chmod 600" in r.stderr
 
@@ -296,7 +304,7 @@ def test_mutual_tls_cluster(private_cluster: Path) -> None:
         data = os.urandom(300_000)
         c.write_file("/tls", data)
         assert c.read_file("/tls") == data
-    meta = ClientConfig(meta=pfs.config.load(ClientConfig, toml).meta)
+    meta = ClientConfig(meta=pfs.core.config.load(ClientConfig, toml).meta)
     with pytest.raises(OSError) as info:
         pfs.connect(config=meta)  # no certificate: the TLS server sees no handshake
     assert info.value.errno in (errno.EACCES, errno.ECONNRESET, errno.EPROTO)
@@ -447,18 +455,18 @@ def test_seeded_fuzz_against_live_servers(tmp_path: Path) -> None:
     # a node key that may only act as uid/gid 5000, for the authenticated fuzzing
     fk = d / "keys" / "fuzz.key"
     auth.create_key(fk)
-    mcfg = pfs.config.load(MetaConfig, d / "meta.toml")
+    mcfg = pfs.core.config.load(MetaConfig, d / "meta.toml")
     mcfg.node_keys.append(NodeKey("fuzz", str(fk), [5000, 5000], [5000, 5000]))
-    (d / "meta.toml").write_text(pfs.config.dump(mcfg))
+    (d / "meta.toml").write_text(pfs.core.config.dump(mcfg))
     cluster.down(d)
     spec = cluster.load_spec(d)
     assert spec is not None
     # start again, keeping our meta.toml (up rewrites it: start the metaserver by hand)
-    mport = cluster._start(d, "meta", ["metaserver", "--config", str(d / "meta.toml"),
+    mport = cluster._start(d, "meta", ["pfs.metaserver", "--config", str(d / "meta.toml"),
                                        "--port", str(spec.meta_port)])
     meta = f"127.0.0.1:{mport}"
     for i in range(2):
-        cluster._start(d, f"data{i}", ["dataserver", "--key-file", str(d / "keys/cluster.key"),
+        cluster._start(d, f"data{i}", ["pfs.dataserver", "--key-file", str(d / "keys/cluster.key"),
                                        "--dir", str(d / "data" / f"ds{i}"), "--port", "0",
                                        "--meta", meta])
     cluster._wait_registered(toml, 2)
@@ -537,8 +545,8 @@ def test_bench_caps_runs(tmp_path: Path) -> None:
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pfs.errors import RemoteProtocolError  # noqa: E402
-from pfs.wire.protocol import FrameDecoder, Limits  # noqa: E402
+from pfs.core.errors import RemoteProtocolError  # noqa: E402
+from pfs.core.wire.protocol import FrameDecoder, Limits  # noqa: E402
 
 _values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
                        | st.binary(max_size=40) | st.text(max_size=20),

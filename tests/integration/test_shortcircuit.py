@@ -8,7 +8,7 @@ import random
 import pytest
 
 import pfs
-from pfs.config import ClientConfig, load
+from pfs.core.config import ClientConfig, load
 
 UNIT = 64 * 1024
 
@@ -144,7 +144,7 @@ def test_closing_during_a_read_keeps_its_descriptor_until_the_read_ends(tmp_path
     import trio
     import trio.testing
 
-    from pfs.shortcircuit import HandleObjects
+    from pfs.client.shortcircuit import HandleObjects
 
     obj = tmp_path / "obj"
     obj.write_bytes(b"abcdef")

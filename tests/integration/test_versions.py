@@ -1,4 +1,4 @@
-"""Versions on the wire and on disk (pfs/versions.py): negotiation, format checks, migrate."""
+"""Versions on the wire and on disk (pfs/core/versions.py): negotiation, format checks, migrate."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,17 +15,18 @@ import lmdb
 import pytest
 import trio
 
-from dataserver.objects import FORMAT_FILE, ObjectStore, dir_format, migrate_dir
-from metaserver import keys as K
-from metaserver.store import LmdbStore, migrate, store_format
-from pfs import auth, cluster, versions
-from pfs.config import ClientConfig, load
-from pfs.errors import ProtocolError, RemoteProtocolError
-from pfs.versions import LEGACY_RANGE, METADATA_FORMAT, OBJECT_FORMAT, FormatError, negotiate
-from pfs.wire.connect import open_blocking, open_rpc
-from pfs.wire.protocol import FrameDecoder, Kind, Peer, encode_frame
-from pfs.wire.rpc import ConnContext, Request, RpcService
-from pfs.wire.transport import open_connection
+from pfs.core import auth, versions
+from pfs.core.config import ClientConfig, load
+from pfs.core.errors import ProtocolError, RemoteProtocolError
+from pfs.core.versions import LEGACY_RANGE, METADATA_FORMAT, OBJECT_FORMAT, FormatError, negotiate
+from pfs.core.wire.connect import open_blocking, open_rpc
+from pfs.core.wire.protocol import FrameDecoder, Kind, Peer, encode_frame
+from pfs.core.wire.rpc import ConnContext, Request, RpcService
+from pfs.core.wire.transport import open_connection
+from pfs.dataserver.objects import FORMAT_FILE, ObjectStore, dir_format, migrate_dir
+from pfs.metaserver import keys as K
+from pfs.metaserver.store import LmdbStore, migrate, store_format
+from pfs.tools import cluster
 
 TIMEOUT = 30
 PY = [sys.executable]
@@ -109,7 +110,7 @@ def key_mode(tmp_path: Path, srv: versions.Range, cli: versions.Range) -> Mode:
 
 
 def tls_mode(tmp_path: Path, srv: versions.Range, cli: versions.Range) -> Mode:
-    from pfs.certs import generate
+    from pfs.tools.certs import generate
 
     d = tmp_path / "certs"
     generate(d, clients=["c"])
@@ -346,8 +347,8 @@ def test_a_format_that_needs_more_than_a_stamp_waits_for_migrate(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A later release's format 2 (simulated): a server refuses format 1 naming the
     command, the command upgrades it (running every step from the format found)."""
-    import dataserver.objects as objects
-    import metaserver.store as store
+    import pfs.dataserver.objects as objects
+    import pfs.metaserver.store as store
 
     db, d = tmp_path / "db", str(tmp_path / "data")
     s = LmdbStore(db)
@@ -386,24 +387,24 @@ def test_a_format_that_needs_more_than_a_stamp_waits_for_migrate(
 
 
 def _pfs(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PY, "-m", "pfs.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*PY, "-m", "pfs.tools.cli", *args], capture_output=True, text=True,
                           timeout=60)
 
 
-@pytest.mark.parametrize("server", ["metaserver", "dataserver"])
+@pytest.mark.parametrize("server", ["pfs.metaserver", "dataserver"])
 def test_server_refuses_a_future_format_naming_the_migrate_command(tmp_path: Path,
                                                                    server: str) -> None:
     if server == "metaserver":
         store = tmp_path / "db"
         LmdbStore(store).close()
         _set_raw_format(store, METADATA_FORMAT + 5)
-        argv = ["metaserver", "--db", str(store), "--port", "0"]
+        argv = ["pfs.metaserver", "--db", str(store), "--port", "0"]
         command = f"pfs admin migrate --db {store}"
     else:
         store = tmp_path / "data"
         store.mkdir()
         (store / FORMAT_FILE).write_text(f"{OBJECT_FORMAT + 5}\n")
-        argv = ["dataserver", "--dir", str(store), "--port", "0", "--meta", ""]
+        argv = ["pfs.dataserver", "--dir", str(store), "--port", "0", "--meta", ""]
         command = f"pfs admin migrate --data {store}"
     proc = subprocess.run([*PY, "-m", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0

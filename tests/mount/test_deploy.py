@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pfs.config import ClientConfig, DataConfig, MetaConfig, load
+from pfs.core.config import ClientConfig, DataConfig, MetaConfig, load
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

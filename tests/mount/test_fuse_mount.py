@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fuse.mount import mount_entry
-from fuse.options import MountError, parse_options
-from pfs import cluster
+from pfs.fuse.mount import mount_entry
+from pfs.fuse.options import MountError, parse_options
+from pfs.tools import cluster
 from tests.fuse_fixtures import *  # noqa: F403
 from tests.fuse_fixtures import PY, fuse_usable, mounted, pfs_cli
 
@@ -73,7 +73,7 @@ def test_background_mount_and_umount(client_toml: Path) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_foreground_signal_unmounts(client_toml: Path, mountpoint: Path, sig: int) -> None:
     rfd, wfd = os.pipe()
-    proc = subprocess.Popen([PY, "-m", "pfs.cli", "mount", "-f", "--config", str(client_toml),
+    proc = subprocess.Popen([PY, "-m", "pfs.tools.cli", "mount", "-f", "--config", str(client_toml),
                              str(mountpoint), "--ready-fd", str(wfd)], pass_fds=(wfd,),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     os.close(wfd)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from pfs.engine import Op, PosixEngine, get_engine
+from pfs.core.engine import Op, PosixEngine, get_engine
 
 
 @pytest.fixture

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 import trio
 
-import pfs.engine as engine_mod
-from pfs.engine import Op, PosixEngine, UringEngine, aligned_buffer, get_engine, uring_unavailable
+import pfs.core.engine as engine_mod
+from pfs.core.engine import (
+    Op,
+    PosixEngine,
+    UringEngine,
+    aligned_buffer,
+    get_engine,
+    uring_unavailable,
+)
 
 pytestmark = pytest.mark.skipif(uring_unavailable() is not None,
                                 reason=f"no io_uring here: {uring_unavailable()}")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pfs.layout import Layout, locate, object_size, pieces, stripe_extents
+from pfs.core.layout import Layout, locate, object_size, pieces, stripe_extents
 
 units = st.sampled_from([4096, 8192, 65536, 1 << 20])
 counts = st.integers(min_value=1, max_value=8)

@@ -11,12 +11,10 @@ import msgpack
 import pytest
 import trio
 
-from dataserver.server import DataService
-from metaserver.server import MetaService
-from pfs.messages import data as D
-from pfs.messages import doc
-from pfs.messages import meta as M
-from pfs.messages.base import (
+from pfs.core.messages import data as D
+from pfs.core.messages import doc
+from pfs.core.messages import meta as M
+from pfs.core.messages.base import (
     AnyField,
     BoolField,
     BytesField,
@@ -29,8 +27,10 @@ from pfs.messages.base import (
     RequestMessage,
     StrField,
 )
-from pfs.messages.records import At, AtField, CredField, ObjIdField, TimeField
-from pfs.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.core.messages.records import At, AtField, CredField, ObjIdField, TimeField
+from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.dataserver.server import DataService
+from pfs.metaserver.server import MetaService
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = [*M.REGISTRY, *D.REGISTRY]
@@ -232,8 +232,8 @@ def test_a_typed_service_refuses_a_handler_without_a_message() -> None:
 
 
 def _data_service(tmp_path: Path) -> DataService:
-    from dataserver.objects import ObjectStore
-    from pfs.engine import PosixEngine
+    from pfs.core.engine import PosixEngine
+    from pfs.dataserver.objects import ObjectStore
 
     return DataService(ObjectStore([str(tmp_path)]), PosixEngine(), use_sendfile=False)
 
@@ -277,7 +277,7 @@ def test_a_reply_of_the_wrong_class_is_a_bug() -> None:
 def test_docs_rpc_md_tables_match_the_definitions() -> None:
     text = (ROOT / "docs" / "rpc.md").read_text()
     assert doc.render(text) == text, (
-        "docs/rpc.md and pfs/messages drifted: run "
-        "`python -m pfs.messages.doc --write docs/rpc.md`")
+        "docs/rpc.md and pfs/core/messages drifted: run "
+        "`python -m pfs.core.messages.doc --write docs/rpc.md`")
     for cls in ALL:
         assert f"| `{cls.method}` |" in text

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from metaserver import keys as K
-from metaserver.namespace import (
+from pfs.core.config import LayoutDefaults
+from pfs.metaserver import keys as K
+from pfs.metaserver.namespace import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT,
@@ -20,8 +21,7 @@ from metaserver.namespace import (
     Cred,
     Namespace,
 )
-from metaserver.store import LmdbStore, MemoryStore
-from pfs.config import LayoutDefaults
+from pfs.metaserver.store import LmdbStore, MemoryStore
 
 USER = Cred(1000, 1000, (1000, 50))
 OTHER = Cred(2000, 2000, (2000,))

@@ -15,19 +15,19 @@ import pytest
 import trio
 import trio.testing
 
-from metaserver import commit
-from metaserver import deleter as deleter_module
-from metaserver import keys as K
-from metaserver.commit import CommitQueue, dry_run
-from metaserver.deleter import Deleter
-from metaserver.handles import MAX_CLOSES, OpenFiles
-from metaserver.namespace import Cred, Namespace
-from metaserver.registry import Registry
-from metaserver.security import SERVER_METHODS, cap_signer, meta_security
-from metaserver.store import MemoryStore, WriteTxn
-from pfs import auth, caps
-from pfs.config import ConfigError, LayoutDefaults, MetaConfig, NodeKey
-from pfs.wire.rpc import ConnContext
+from pfs.core import auth, caps
+from pfs.core.config import ConfigError, LayoutDefaults, MetaConfig, NodeKey
+from pfs.core.wire.rpc import ConnContext
+from pfs.metaserver import commit
+from pfs.metaserver import deleter as deleter_module
+from pfs.metaserver import keys as K
+from pfs.metaserver.commit import CommitQueue, dry_run
+from pfs.metaserver.deleter import Deleter
+from pfs.metaserver.handles import MAX_CLOSES, OpenFiles
+from pfs.metaserver.namespace import Cred, Namespace
+from pfs.metaserver.registry import Registry
+from pfs.metaserver.security import SERVER_METHODS, cap_signer, meta_security
+from pfs.metaserver.store import MemoryStore, WriteTxn
 
 
 def trio_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
@@ -229,7 +229,7 @@ async def test_background_operations(caplog: pytest.LogCaptureFixture) -> None:
     queue = CommitQueue(store)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(queue.run)
-        with caplog.at_level(logging.WARNING, logger="metaserver.commit"):
+        with caplog.at_level(logging.WARNING, logger="pfs.metaserver.commit"):
             queue.submit(put_then_fail(b"bad"))
             queue.submit(put(b"bg"))
             await queue.mutate(put(b"fg"))  # queued after them: done after them

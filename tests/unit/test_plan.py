@@ -18,7 +18,7 @@ from pfs.client.plan import (
     Send,
     classify,
 )
-from pfs.layout import Layout
+from pfs.core.layout import Layout
 
 UNIT = 4096
 INO = 7

@@ -11,8 +11,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pfs.errors import LocalProtocolError, RemoteProtocolError
-from pfs.wire.protocol import (
+from pfs.core.errors import LocalProtocolError, RemoteProtocolError
+from pfs.core.wire.protocol import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -129,13 +129,13 @@ def test_header_layout_is_stable() -> None:
 
 # -- the trio layer, over a real socket pair ------------------------------------
 def test_rpc_over_socketpair_many_in_flight() -> None:
-    from pfs.wire.rpc import RpcClient, RpcService
-    from pfs.wire.transport import Connection
+    from pfs.core.wire.rpc import RpcClient, RpcService
+    from pfs.core.wire.transport import Connection
 
     class Svc(RpcService):
         async def rpc_echo(self, ctx, req):
             await trio.sleep(0.001 * (req.int("i") % 5))  # replies come back out of order
-            from pfs.wire.rpc import Reply
+            from pfs.core.wire.rpc import Reply
             return Reply({"i": req.int("i")}, payload=bytes(req.payload or b"")[::-1])
 
         async def rpc_boom(self, ctx, req):
@@ -177,8 +177,8 @@ def test_rpc_over_socketpair_many_in_flight() -> None:
 def _raw_pair():
     """An ``RpcClient`` over one end of a socket pair; the test plays the server on the
     other end with a bare ``Connection``."""
-    from pfs.wire.rpc import RpcClient
-    from pfs.wire.transport import Connection
+    from pfs.core.wire.rpc import RpcClient
+    from pfs.core.wire.transport import Connection
 
     a, b = trio.socket.socketpair()
     return RpcClient(Connection(a)), Connection(b)
@@ -201,7 +201,7 @@ def _run_pair(body) -> None:
 def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
     """A call that timed out while its reply's payload was arriving: the caller owns its
     buffer again, so the rest of that payload must not be written into it."""
-    from pfs.wire.protocol import encode_head
+    from pfs.core.wire.protocol import encode_head
 
     async def body(cli, srv) -> None:
         async with trio.open_nursery() as n:
@@ -234,7 +234,7 @@ def test_late_reply_never_lands_in_a_buffer_the_caller_took_back() -> None:
 def test_giving_up_mid_reply_keeps_the_connection_for_other_calls() -> None:
     """A read cancelled while its payload is arriving: the rest still comes in promptly,
     so the connection stays, and another read sharing it gets its reply."""
-    from pfs.wire.protocol import encode_head
+    from pfs.core.wire.protocol import encode_head
 
     async def body(cli, srv) -> None:
         async with trio.open_nursery() as n:
@@ -286,7 +286,7 @@ def test_giving_up_mid_reply_keeps_the_connection_for_other_calls() -> None:
 def test_connection_lost_mid_reply_fails_the_call_at_once() -> None:
     """The reply's payload stops half-way because the peer went away: the call fails with
     ECONNRESET now, not with ETIMEDOUT when its (long) timeout runs out."""
-    from pfs.wire.protocol import encode_head
+    from pfs.core.wire.protocol import encode_head
 
     async def body(cli, srv) -> None:
         async with trio.open_nursery() as n:
@@ -311,7 +311,7 @@ def test_connection_lost_mid_reply_fails_the_call_at_once() -> None:
 def test_request_cut_off_mid_frame_does_not_corrupt_the_stream() -> None:
     """A call that times out (or is cancelled) half-way through sending its payload must
     not leave half a frame on the connection for the next request to be read into."""
-    from pfs.wire.rpc import RpcService
+    from pfs.core.wire.rpc import RpcService
 
     got: list[str] = []
 

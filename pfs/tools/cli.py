@@ -69,7 +69,7 @@ class Progress:
 # ---------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> Any:
     import pfs
-    from pfs.config import ConfigError
+    from pfs.core.config import ConfigError
 
     try:
         return pfs.connect(config=args.config, meta=args.meta)
@@ -215,7 +215,7 @@ def cmd_df(args: argparse.Namespace) -> None:
 
 def cmd_load(args: argparse.Namespace) -> None:
     """Load a safetensors checkpoint with the loader fast path and report the rate."""
-    from pfs.loader import CheckpointError, LoadStats, load_safetensors
+    from pfs.loader.safetensors import CheckpointError, LoadStats, load_safetensors
 
     stats = LoadStats()
     pfs_source = not args.local and (args.config or args.meta or os.environ.get("PFS_CONFIG"))
@@ -253,7 +253,7 @@ def _split_arg(items: list[str] | None) -> dict[str, int] | None:
 
 # -- cluster ------------------------------------------------------------------
 def cmd_cluster_up(args: argparse.Namespace) -> None:
-    from pfs import cluster
+    from pfs.tools import cluster
 
     try:
         path = cluster.up(Path(args.dir), args.data_servers, args.meta_port,
@@ -264,15 +264,15 @@ def cmd_cluster_up(args: argparse.Namespace) -> None:
 
 
 def cmd_cluster_init(args: argparse.Namespace) -> None:
-    from pfs import cluster
+    from pfs.tools import cluster
 
     for p in cluster.init(Path(args.dir), args.tls):
         print(p)
 
 
 def cmd_certs(args: argparse.Namespace) -> None:
-    from pfs.certs import generate
-    from pfs.config import ConfigError
+    from pfs.core.config import ConfigError
+    from pfs.tools.certs import generate
 
     try:
         for p in generate(Path(args.dir), args.host, args.client, args.uids, args.gids):
@@ -282,14 +282,14 @@ def cmd_certs(args: argparse.Namespace) -> None:
 
 
 def cmd_cluster_down(args: argparse.Namespace) -> None:
-    from pfs import cluster
+    from pfs.tools import cluster
 
     stopped = cluster.down(Path(args.dir))
     print(f"stopped {len(stopped)} process(es)" + (f": {', '.join(stopped)}" if stopped else ""))
 
 
 def cmd_cluster_status(args: argparse.Namespace) -> None:
-    from pfs import cluster
+    from pfs.tools import cluster
 
     try:
         st = cluster.status(Path(args.dir))
@@ -307,22 +307,22 @@ def cmd_cluster_status(args: argparse.Namespace) -> None:
 
 
 def cmd_meta_serve(args: argparse.Namespace) -> None:
-    from metaserver.__main__ import main as meta_main
+    from pfs.metaserver.__main__ import main as meta_main
 
     sys.exit(meta_main(args.rest))
 
 
 def cmd_data_serve(args: argparse.Namespace) -> None:
-    from dataserver.__main__ import main as data_main
+    from pfs.dataserver.__main__ import main as data_main
 
     sys.exit(data_main(args.rest))
 
 
 def cmd_admin_migrate(args: argparse.Namespace) -> None:
-    """Upgrade stores in place to this pfs's formats (pfs/versions.py); the servers'
+    """Upgrade stores in place to this pfs's formats (pfs/core/versions.py); the servers'
     refusal of an older format names this command. Idempotent."""
-    from dataserver.objects import migrate_dir
-    from metaserver.store import migrate
+    from pfs.dataserver.objects import migrate_dir
+    from pfs.metaserver.store import migrate
 
     if not args.db and not args.data:
         raise SystemExit("pfs admin migrate: name a store: --db DIR and/or --data DIR")
@@ -338,7 +338,7 @@ def cmd_admin_migrate(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from pfs.demo import run_demo
+    from pfs.tools.demo import run_demo
 
     run_demo(Path(args.dir), args.size, keep=args.keep)
 
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--framework", choices=["torch", "numpy"], default=None)
     sp.add_argument("--local", action="store_true", help="PATH is on local disk")
 
-    from fuse.mount import add_mount_parser  # pfs mount / pfs umount
+    from pfs.fuse.mount import add_mount_parser  # pfs mount / pfs umount
 
     add_mount_parser(sub, client_cmd)
 

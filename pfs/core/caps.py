@@ -80,7 +80,7 @@ class CapSigner:
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str], ttl: float = 300.0) -> CapSigner:
         """The private key in ``path`` (raw 32 bytes, mode 0600), created if absent."""
-        from pfs.auth import read_secret_file
+        from pfs.core.auth import read_secret_file
 
         p = Path(path)
         if not p.exists():

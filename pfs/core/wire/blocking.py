@@ -4,8 +4,8 @@ The synchronous client sends its metadata calls from the calling thread on one o
 these instead of hopping into its trio thread and back: the hop (a wake-up through a
 socket pair, two thread switches) costs more CPU than the round trip itself (~150 us
 against ~40 us per call on the benchmark machine; docs/benchmarks.md). Frames are the
-same as everywhere (:mod:`pfs.wire.protocol`); only the I/O around them differs from
-:class:`pfs.wire.rpc.RpcClient`, and so do its limits: no concurrent calls on one
+same as everywhere (:mod:`pfs.core.wire.protocol`); only the I/O around them differs from
+:class:`pfs.core.wire.rpc.RpcClient`, and so do its limits: no concurrent calls on one
 connection, and reply payloads come back as bytes (metadata replies carry none).
 
 Error semantics match ``RpcClient``: a server's error frame is raised as the same
@@ -24,8 +24,8 @@ import struct
 import threading
 from typing import Any
 
-from pfs.errors import ProtocolError, from_wire
-from pfs.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
+from pfs.core.errors import ProtocolError, from_wire
+from pfs.core.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
 
 log = logging.getLogger(__name__)
 

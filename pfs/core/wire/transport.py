@@ -17,8 +17,8 @@ from typing import Any
 
 import trio
 
-from pfs.errors import RemoteProtocolError
-from pfs.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
+from pfs.core.errors import RemoteProtocolError
+from pfs.core.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
 
 log = logging.getLogger(__name__)
 

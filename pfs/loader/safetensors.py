@@ -26,7 +26,7 @@ fp8: with ``ml_dtypes`` installed those come as ``ml_dtypes.bfloat16`` /
 BF16, ``uint8`` for the F8 types — bit-exact either way (``arr.view(ml_dtypes.bfloat16)``
 gives floats later).
 
-The ``load`` profile (:func:`pfs.config.profile_settings`) sets the engine, queue depth,
+The ``load`` profile (:func:`pfs.core.config.profile_settings`) sets the engine, queue depth,
 request size and merge gap.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 import trio
 
-from pfs.config import ProfileSettings, profile_settings
+from pfs.core.config import ProfileSettings, profile_settings
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class _Reader:
 
 class _LocalReader(_Reader):
     def __init__(self, settings: ProfileSettings) -> None:
-        from pfs.engine import get_engine, uring_unavailable
+        from pfs.core.engine import get_engine, uring_unavailable
 
         name = settings.engine
         if name == "uring" and uring_unavailable() is not None:
@@ -317,7 +317,7 @@ class _LocalReader(_Reader):
         return await trio.to_thread.run_sync(_open_local, path)
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
-        from pfs.engine import Op
+        from pfs.core.engine import Op
 
         batch: list[Op] = []
         where: list[tuple[int, int]] = []  # (op index, offset in its buffer) per piece
@@ -621,7 +621,7 @@ def _framework(framework: str | None, device: str) -> _Numpy | _Torch:
             raise ValueError(f"device={device!r} needs torch (pip install torch)") from None
         return _Numpy()
     if device.startswith("cuda"):
-        from pfs.gpu import GpuUnavailable, libcuda_missing
+        from pfs.loader.gpu import GpuUnavailable, libcuda_missing
 
         why = libcuda_missing()
         if why is not None:
@@ -639,7 +639,7 @@ def _framework(framework: str | None, device: str) -> _Numpy | _Torch:
 async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
                     sliced: list[_Sliced]) -> None:
     """Regions and slices of local shards read by kvikio into device buffers."""
-    from pfs.gpu import GDS_TASK_SIZE, require_gds
+    from pfs.loader.gpu import GDS_TASK_SIZE, require_gds
 
     kvikio = require_gds()
     torch = fw.torch
@@ -765,7 +765,7 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
     reader: _Reader = _PfsReader(client) if client is not None else _LocalReader(settings)
     gds_ok = False
     if device.startswith("cuda") and settings.gds and client is None:
-        from pfs.gpu import kvikio_missing
+        from pfs.loader.gpu import kvikio_missing
 
         gds_ok = kvikio_missing() is None  # else: pinned host buffers + copy
     t0 = time.perf_counter()

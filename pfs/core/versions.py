@@ -12,15 +12,15 @@ each other and a new binary opens a store an old one wrote. The rules:
   A server opens only formats it knows (``*_FORMAT`` is the newest it writes); an older
   format that it knows is upgraded by ``pfs admin migrate``, never silently by a server
   start, unless the upgrade is a pure addition that older servers ignore (see
-  :mod:`metaserver.store` and :mod:`dataserver.objects`).
+  :mod:`pfs.metaserver.store` and :mod:`pfs.dataserver.objects`).
 """
 from __future__ import annotations
 
 import errno
 from collections.abc import Container
 
-# -- the wire (pfs/wire/protocol.py, the handshake in pfs/auth.py) -----------------
-# 1: the frame format of pfs/wire/protocol.py (26-byte header, msgpack map, raw payload)
+# -- the wire (pfs/core/wire/protocol.py, the handshake in pfs/core/auth.py) -----------------
+# 1: the frame format of pfs/core/wire/protocol.py (26-byte header, msgpack map, raw payload)
 #    and the RPCs of docs/rpc.md. Peers from before version negotiation speak only 1.
 PROTOCOL_MIN = 1
 PROTOCOL_MAX = 1

@@ -25,9 +25,9 @@ from typing import Any
 import trio
 
 from pfs.client.plan import open_fd_request
-from pfs.errors import ProtocolError, from_wire
-from pfs.wire.protocol import Kind
-from pfs.wire.transport import Connection, local_socket_name, open_unix_connection
+from pfs.core.errors import ProtocolError, from_wire
+from pfs.core.wire.protocol import Kind
+from pfs.core.wire.transport import Connection, local_socket_name, open_unix_connection
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class LocalServers:
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            from pfs.engine import get_engine
+            from pfs.core.engine import get_engine
 
             self._engine = get_engine(self._engine_name)
         return self._engine
@@ -216,7 +216,7 @@ class HandleObjects:
     async def read(self, fd: int, obj_off: int, dests: list[memoryview]) -> list[int]:
         """Read consecutive object bytes into ``dests`` with the engine; returns the
         bytes there were for each destination (the planner zero-fills the rest)."""
-        from pfs.engine import Op
+        from pfs.core.engine import Op
 
         ops, off = [], obj_off
         for d in dests:

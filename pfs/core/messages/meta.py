@@ -10,7 +10,7 @@ import errno
 import os
 from typing import Any
 
-from pfs.messages.base import (
+from pfs.core.messages.base import (
     Anything,
     Bool,
     Bytes,
@@ -23,7 +23,7 @@ from pfs.messages.base import (
     RequestMessage,
     Str,
 )
-from pfs.messages.records import (
+from pfs.core.messages.records import (
     NAME_MAX,
     PATH_MAX,
     SYMLINK_MAX,

@@ -1,7 +1,7 @@
 """Authenticated client connections: a TCP (or TLS) connection, then the handshake of
-:class:`pfs.auth.ClientAuth`, as an RPC client for trio or for a blocking thread.
+:class:`pfs.core.auth.ClientAuth`, as an RPC client for trio or for a blocking thread.
 
-Here rather than in :mod:`pfs.auth` so that auth stays key, HMAC and TLS logic and the
+Here rather than in :mod:`pfs.core.auth` so that auth stays key, HMAC and TLS logic and the
 RPC layer may use it without an import cycle."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import trio
 
-from pfs.auth import AUTH_TIMEOUT, ClientAuth
-from pfs.errors import ProtocolError
-from pfs.wire.blocking import BlockingConnection, BlockingRpcClient
-from pfs.wire.rpc import RpcClient
+from pfs.core.auth import AUTH_TIMEOUT, ClientAuth
+from pfs.core.errors import ProtocolError
+from pfs.core.wire.blocking import BlockingConnection, BlockingRpcClient
+from pfs.core.wire.rpc import RpcClient
 
 
 def open_blocking(auth: ClientAuth, host: str, port: int,

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pfs
-from pfs import cluster
 from pfs.client.sync import Client
+from pfs.tools import cluster
 
 
 def run_demo(d: Path, size: int, keep: bool = False) -> None:

@@ -92,7 +92,7 @@ def make_cert(d: Path, name: str, ou: str, hosts: list[str]) -> tuple[Path, Path
 def generate(d: Path, hosts: list[str] | None = None, clients: list[str] | None = None,
              uids: str = "0-4294967295", gids: str = "0-4294967295") -> list[Path]:
     """A CA (unless DIR holds one), the server certificate and client certificates."""
-    from pfs.auth import parse_range
+    from pfs.core.auth import parse_range
 
     lo, hi = parse_range(uids)
     glo, ghi = parse_range(gids)

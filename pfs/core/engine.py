@@ -12,7 +12,7 @@ client when it reads a local object's fd itself. One interface, several back end
   on a disk. Large ops are sent to the kernel's io-wq workers (``IOSQE_ASYNC``) so page
   copies run on kernel threads, outside the GIL. Registered files and buffers, and
   O_DIRECT with alignment checks, are options.
-- ``gds`` (GPUDirect Storage through kvikio) reads into GPU memory: see :mod:`pfs.gpu`;
+- ``gds`` (GPUDirect Storage through kvikio) reads into GPU memory: see :mod:`pfs.loader.gpu`;
   ``get_engine("gds")`` says what is missing where it cannot run.
 
 Semantics every engine keeps:
@@ -245,7 +245,7 @@ def direct_misalignment(offset: int, buf: Buffer, alignment: int = DIRECT_ALIGN)
         return None
     return OSError(errno.EINVAL, "O_DIRECT needs the buffer address, file offset and length "
                                  f"aligned to {alignment} bytes: " + "; ".join(problems)
-                                 + " (pfs.engine.aligned_buffer() gives aligned buffers)")
+                                 + " (pfs.core.engine.aligned_buffer() gives aligned buffers)")
 
 
 # -- io_uring -------------------------------------------------------------------
@@ -643,7 +643,7 @@ def default_engine() -> str:
     return "uring" if uring_unavailable() is None else "posix"
 
 
-# Engines that live outside this module (``gds``, in pfs.gpu), by name: registered by their
+# Engines that live outside this module (``gds``, in pfs.loader.gpu), by name: registered by their
 # module, so this one never imports them.
 _REGISTERED: dict[str, Callable[..., Engine]] = {}
 
@@ -658,8 +658,8 @@ def get_engine(name: str = "posix", **options: Any) -> Engine:
 
     ``auto`` is :func:`default_engine`. ``uring`` raises ``OSError(ENOTSUP)`` saying why
     where the kernel (or the sandbox) has no io_uring. ``gds`` is not a host-memory engine:
-    GPU destinations go through :mod:`pfs.gpu`; here it raises a clear error when kvikio or
-    CUDA is missing and otherwise returns that module's engine (registered when pfs.gpu is
+    GPU destinations go through :mod:`pfs.loader.gpu`; here it raises a clear error when kvikio or
+    CUDA is missing and otherwise returns that module's engine (registered when pfs.loader.gpu is
     imported)."""
     if name == "auto":
         name = default_engine()
@@ -672,5 +672,5 @@ def get_engine(name: str = "posix", **options: Any) -> Engine:
         return factory(**options)
     if name == "gds":
         raise OSError(errno.ENOTSUP, "the gds engine reads into GPU memory: it comes with "
-                                     "pfs.gpu (import it; needs pip install 'pfs[gpu]')")
+                                     "pfs.loader.gpu (import it; needs pip install 'pfs[gpu]')")
     raise OSError(errno.EINVAL, f"unknown I/O engine {name!r}; known: auto, {', '.join(ENGINES)}")

@@ -3,7 +3,7 @@
 A frame is a fixed 26-byte header, a msgpack map, then an optional raw payload::
 
     magic  "PF"   2 bytes
-    version       u8   the connection's protocol version (pfs/versions.py)
+    version       u8   the connection's protocol version (pfs/core/versions.py)
     kind          u8   (1 request, 2 reply, 3 error)
     flags         u16  (reserved, 0)
     map_len       u32  length of the msgpack map
@@ -15,7 +15,7 @@ decoder hands out the header and map first (:class:`FrameHead`) and leaves the p
 to the caller, so a socket layer can receive it straight into its final buffer.
 
 Versions: the header layout never changes. Until a connection's handshake has picked a
-version (pfs/auth.py), its frames carry ``HANDSHAKE_VERSION`` and the decoder takes any
+version (pfs/core/auth.py), its frames carry ``HANDSHAKE_VERSION`` and the decoder takes any
 version this side supports; once picked (:meth:`FrameDecoder.pin`), every frame carries
 that version and the decoder refuses any other. A connection without a handshake (open
 mode) keeps ``HANDSHAKE_VERSION``.
@@ -29,8 +29,8 @@ from typing import Any
 
 import msgpack
 
-from pfs.errors import LocalProtocolError, RemoteProtocolError
-from pfs.versions import HANDSHAKE_VERSION, SUPPORTED, Range, fmt_range
+from pfs.core.errors import LocalProtocolError, RemoteProtocolError
+from pfs.core.versions import HANDSHAKE_VERSION, SUPPORTED, Range, fmt_range
 
 MAGIC = b"PF"
 VERSION = HANDSHAKE_VERSION  # frames before (or without) a handshake

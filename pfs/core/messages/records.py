@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 from typing import Any, NamedTuple
 
-from pfs.messages.base import (
+from pfs.core.messages.base import (
     MISSING,
     REQUIRED,
     BytesField,

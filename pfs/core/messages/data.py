@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pfs.messages.base import (
+from pfs.core.messages.base import (
     Anything,
     Empty,
     Int,
@@ -18,7 +18,7 @@ from pfs.messages.base import (
     ReplyMessage,
     RequestMessage,
 )
-from pfs.messages.records import MAX_ID, Obj, ObjId, ObjIdField
+from pfs.core.messages.records import MAX_ID, Obj, ObjId, ObjIdField
 
 REGISTRY = Registry("dataserver")
 MAX_DELETE = 1 << 16  # object ids in one delete request

@@ -21,7 +21,7 @@ Nothing is served before the peer authenticates. Three modes, chosen by configur
   development only; ``pfs cluster up`` never makes such a cluster.
 
 Protocol versions are negotiated inside these handshakes, with no round trip of their
-own (pfs/versions.py): in key mode the auth request carries the client's range ``[MIN,
+own (pfs/core/versions.py): in key mode the auth request carries the client's range ``[MIN,
 MAX]`` and the server's reply the version ``V`` it picked, the highest in both ranges
 (or an ``EPROTO`` error naming its range, then close); in TLS mode each side offers its
 versions as ALPN names ``pfs/N`` and TLS picks the server's first that the client has.
@@ -53,9 +53,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from pfs.config import ConfigError
-from pfs.errors import ProtocolError
-from pfs.versions import (
+from pfs.core.config import ConfigError
+from pfs.core.errors import ProtocolError
+from pfs.core.versions import (
     LEGACY_RANGE,
     SUPPORTED,
     Range,
@@ -66,11 +66,11 @@ from pfs.versions import (
     parse_alpn,
     parse_versions,
 )
-from pfs.wire.protocol import FrameHead, Kind
-from pfs.wire.transport import Connection
+from pfs.core.wire.protocol import FrameHead, Kind
+from pfs.core.wire.transport import Connection
 
 if TYPE_CHECKING:
-    from pfs.wire.blocking import BlockingConnection
+    from pfs.core.wire.blocking import BlockingConnection
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pfs import config as cfgmod
+from pfs.core import config as cfgmod
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ def init(d: Path, tls: bool = False) -> list[Path]:
     d = d.resolve()
     d.mkdir(parents=True, exist_ok=True)
     if tls:
-        from pfs.certs import generate
+        from pfs.tools.certs import generate
 
         return generate(d / "certs", clients=["client"])
-    from pfs.auth import create_key
+    from pfs.core.auth import create_key
 
     keys = d / "keys"
     keys.mkdir(mode=0o700, exist_ok=True)
@@ -221,13 +221,13 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *
             port = spec.meta_port
             started.append("meta")
             try:
-                spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                spec.meta_port = _start(d, "meta", ["pfs.metaserver", "--config", str(meta_cfg),
                                                     "--port", str(port)])
             except ClusterError:
                 if not port:
                     raise
                 log.warning("metaserver port %d unavailable; taking a new one", port)
-                spec.meta_port = _start(d, "meta", ["metaserver", "--config", str(meta_cfg),
+                spec.meta_port = _start(d, "meta", ["pfs.metaserver", "--config", str(meta_cfg),
                                                     "--port", "0"])
         _write(_spec_path(d), cfgmod.dump(spec))
         meta = f"{spec.host}:{spec.meta_port}"
@@ -238,7 +238,7 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *
             ddir = d / "data" / f"ds{i}"
             ddir.mkdir(parents=True, exist_ok=True)
             started.append(name)
-            _start(d, name, ["dataserver", *data_sec, "--dir", str(ddir), "--host",
+            _start(d, name, ["pfs.dataserver", *data_sec, "--dir", str(ddir), "--host",
                              spec.host, "--port", "0", "--meta", meta, *(data_args or [])])
         client_path = d / "client.toml"
         _write(client_path, cfgmod.dump(cfgmod.ClientConfig(meta=meta, **client_sec)))  # type: ignore[arg-type]

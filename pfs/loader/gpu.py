@@ -29,7 +29,7 @@ from typing import Any
 
 from pfs.client.plan import Call, Plan, one, read_device
 from pfs.client.trio_driver import TrioDriver
-from pfs.engine import DEFAULT_QUEUE_DEPTH, Engine, Op, register_engine
+from pfs.core.engine import DEFAULT_QUEUE_DEPTH, Engine, Op, register_engine
 
 log = logging.getLogger(__name__)
 
@@ -162,14 +162,14 @@ def choose_path(buf: Any, *, local: bool, profile: str = "auto", nbytes: int = 0
 
     - ``host``: not a GPU buffer (posix/uring engines; kvikio is never touched);
     - ``gds``: a GPU buffer and a file this host can open (local object or local file),
-      with profile ``load``, or ``auto`` and at least :data:`pfs.config.GDS_MIN_BYTES`;
+      with profile ``load``, or ``auto`` and at least :data:`pfs.core.config.GDS_MIN_BYTES`;
     - ``staging``: every other GPU read (remote stripes; small reads under ``inference``).
 
     ``gds`` falls back to ``staging`` when kvikio is missing; when staging cannot run
     either, GpuUnavailable names the missing piece."""
     if not is_device_buffer(buf):
         return "host"
-    from pfs.config import GDS_MIN_BYTES, check_profile
+    from pfs.core.config import GDS_MIN_BYTES, check_profile
 
     check_profile(profile)
     if local and (profile == "load" or (profile == "auto" and nbytes >= GDS_MIN_BYTES)):

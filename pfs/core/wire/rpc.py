@@ -1,9 +1,9 @@
-"""Request/reply on top of :mod:`pfs.wire.transport`.
+"""Request/reply on top of :mod:`pfs.core.wire.transport`.
 
 ``RpcClient`` multiplexes many calls on one connection by request id; a reply's payload
 is received straight into the buffer the caller passed (``into=``). ``RpcService`` is the
 server side: methods named ``rpc_<name>``. A service with a message registry
-(``messages``, see :mod:`pfs.messages`) hands each handler its typed request, decoded and
+(``messages``, see :mod:`pfs.core.messages`) hands each handler its typed request, decoded and
 validated from the frame (a bad field answers the message's errno), and encodes the typed
 reply it returns (or a :class:`Reply` around one, for payloads and descriptors). A
 service without one (test fakes) gets the raw :class:`Request` and returns a dict. An
@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 
 import trio
 
-from pfs.auth import OPEN, Identity, ServerAuth
-from pfs.errors import ProtocolError, from_wire, to_wire
-from pfs.messages.base import Registry, ReplyMessage, RequestMessage
-from pfs.wire.protocol import FrameHead, Kind, Limits
-from pfs.wire.transport import (
+from pfs.core.auth import OPEN, Identity, ServerAuth
+from pfs.core.errors import ProtocolError, from_wire, to_wire
+from pfs.core.messages.base import Registry, ReplyMessage, RequestMessage
+from pfs.core.wire.protocol import FrameHead, Kind, Limits
+from pfs.core.wire.transport import (
     Connection,
     ConnectionClosed,
     Payload,
