@@ -5,7 +5,8 @@ metaserver, by inode), the :class:`~pfs.client.aio.AsyncClient` or a
 :class:`~pfs.client.aio.FileHandle`, and turns the ``OSError`` it raises into
 ``pyfuse3.FUSEError`` with the same errno. Permission checks, POSIX rules and errno values
 all come from the metaserver; write-behind and the sizes written here from the client
-(``FileHandle.write_behind``, :mod:`pfs.client.writeback`). What lives here is only what
+(``FileHandle.write_behind``, :mod:`pfs.client.writeback`: its ``pread_into``, ``commit``,
+``fsync`` and ``close`` see, wait for and report the writes in flight). What lives here is only what
 the kernel protocol needs: credentials of the calling process, the tables of open file
 and directory handles, lookup counts, the kernel cache hints (timeouts, ``keep_cache``)
 and two small caches that answer requests the kernel repeats (see ``getattr`` and
@@ -408,7 +409,7 @@ class PfsOperations(pyfuse3.Operations):
             # bytes written here and still on their way are read back (and a read past
             # the size known so far waits for them: a short reply would make the kernel
             # shrink its i_size)
-            n = await h.read_behind(buf, off)
+            n = await h.pread_into(buf, off)
         return memoryview(buf)[:n] if n < size else buf
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -424,7 +425,7 @@ class PfsOperations(pyfuse3.Operations):
         h = self._file(fh)
         try:
             with fs_errors():
-                await h.flush()
+                await h.commit()  # after the writes in flight; raises their error
         finally:
             if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
                 self._invalidate_attrs(h.ino)
@@ -438,7 +439,7 @@ class PfsOperations(pyfuse3.Operations):
             self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
         with fs_errors():
             try:
-                await h.release()
+                await h.close()
             except OSError as exc:  # the kernel drops release's reply: say it here
                 log.warning("closing inode %d: %s", h.ino, exc)
                 raise
@@ -446,7 +447,7 @@ class PfsOperations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)
         with fs_errors():
-            await h.sync()
+            await h.fsync()
 
     # -- directories -----------------------------------------------------------
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -584,6 +585,6 @@ class PfsOperations(pyfuse3.Operations):
         files, self._files = self._files, {}
         for h in files.values():
             try:
-                await h.release()
+                await h.close()
             except OSError as exc:
                 log.warning("closing inode %d at unmount: %s", h.ino, exc)

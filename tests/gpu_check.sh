@@ -3,7 +3,8 @@
 #   1. the GPU tests (tests/integration/test_gpu.py -m gpu, and the loader's CUDA test);
 #   2. a small GDS benchmark: a 1 GiB file read into device memory with kvikio (GDS, or
 #      kvikio's compat mode where the GDS driver is absent), against preadv into pinned
-#      host memory + cudaMemcpy, and through pfs.loader.gpu.DeviceStager.
+#      host memory + cudaMemcpy, and through pfs.client.device.DeviceStager (the
+#      client's device executor).
 # Needs the gpu extra: pip install -e '.[gpu,dev]' (kvikio-cu12, cupy-cuda12x).
 #   PY=.venv/bin/python tests/gpu_check.sh
 set -euo pipefail
@@ -31,6 +32,7 @@ import os, sys, tempfile, time
 import cupy
 import trio
 import pfs.loader.gpu as gpu
+import pfs.client.device as device
 
 size = int(sys.argv[1]) << 20
 d = tempfile.mkdtemp(prefix="pfs-gds-")
@@ -72,10 +74,10 @@ def posix_copy():
     return size
 rate("preadv -> pinned host -> cudaMemcpy", posix_copy)
 
-st = gpu.DeviceStager(64 << 20)
+st = device.DeviceStager(64 << 20)
 async def pr(view, off):
     return os.preadv(fd, [view], off)
-rate("pfs.loader.gpu.DeviceStager (2 x 32 MiB pinned)",
+rate("pfs.client.device.DeviceStager (2 x 32 MiB pinned)",
      lambda: trio.run(st.read_into_device, pr, dev, 0))
 st.close()
 os.close(fd)

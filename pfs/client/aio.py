@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from pfs.client import ops, plan
+from pfs.client import device, ops, plan
 from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient
 from pfs.client.direct import DirectData
@@ -33,7 +33,6 @@ from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
 from pfs.core.auth import client_auth
 from pfs.core.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.core.layout import Layout
-from pfs.loader.gpu import STAGING_SIZE, DeviceStager, device_buffer
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +160,18 @@ class FileHandle:
 
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
-        A GPU buffer (``__cuda_array_interface__``) is filled through pinned host staging
-        (:mod:`pfs.loader.gpu`)."""
+        Bytes this client wrote behind and still in flight are read back: the read
+        waits for the writes over its range, or for all of the file's when it reaches
+        past the size known so far (one in flight may extend the file). A GPU buffer
+        (``__cuda_array_interface__``) is filled through pinned host staging
+        (:mod:`pfs.client.device`)."""
         self._check(False)
-        if hasattr(buf, "__cuda_array_interface__"):
-            return await self._pread_device(buf, off)
+        if self.client.writes.busy(self.ino):
+            await self.client.writes.before_read(self.ino, off, device.buffer_size(buf),
+                                                 self.state.known_size)
+        if device.is_device_buffer(buf):
+            return await self.client.driver.run(
+                device.read(buf, off, self.state.known_size, self._read_chunk))
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")
@@ -173,20 +179,6 @@ class FileHandle:
         if n:
             await self.client.driver.run(self._read_plan(view[:n], off))
         return n
-
-    async def _pread_device(self, buf: Any, off: int) -> int:
-        """A device destination: the plan's pieces land in pinned host staging (a
-        buffer for this request) and are copied on (:func:`pfs.client.plan.read_device`)."""
-        dev = device_buffer(buf)
-        stager = DeviceStager(min(STAGING_SIZE, max(2 << 20, dev.nbytes)))
-        try:
-            if off < 0:
-                raise OSError(errno.EINVAL, "negative offset")
-            total = max(0, min(dev.nbytes, self.state.known_size - off))
-            return await self.client.driver.run(
-                plan.read_device(stager, dev.ptr, off, total, self._read_chunk))
-        finally:
-            stager.close()
 
     def _read_chunk(self, view: memoryview, off: int) -> Plan[int]:
         yield from self._read_plan(view, off)  # a fresh capability for each chunk
@@ -246,28 +238,46 @@ class FileHandle:
             self._wrote(off + len(view))
         return len(view)
 
-    # -- metadata: plans of pfs/client/ops.py -----------------------------------------
+    # -- metadata: plans of pfs/client/ops.py, after the writes in flight land --------
     async def truncate(self, size: int) -> None:
+        """Set the file's size (ftruncate), after this client's writes of it in flight;
+        an earlier write's error of this handle is raised first."""
+        await self.drain()
+        self._raise_deferred()
         await self.client.driver.run(ops.truncate_handle(self, size))
 
     async def commit(self) -> None:
-        """Tell the metaserver how far this client wrote (fsync, flush, close)."""
+        """Tell the metaserver how far this client wrote, once the writes in flight
+        landed; then raise an earlier write's error of this handle (what close(2)
+        reports: the mount's flush)."""
+        await self.drain()
         await self.client.driver.run(ops.commit(self))
+        self._raise_deferred()
 
     async def fsync(self) -> None:
+        """The file's objects to stable storage and its size to the metaserver, after
+        the writes in flight land; an earlier write's error of this handle first."""
         if self.closed:
             raise ValueError("I/O operation on closed file")
+        await self.drain()
+        self._raise_deferred()
         if self.writable:
             await self.client.driver.run(plan.fsync(
                 self, self.ino, self.layout, self.cap,
                 renew_due=time.monotonic() >= self._renew_at))
-        await self.commit()
+        await self.client.driver.run(ops.commit(self))
 
     async def getattr(self) -> StatResult:
         return await self.client.driver.run(ops.getattr_handle(self))
 
     async def close(self) -> None:
+        """Close the handle after the writes in flight land; an earlier write's error
+        not yet reported is raised once the handle is closed (it is closed either way)."""
+        await self.drain()
+        err = self._take_deferred()
         await self.client.driver.run(ops.close_handle(self))
+        if err is not None:
+            raise err
 
     def _released(self) -> None:
         """The handle is closed: its descriptors and its share of the inode's state go."""
@@ -279,21 +289,26 @@ class FileHandle:
     # -- write-behind (pfs/client/writeback.py) ----------------------------------
     _writes: HandleWrites | None = None  # this handle's share, from its first write_behind
 
+    def _take_deferred(self) -> OSError | None:
+        """The first error of this handle's writes behind, if one is unreported."""
+        if self._writes is None:
+            return None
+        return self._writes.take_error(self.path or f"inode {self.ino}")
+
     def _raise_deferred(self) -> None:
-        """Raise the first error of this handle's writes behind, if one is unreported."""
-        if self._writes is not None:
-            err = self._writes.take_error(self.path or f"inode {self.ino}")
-            if err is not None:
-                raise err
+        err = self._take_deferred()
+        if err is not None:
+            raise err
 
     async def write_behind(self, data: Any, off: int, limit: int = WRITE_BEHIND) -> int:
         """Write ``data`` at ``off``, returning once the write is under way: it lands in
         the background, so one writer keeps several in flight. ``data`` is copied unless
         it is ``bytes``. Overlapping writes land in the order they were accepted; at
         most ``limit`` of this handle's are in flight (the first call's ``limit`` holds).
-        A failure is raised by this handle's next ``write_behind``, ``flush``, ``sync``
-        or ``release``. ``limit`` 0, or an O_APPEND handle (its offset is the size when
-        the write runs): the write waits, after the writes in flight."""
+        ``pread_into`` sees them; ``commit``, ``fsync``, ``truncate`` and ``close`` wait
+        for them, and a failure is raised by this handle's next ``write_behind`` or one
+        of those. ``limit`` 0, or an O_APPEND handle (its offset is the size when the
+        write runs): the write waits, after the writes in flight."""
         self._raise_deferred()
         if self.closed:
             raise ValueError("I/O operation on closed file")
@@ -314,45 +329,10 @@ class FileHandle:
                            partial(self.pwrite, buf, off), self.path)
         return len(buf)
 
-    async def read_behind(self, buf: Any, off: int) -> int:
-        """``pread_into`` that sees this client's writes in flight: it waits for those
-        over its range, or for all of the file's when it reaches past the size known
-        so far (one in flight may extend the file)."""
-        try:
-            size = memoryview(buf).nbytes
-        except TypeError:  # a GPU array
-            size = int(getattr(buf, "nbytes", 0))
-        await self.client.writes.before_read(self.ino, off, size, self.size)
-        return await self.pread_into(buf, off)
-
     async def drain(self) -> None:
         """Wait until every write of this file accepted so far (by any of this client's
         handles of it) has landed. Raises nothing: errors are each handle's to report."""
         await self.client.writes.drain(self.ino)
-
-    async def flush(self) -> None:
-        """What close(2) reports: the writes in flight land, the size reaches the
-        metaserver (``commit``), then an earlier write's error is raised."""
-        await self.drain()
-        await self.commit()
-        self._raise_deferred()
-
-    async def sync(self) -> None:
-        """``fsync`` after the writes in flight land; an earlier write's error first."""
-        await self.drain()
-        self._raise_deferred()
-        await self.fsync()
-
-    async def release(self) -> None:
-        """``close`` after the writes in flight land; an earlier write's error not yet
-        reported is raised once the handle is closed (it is closed either way)."""
-        await self.drain()
-        err = None
-        if self._writes is not None:
-            err = self._writes.take_error(self.path or f"inode {self.ino}")
-        await self.close()
-        if err is not None:
-            raise err
 
 
 class AsyncClient:
@@ -487,7 +467,8 @@ class AsyncClient:
         (a close) must not overwrite (cp -a, tar, rsync set mtime after writing)."""
         await self.writes.drain(ino)
         for h in [h for h in self.handles if h.ino == ino]:
-            await h.commit()
+            # the size only: each handle's write error is its own close's to report
+            await self.driver.run(ops.commit(h))
 
     async def truncate_ino(self, ino: int, size: int, cred: Cred | None = None,
                            handle: FileHandle | None = None) -> StatResult:

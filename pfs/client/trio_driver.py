@@ -3,7 +3,7 @@ flight, for ``AsyncClient``, the FUSE mount and the sync client's larger request
 
 Requests go over :class:`~pfs.client.data.DataClient`'s connections, short-circuit
 reads to the client's engine (:mod:`pfs.client.shortcircuit`), device destinations through a
-pinned staging buffer (:mod:`pfs.loader.gpu`), metadata requests over the ``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
+pinned staging buffer (:mod:`pfs.client.device`), metadata requests over the ``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
 nursery, and the first ``OSError`` among them is raised as itself.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""pfs.loader.gpu: GPU destinations. CPU-side tests use a fake object exposing
+"""GPU destinations: the client's device executor (pfs.client.device: pinned staging
+and copies) and the loader's kvikio/GDS path (pfs.loader.gpu). CPU-side tests use a fake object exposing
 ``__cuda_array_interface__`` and mock only what cannot run here (the CUDA driver, kvikio,
 CuPy); tests marked ``gpu`` need a CUDA device and skip without one
 (``tests/gpu_check.sh`` runs them on a GPU machine)."""
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 
+import pfs.client.device as device
 import pfs.loader.gpu as gpu
 from pfs.core.engine import get_engine
 from pfs.loader.gpu import GpuUnavailable, choose_path, device_buffer, is_device_buffer
@@ -31,13 +33,13 @@ class FakeDeviceArray:
 
 @pytest.fixture
 def no_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu, "libcuda_missing",
+    monkeypatch.setattr(device, "libcuda_missing",
                         lambda: "the CUDA driver (libcuda.so.1 cannot be loaded: test)")
 
 
 @pytest.fixture
 def driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu, "libcuda_missing", lambda: None)
+    monkeypatch.setattr(device, "libcuda_missing", lambda: None)
 
 
 def _no_kvikio() -> Any:
@@ -68,7 +70,8 @@ def test_host_buffers_never_touch_kvikio(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(gpu, "_import_kvikio", lambda: pytest.fail("kvikio imported"))
     assert choose_path(bytearray(10), local=True, profile="load") == "host"
     # and importing pfs (and its loader, engines, client) does not import kvikio
-    code = ("import sys, pfs, pfs.core.engine, pfs.loader.safetensors, pfs.loader.gpu, pfs.client.sync; "
+    code = ("import sys, pfs, pfs.core.engine, pfs.loader.safetensors, pfs.loader.gpu, "
+            "pfs.client.device, pfs.client.sync; "
             "assert 'kvikio' not in sys.modules and 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -84,7 +87,7 @@ def test_no_driver_names_libcuda(no_driver: None) -> None:
 def test_missing_kvikio_falls_back_to_staging(driver: None,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu, "_import_kvikio", _no_kvikio)
-    monkeypatch.setattr(gpu, "_copier", lambda: "cupy")
+    monkeypatch.setattr(device, "_copier", lambda: "cupy")
     buf = FakeDeviceArray((8 << 20,))
     assert choose_path(buf, local=True, profile="load", nbytes=8 << 20) == "staging"
     with pytest.raises(GpuUnavailable) as e:
@@ -95,14 +98,14 @@ def test_missing_kvikio_falls_back_to_staging(driver: None,
 def test_nothing_to_copy_with_names_cupy_or_torch(driver: None,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu, "_import_kvikio", _no_kvikio)
-    monkeypatch.setattr(gpu, "_copier", lambda: None)
+    monkeypatch.setattr(device, "_copier", lambda: None)
     with pytest.raises(GpuUnavailable, match="CuPy or a CUDA build of torch"):
         choose_path(FakeDeviceArray((4,)), local=False, nbytes=4)
 
 
 def test_path_by_profile_and_locality(driver: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu, "_import_kvikio", lambda: object())
-    monkeypatch.setattr(gpu, "_copier", lambda: "cupy")
+    monkeypatch.setattr(device, "_copier", lambda: "cupy")
     big, small = FakeDeviceArray((4 << 20,)), FakeDeviceArray((4096,))
     assert choose_path(big, local=True, profile="load", nbytes=4 << 20) == "gds"
     assert choose_path(small, local=True, profile="load", nbytes=4096) == "gds"
@@ -130,18 +133,32 @@ def test_gds_engine_refuses_host_buffers(driver: None, monkeypatch: pytest.Monke
 
 
 def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
-    """The async FileHandle hands GPU buffers to pfs.loader.gpu, which says what is missing."""
+    """The async FileHandle hands GPU buffers to its device executor, which says what is
+    missing (the file's servers are never asked)."""
+    from types import SimpleNamespace
+
     from pfs.client.aio import FileHandle
+    from pfs.client.trio_driver import TrioDriver
+    from pfs.client.writeback import WriteBack
 
     class Handle:
         _check = FileHandle._check
-        _pread_device = FileHandle._pread_device
+        _read_chunk = FileHandle._read_chunk
         closed = False
         readable = True
         writable = False
+        ino = 7
+        state = SimpleNamespace(known_size=16)
 
-    with pytest.raises(GpuUnavailable, match="libcuda.so.1"):
-        trio.run(FileHandle.pread_into, Handle(), FakeDeviceArray((16,)), 0)  # type: ignore[arg-type]
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            h = Handle()
+            h.client = SimpleNamespace(driver=TrioDriver(),  # type: ignore[attr-defined]
+                                       writes=WriteBack(nursery))
+            with pytest.raises(GpuUnavailable, match="libcuda.so.1"):
+                await FileHandle.pread_into(h, FakeDeviceArray((16,)), 0)  # type: ignore[arg-type]
+
+    trio.run(main)
 
 
 def test_loader_cuda_device_needs_gpu(tmp_path: Path) -> None:
@@ -158,7 +175,7 @@ def test_loader_cuda_device_needs_gpu(tmp_path: Path) -> None:
 
 # -- on a GPU ---------------------------------------------------------------------------
 def _cupy() -> Any:
-    if gpu.libcuda_missing() is not None:
+    if device.libcuda_missing() is not None:
         pytest.skip("no CUDA driver")
     cupy = pytest.importorskip("cupy")
     try:
@@ -218,7 +235,7 @@ def test_gpu_staging_reuses_pinned_buffer(data_file: tuple[Path, bytes]) -> None
         return os.preadv(fd, [view], off)
 
     async def main() -> None:
-        st = gpu.DeviceStager(4 << 20)
+        st = device.DeviceStager(4 << 20)
         host = st.view
         for off in (0, 5, 1 << 20):
             buf = cupy.empty(len(data) - off, dtype=cupy.uint8)

@@ -129,7 +129,7 @@ def test_overlapping_writes_behind_keep_their_order(client, client_toml, workdir
             most = max(most, ac.writes.in_flight(f.ino))
         # what a stat says meanwhile: the size once they land
         assert (await ac.stat(path)).st_size == len(model)
-        await f.release()
+        await f.close()
         return most
 
     assert _run(client_toml, go) > 1  # several were in flight together
@@ -146,18 +146,18 @@ def test_a_read_of_a_range_in_flight_sees_the_new_bytes(client, client_toml, wor
         await f.write_behind(new, 0)
         assert ac.writes.busy(f.ino)  # under way, not landed: the read must wait
         buf = bytearray(100)
-        assert await f.read_behind(buf, 500) == 100 and buf == new[500:600]
+        assert await f.pread_into(buf, 500) == 100 and buf == new[500:600]
         # past the size known before the write landed: the whole write is read back
         await f.write_behind(b"tail", BIG)
         buf = bytearray(10)
-        assert await f.read_behind(buf, BIG) == 4 and buf[:4] == b"tail"
+        assert await f.pread_into(buf, BIG) == 4 and buf[:4] == b"tail"
         # another handle of the file, in the same client, sees them too
         g = await ac.open(path, "rb")
         await f.write_behind(b"again", 10)
         buf = bytearray(5)
-        assert await g.read_behind(buf, 10) == 5 and buf == b"again"
-        await g.release()
-        await f.release()
+        assert await g.pread_into(buf, 10) == 5 and buf == b"again"
+        await g.close()
+        await f.close()
 
     _run(client_toml, go)
     assert client.read_file(path) == new[:10] + b"again" + new[15:] + b"tail"
@@ -185,9 +185,9 @@ def test_a_failed_write_behind_is_raised_by_the_next_call(client, client_toml,
         assert await f.write_behind(b"x" * 16, FAR) == 16
         await f.drain()
         with pytest.raises(OSError) as exc:
-            await f.flush()
+            await f.commit()
         assert exc.value.errno == errno.EFBIG and path in str(exc.value)
-        await f.flush()
+        await f.commit()
         # ... or the next write
         await f.write_behind(b"x" * 16, FAR)
         await f.drain()
@@ -197,25 +197,61 @@ def test_a_failed_write_behind_is_raised_by_the_next_call(client, client_toml,
         # ... or the next fsync
         await f.write_behind(b"x" * 16, FAR)
         with pytest.raises(OSError) as exc:
-            await f.sync()
+            await f.fsync()
         assert exc.value.errno == errno.EFBIG
         # ... or the close, which closes the handle all the same
         await f.write_behind(b"kept", 0)
         await f.write_behind(b"x" * 16, FAR)
         with pytest.raises(OSError) as exc:
-            await f.release()
+            await f.close()
         assert exc.value.errno == errno.EFBIG and f.closed
         # an error is the handle's own: another handle of the file reports nothing
         g = await ac.open(path, "r+b")
         h = await ac.open(path, "r+b")
         await g.write_behind(b"x" * 16, FAR)
         await h.write_behind(b"KEPT", 0)
-        await h.release()
+        await h.close()
         with pytest.raises(OSError):
-            await g.release()
+            await g.close()
 
     _run(client_toml, go)
     assert client.read_file(path) == b"KEPT"
+
+
+def test_native_close_and_truncate_report_a_failed_write_behind(client, client_toml,
+                                                                 workdir) -> None:
+    """The plain FileHandle methods give a native user of write_behind the mount's
+    guarantees: close raises the deferred error with its errno (and still closes),
+    truncate waits for the writes in flight and raises it first, and pread_into reads
+    back bytes still in flight."""
+    path = _failing_file(client, workdir, "native")
+
+    async def go(ac: AsyncClient) -> bytes:
+        f = await ac.open(path, "r+b")
+        await f.write_behind(b"x" * 16, FAR)  # fails in the background
+        with pytest.raises(OSError) as exc:
+            await f.close()
+        assert exc.value.errno == errno.EFBIG and path in str(exc.value)
+        assert f.closed and not ac.writes.busy(f.ino)
+        with pytest.raises(ValueError):
+            await f.pread_into(bytearray(1), 0)
+
+        f = await ac.open(path, "r+b")
+        data = os.urandom(BIG)
+        await f.write_behind(data, 0)
+        assert ac.writes.busy(f.ino)  # in flight: the read waits for it
+        buf = bytearray(BIG + 10)
+        assert await f.pread_into(buf, 0) == BIG and buf[:BIG] == data
+        await f.write_behind(b"x" * 16, FAR)
+        with pytest.raises(OSError) as exc:
+            await f.truncate(1000)
+        assert exc.value.errno == errno.EFBIG and not ac.writes.busy(f.ino)
+        await f.truncate(1000)  # reported once: this one goes through
+        await f.close()
+        return data
+
+    data = _run(client_toml, go)
+    assert client.read_file(path) == data[:1000]
 
 
 def test_o_append_writes_behind_go_after_the_writes_in_flight(client, client_toml,
@@ -229,8 +265,8 @@ def test_o_append_writes_behind_go_after_the_writes_in_flight(client, client_tom
         await f.write_behind(first, 0)  # in flight: the file will end at BIG
         for i in range(5):
             await a.write_behind(b"%d" % i, 0)  # the offset is the end of file
-        await a.release()
-        await f.release()
+        await a.close()
+        await f.close()
 
     _run(client_toml, go)
     assert client.read_file(path) == first + b"01234"
@@ -246,7 +282,7 @@ def test_truncate_after_writes_behind(client, client_toml, workdir) -> None:
         await f.write_behind(os.urandom(BIG), 0)
         attr = await ac.truncate_ino(f.ino, 1000)
         assert attr.st_size == 1000
-        await f.release()
+        await f.close()
         assert (await ac.stat(path)).st_size == 1000
 
     _run(client_toml, go)
