@@ -19,8 +19,8 @@ import sys
 import trio
 
 from pfs.core.config import ConfigError, DataConfig, load, parse_addr
+from pfs.core.daemon import serve_until_signalled
 from pfs.dataserver.server import serve_data
-from pfs.tools.daemon import serve_until_signalled
 
 log = logging.getLogger("dataserver")
 

@@ -18,9 +18,9 @@ import sys
 import trio
 
 from pfs.core.config import ConfigError, MetaConfig, load
+from pfs.core.daemon import serve_until_signalled
 from pfs.core.versions import FormatError
 from pfs.metaserver.server import serve_meta
-from pfs.tools.daemon import serve_until_signalled
 
 log = logging.getLogger(__name__)
 

@@ -344,9 +344,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from pfs.bench import main as bench_main
-
-    sys.exit(bench_main(args.rest))
+    """``pfs bench ...`` is ``python -m pfs.bench ...`` in this process's place: the
+    tools never import the benchmarks (which import the tools); same pid, so signals
+    and the exit status are the benchmark's own. ``-P``: this pfs, not one in the cwd."""
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "pfs.bench", *args.rest])
 
 
 # ---------------------------------------------------------------------------
@@ -472,7 +473,7 @@ _PASSTHROUGH = {("meta", "serve"): cmd_meta_serve, ("data", "serve"): cmd_data_s
 
 def _sigterm_unwinds() -> None:
     """SIGTERM (a timeout, a cancelled job, ``kill``) unwinds like Ctrl-C, so a command
-    that started a local cluster or a mount (``bench``, ``demo``) stops it in its
+    that started a local cluster or a mount (``demo``; ``pfs.bench`` does the same) stops it in its
     ``finally`` instead of leaving servers running. Servers and ``mount -f`` install
     their own handlers over this one."""
     def on_term(signum: int, frame: Any) -> None:
@@ -487,13 +488,6 @@ def main(argv: list[str] | None = None) -> None:
         if tuple(argv[:len(prefix)]) == prefix:
             logging.basicConfig(level=logging.WARNING,
                                 format="%(asctime)s %(name)s %(levelname)s %(message)s")
-            if fn is cmd_bench:
-                _sigterm_unwinds()
-                try:
-                    fn(argparse.Namespace(rest=argv[len(prefix):]))
-                except KeyboardInterrupt:
-                    sys.exit(130)
-                return
             fn(argparse.Namespace(rest=argv[len(prefix):]))
             return
     _sigterm_unwinds()
