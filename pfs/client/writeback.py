@@ -2,13 +2,14 @@
 
 A writer keeps several writes in flight instead of one round trip per write (the FUSE
 mount answers the kernel this way; ``FileHandle.write_behind`` offers it to the native
-API). The rules that keep this safe, all here:
+API, whose ``pread_into``, ``commit``, ``fsync``, ``truncate`` and ``close`` follow the
+rules below for both). The rules that keep this safe, all here:
 
 - overlapping writes of an inode land in the order they were accepted (a write waits
   for the ranges in flight it overlaps before it starts);
 - each handle has at most ``limit`` writes in flight (then the next one waits);
-- the first failure of a handle's writes is kept and raised by its next write, flush,
-  fsync or close (:class:`HandleWrites`);
+- the first failure of a handle's writes is kept and raised by its next write, commit,
+  fsync, truncate or close, errno kept (:class:`HandleWrites`);
 - a read of a range in flight waits for it, and a read past the size known so far
   waits for every write of the inode (one in flight may extend the file);
 - ``end(ino)``: how long the file is once the writes in flight land (what a stat
