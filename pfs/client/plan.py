@@ -14,6 +14,10 @@ data-path rule lives here once and is tested without a socket (tests/test_plan.p
 - a failure is classified (:func:`classify`): renew the capability and retry here,
   try the next replica, or give up with its errno.
 
+A small request of one piece is planned as a *step* (:func:`read_step`,
+:func:`write_step`): the general plan's first effect, built by a plain call, when that
+effect is all it takes to succeed; a failure goes on in the general plan (:func:`resume`).
+
 Two drivers carry plans out: :class:`pfs.client.trio_driver.TrioDriver` (many requests in
 flight) and :class:`pfs.client.blocking_driver.BlockingDriver` (the caller's thread). A
 driver that cannot carry out an effect the classification asks for (the blocking one
