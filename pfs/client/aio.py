@@ -190,18 +190,29 @@ class FileHandle:
         request of at most the profile's ``direct_max``. None: run ``pread_into`` on
         the trio driver instead (a larger request, a GPU buffer, or an effect only the
         trio driver carries out)."""
-        self._check(False)
+        if self.closed or not self.readable:
+            self._check(False)  # raises
         if off < 0 or hasattr(buf, "__cuda_array_interface__"):
             return None
         view = memoryview(buf).cast("B")
-        n = max(0, min(len(view), self.state.known_size - off))
+        n = min(len(view), self.state.known_size - off)
+        if n <= 0:
+            return 0
         if n > self.client.direct_max:
             return None
-        if n:
-            try:
-                self.client.blocking.run(self._read_plan(view[:n], off))
-            except HandOver:
-                return None
+        if n < len(view):
+            view = view[:n]
+        # a small read is one step (plan.read_step): no generator, unless it fails
+        step = plan.read_step(self.ino, self.layout, off, view, self.cap,
+                              time.monotonic() >= self._renew_at, self._objects)
+        try:
+            if step is None:
+                self.client.blocking.run(self._read_plan(view, off))
+            else:
+                self.client.blocking.run_step(step, plan.read_step_done,
+                                              self._read_plan, view, off)
+        except HandOver:
+            return None
         return n
 
     def pwrite_blocking(self, data: Any, off: int) -> int | None:
@@ -214,8 +225,13 @@ class FileHandle:
             return None
         if self.flags & os.O_APPEND:
             off = self.state.known_size
+        step = plan.write_step(self.ino, self.layout, off, view, self.cap,
+                               time.monotonic() >= self._renew_at)
         try:
-            self.client.blocking.run(self._write_plan(view, off))
+            if step is None:
+                self.client.blocking.run(self._write_plan(view, off))
+            else:
+                self.client.blocking.run_step(step, None, self._write_plan, view, off)
         except HandOver:
             return None
         self._wrote(off + len(view))

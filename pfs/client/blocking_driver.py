@@ -14,6 +14,7 @@ the operation again on the trio driver.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pfs.client.direct import DirectData
@@ -33,23 +34,34 @@ from pfs.client.plan import (
     Send,
     Sleep,
     ToDevice,
+    resume,
 )
 
 T = TypeVar("T")
+
+# the effects this driver leaves to the trio driver (HandOver)
+_HANDED_OVER = (Renew, Reconnect, LocalFd, Call)
 
 
 class BlockingDriver:
     def __init__(self, data: DirectData | None, meta: MetaClient) -> None:
         self.data = data  # None: data requests are the trio driver's
         self.meta = meta
+        # by effect type: one dict look-up per effect, no chain of tests
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            LocalRead: self._local_read, Send: self._send, MetaCall: self._meta_call,
+            Parallel: self._parallel, Sleep: self._sleep, DeferClose: self._defer_close,
+            ToDevice: self._to_device, DeviceWait: self._device_wait,
+            **{kind: self._hand_over for kind in _HANDED_OVER}}
 
     def run(self, plan: Plan[T]) -> T:
         send = plan.send
+        do = self._do
         try:
             effect = send(None)
             while True:
                 try:
-                    value = self._do(effect)
+                    value = do(effect)
                 except OSError as exc:
                     effect = plan.throw(exc)
                 else:
@@ -59,31 +71,55 @@ class BlockingDriver:
         finally:
             plan.close()  # a plan left suspended (HandOver) runs its cleanup now
 
+    def run_step(self, step: Any, done: Callable[[Any, Any], Any] | None,
+                 general: Callable[..., Plan[T]], *args: Any) -> T | None:
+        """Carry out a plan's step (:func:`pfs.client.plan.read_step`, ``write_step``)
+        here; ``done(step, result)`` finishes it. When it fails, the general plan
+        ``general(*args)`` goes on from the failure (:func:`pfs.client.plan.resume`)."""
+        try:
+            if type(step) is LocalRead:  # the commonest step, carried out inline
+                result = step.local.read_blocking(step.fd, step.obj_off, step.dests)
+            else:
+                result = self._do(step)
+        except OSError as exc:
+            return self.run(resume(general(*args), step, exc))
+        if done is not None:
+            done(step, result)
+        return None
+
     def _do(self, effect: Any) -> Any:
-        kind = type(effect)
-        if kind is LocalRead:
-            return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)
-        if kind is Send:
-            if self.data is None or isinstance(effect.into, list) \
-                    or isinstance(effect.payload, list):
-                raise HandOver("scattered requests are the trio driver's")
-            return self.data.call(effect.sid, effect.method, effect.fields,
-                                  payload=effect.payload, into=effect.into)[1]
-        if isinstance(effect, MetaCall):
-            return self.meta._blocking_call(effect.method, effect.fields)
-        if isinstance(effect, Parallel):
-            return [self.run(sub) for sub in effect.plans]
-        if isinstance(effect, Sleep):
-            time.sleep(effect.seconds)
-            return None
-        if isinstance(effect, DeferClose):
-            return self.meta.defer_close(effect.fh, effect.generation)
-        if isinstance(effect, ToDevice):
-            effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)
-            return None
-        if isinstance(effect, DeviceWait):
-            effect.stager.wait(effect.slot)
-            return None
-        if isinstance(effect, (Renew, Reconnect, LocalFd, Call)):
-            raise HandOver(type(effect).__name__)
-        raise TypeError(f"not an effect: {effect!r}")
+        try:
+            handler = self._handlers[type(effect)]
+        except KeyError:
+            raise TypeError(f"not an effect: {effect!r}") from None
+        return handler(effect)
+
+    def _local_read(self, effect: LocalRead) -> list[int]:
+        return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)  # type: ignore[no-any-return]
+
+    def _send(self, effect: Send) -> int:
+        if self.data is None or type(effect.into) is list or type(effect.payload) is list:
+            raise HandOver("scattered requests are the trio driver's")
+        return self.data.call(effect.sid, effect.method, effect.fields,
+                              payload=effect.payload, into=effect.into)[1]
+
+    def _meta_call(self, effect: MetaCall) -> Any:
+        return self.meta._blocking_call(effect.method, effect.fields)
+
+    def _parallel(self, effect: Parallel) -> list[Any]:
+        return [self.run(sub) for sub in effect.plans]
+
+    def _sleep(self, effect: Sleep) -> None:
+        time.sleep(effect.seconds)
+
+    def _defer_close(self, effect: DeferClose) -> bool:
+        return self.meta.defer_close(effect.fh, effect.generation)
+
+    def _to_device(self, effect: ToDevice) -> None:
+        effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)
+
+    def _device_wait(self, effect: DeviceWait) -> None:
+        effect.stager.wait(effect.slot)
+
+    def _hand_over(self, effect: Any) -> None:
+        raise HandOver(type(effect).__name__)

@@ -14,6 +14,10 @@ data-path rule lives here once and is tested without a socket (tests/test_plan.p
 - a failure is classified (:func:`classify`): renew the capability and retry here,
   try the next replica, or give up with its errno.
 
+A small request of one piece is planned as a *step* (:func:`read_step`,
+:func:`write_step`): the general plan's first effect, built by a plain call, when that
+effect is all it takes to succeed; a failure goes on in the general plan (:func:`resume`).
+
 Two drivers carry plans out: :class:`pfs.client.trio_driver.TrioDriver` (many requests in
 flight) and :class:`pfs.client.blocking_driver.BlockingDriver` (the caller's thread). A
 driver that cannot carry out an effect the classification asks for (the blocking one
@@ -208,13 +212,23 @@ def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
 
 
 # -- pieces ---------------------------------------------------------------------------
-def runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
-    """Per-stripe runs of pieces, each contiguous in its object and at most MAX_REQUEST."""
+def one_piece(layout: Layout, off: int, length: int) -> tuple[int, int] | None:
+    """``(stripe, object offset)`` of a range that is one piece of one request (the
+    common small case), else None."""
     unit = layout.unit
     block, within = divmod(off, unit)
-    if length <= MAX_REQUEST and 0 < length <= unit - within:  # the common small case
+    if length <= MAX_REQUEST and 0 < length <= unit - within:
         row, stripe = divmod(block, layout.count)
-        return [[Piece(stripe, row * unit + within, off, length)]]
+        return stripe, row * unit + within
+    return None
+
+
+def runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
+    """Per-stripe runs of pieces, each contiguous in its object and at most MAX_REQUEST."""
+    one = one_piece(layout, off, length)
+    if one is not None:
+        return [[Piece(one[0], one[1], off, length)]]
+    unit = layout.unit
     out: list[list[Piece]] = []
     for ext in stripe_extents(unit, layout.count, off, length):
         run: list[Piece] = []
@@ -249,6 +263,14 @@ def fill_hole(dests: Sequence[memoryview], got: int) -> None:
             continue
         d[got:] = bytes(len(d) - got)
         got = 0
+
+
+def zero_unread(dests: Sequence[memoryview], counts: Sequence[int]) -> None:
+    """Zeros after the bytes a local read found for each destination: past the
+    object's end, a hole up to the file size."""
+    for d, n in zip(dests, counts, strict=True):
+        if n < len(d):
+            d[n:] = bytes(len(d) - n)
 
 
 def _views(buf: memoryview, base: int, run: list[Piece]) -> list[memoryview]:
@@ -328,10 +350,7 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
         fd = (local.known_fd(stripe) if local.tried(stripe)
               else (yield LocalFd(local, layout.servers[stripe], ino, stripe, cap)))
         if fd is not None:
-            counts = yield LocalRead(local, fd, obj_off, dests)
-            for d, n in zip(dests, counts, strict=True):
-                if n < len(d):
-                    d[n:] = bytes(len(d) - n)
+            zero_unread(dests, (yield LocalRead(local, fd, obj_off, dests)))
             return
     total = first.length if len(run) == 1 else sum(p.length for p in run)
     got = yield from from_replicas(layout.servers[stripe], "read",
@@ -396,6 +415,91 @@ def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
         return _all([send(Send(sid, "fsync", fsync_request(ino, stripe, c)))
                      for stripe, replicas in enumerate(layout.servers) for sid in replicas])
     yield from with_cap(owner, cap, renew_due, body)
+
+
+# -- steps: small plans without a generator ------------------------------------------
+# A request of one piece to one object, when its first effect is all it takes to succeed
+# (a descriptor already held, or one replica's reply), is planned as that effect alone,
+# a *step*: a plain call builds it as the general plan would build its first effect, the
+# driver carries it out inline, and ``read_step_done`` does with the result what the
+# general plan does. When the effect fails, :func:`resume` picks the general plan up at
+# that effect with the error, so failover, renewal and hand-over are still written once.
+def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | None,
+              renew_due: bool = False,
+              local: LocalObjects | None = None) -> LocalRead | Send | None:
+    """The step of :func:`read` (same arguments), or None: run the general plan (a
+    capability due, more than one piece, a local descriptor not asked for yet)."""
+    if renew_due:
+        return None
+    one = one_piece(layout, off, len(buf))
+    if one is None:
+        return None
+    stripe, obj_off = one
+    if local is not None:
+        if not local.tried(stripe):
+            return None  # LocalFd first: a step of its own
+        fd = local.known_fd(stripe)
+        if fd is not None:
+            return LocalRead(local, fd, obj_off, [buf])
+    return Send(layout.servers[stripe][0], "read",
+                read_request(ino, stripe, obj_off, len(buf), cap), None, buf)
+
+
+def read_step_done(step: LocalRead | Send, result: Any) -> None:
+    """What :func:`read` does with its step's result: holes read as zeros."""
+    if isinstance(step, LocalRead):
+        if result[0] < len(step.dests[0]):  # a step reads into one destination
+            zero_unread(step.dests, result)
+    elif result < len(step.into):
+        fill_hole((step.into,), result)
+
+
+def write_step(ino: int, layout: Layout, off: int, data: memoryview, cap: bytes | None,
+               renew_due: bool = False) -> Send | None:
+    """The step of :func:`write` (same arguments): one piece to a stripe of one
+    replica; else None (with more replicas every one must answer: the general plan)."""
+    if renew_due:
+        return None
+    one = one_piece(layout, off, len(data))
+    if one is None:
+        return None
+    stripe, obj_off = one
+    replicas = layout.servers[stripe]
+    if len(replicas) != 1:
+        return None
+    return Send(replicas[0], "write", write_request(ino, stripe, obj_off, cap), data)
+
+
+def _same_effect(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) is Send:
+        return bool(a.sid == b.sid and a.method == b.method)
+    if type(a) is LocalRead:
+        return bool(a.fd == b.fd and a.obj_off == b.obj_off)
+    return False
+
+
+def resume(general: Plan[T], step: Any, exc: OSError) -> Plan[T]:
+    """The general plan of an operation whose step raised ``exc``: its first effect is
+    the step's (one rule built both), so the error is thrown there and the plan goes on
+    as ever. A first effect that differs (the handle's state changed meanwhile) is
+    carried out instead: as if the step had not been tried."""
+    try:
+        effect = general.send(None)
+        if _same_effect(effect, step):
+            effect = general.throw(exc)
+        while True:
+            try:
+                value = yield effect
+            except OSError as err:  # what drivers throw: the effect's failure
+                effect = general.throw(err)
+            else:
+                effect = general.send(value)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    finally:
+        general.close()
 
 
 def read_device(stager: Any, dst_ptr: int, off: int, total: int,

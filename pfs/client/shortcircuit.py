@@ -182,6 +182,8 @@ class HandleObjects:
             self._leave()
         self.servers.stats["local_reads"] += 1
         self.servers.stats["local_bytes"] += total
+        if len(dests) == 1:  # a small read's one destination holds what there was
+            return [total]
         counts = []
         for d in dests:
             n = min(total, len(d))

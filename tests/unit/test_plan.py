@@ -353,6 +353,187 @@ def test_a_small_plan_is_one_effect() -> None:
         p.send(100)
 
 
+# -- steps: the small requests' plans without a generator ------------------------------
+def _step(cl: FakeCluster, step: Any, done: Any, general: plan.Plan[Any]) -> Any:
+    """Carry a step out as the blocking driver does: inline, else the general plan
+    resumed from the failure."""
+    try:
+        result = cl.do(step)
+    except OSError as exc:
+        return cl.run(plan.resume(general, step, exc))
+    if done is not None:
+        done(step, result)
+    return None
+
+
+def _read_step(cl: FakeCluster, off: int, n: int, cap: bytes | None = b"c",
+               local: Any = None) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    step = plan.read_step(INO, cl.layout, off, view, cap, False, local)
+    assert step is not None
+    _step(cl, step, plan.read_step_done,
+          plan.read(None, INO, cl.layout, off, view, cap, local=local))
+    return bytes(buf)
+
+
+def test_a_small_read_is_one_step_built_as_the_plans_first_effect() -> None:
+    lay = _layout(count=4, replicas=2)
+    view = memoryview(bytearray(100))
+    step = plan.read_step(INO, lay, UNIT + 10, view, b"c")
+    first = plan.read(None, INO, lay, UNIT + 10, view, b"c").send(None)
+    assert isinstance(step, Send) and isinstance(first, Send)
+    assert (step.sid, step.method, step.fields, step.payload) == \
+        (first.sid, first.method, first.fields, first.payload)
+    assert (step.sid, step.method, step.payload) == ("s1r0", "read", None)
+    assert bytes(step.into) == bytes(first.into) and len(step.into) == 100
+    # a descriptor held: one local read; refused: the replicas; not asked yet: no step
+    local = _Local({1: 5, 2: None})
+    assert plan.read_step(INO, lay, UNIT + 10, view, b"c", False, local) == \
+        LocalRead(local, 5, 10, [view])
+    assert isinstance(plan.read_step(INO, lay, 2 * UNIT, view, b"c", False, local), Send)
+    assert plan.read_step(INO, lay, 3 * UNIT, view, b"c", False, local) is None
+    # more than one piece, or a capability due: the general plan
+    assert plan.read_step(INO, lay, UNIT - 10, view, b"c") is None
+    assert plan.read_step(INO, lay, 0, view, b"c", True) is None
+    assert plan.read_step(INO, _layout(count=1, unit=4 * MAX_REQUEST), 0,
+                          memoryview(bytearray(MAX_REQUEST + 1)), None) is None
+
+
+# failures injected on the replicas of a 3-replica stripe (sid, errnos in turn)
+_SCENARIOS: list[dict[str, list[int]]] = [
+    {},
+    {"s0r0": [errno.ECONNRESET], "s0r1": [errno.ETIMEDOUT]},  # failover, reconnects
+    {"s0r0": [errno.EIO]},  # elsewhere
+    {"s0r0": [errno.EIO], "s0r1": [errno.EIO], "s0r2": [errno.EIO]},  # all fail
+    {"s0r0": [errno.EINVAL]},  # final
+    {"s0r0": [errno.EACCES]},  # renewed, retried here
+    {"s0r0": [errno.ESTALE, errno.ESTALE]},  # refused twice
+]
+
+
+def _outcome(cl: FakeCluster, fn: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        got: Any = fn(cl, *args)
+    except OSError as exc:
+        got = (exc.errno, str(exc))
+    return got, cl.log, cl.renewals, cl.reconnects
+
+
+@pytest.mark.parametrize("fail", _SCENARIOS)
+@pytest.mark.parametrize("short", [False, True])
+def test_a_read_step_fails_over_renews_and_fills_holes_as_the_plan(
+        fail: dict[str, list[int]], short: bool) -> None:
+    outcomes = []
+    for use_step in (False, True):
+        cl = FakeCluster(_layout(count=1, replicas=3))
+        cl.store(b"q" * (UNIT - 100 if short else 3 * UNIT))
+        for sid, codes in fail.items():
+            cl.fail[(sid, "read")] = list(codes)
+        # UNIT - 300 on: 200 bytes there when short, zeros after them
+        outcomes.append(_outcome(cl, _read_step if use_step else _read, UNIT - 300, 300))
+    assert outcomes[0] == outcomes[1]
+    if not fail:
+        assert outcomes[1][0] == (b"q" * 200 + bytes(100) if short else b"q" * 300)
+
+
+def test_a_local_read_step_zero_fills_past_the_objects_end() -> None:
+    cl = FakeCluster(_layout(count=2))
+    data = os.urandom(3 * UNIT)
+    cl.store(data)
+    del cl.objects[("s1r0", 1)][100:]
+    local = _Local({0: 0, 1: 1})
+    assert _read_step(cl, UNIT + 50, 200, local=local) == data[UNIT + 50:UNIT + 100] + \
+        bytes(150)
+    assert _read_step(cl, 2 * UNIT, 300, local=local) == data[2 * UNIT:2 * UNIT + 300]
+    assert cl.local_reads == [1, 0] and cl.log == []
+
+
+def test_a_failed_step_resumes_a_plan_that_changed_at_its_first_effect() -> None:
+    """The capability fell due between the step and its failure: the resumed plan
+    renews first (its first effect is not the step's), then reads."""
+    cl = FakeCluster(_layout(count=1, replicas=2))
+    cl.store(b"v" * 50)
+    cl.fail[("s0r0", "read")] = [errno.EIO]
+    view = memoryview(bytearray(50))
+    step = plan.read_step(INO, cl.layout, 0, view, b"c")
+    _step(cl, step, plan.read_step_done, plan.read(None, INO, cl.layout, 0, view, b"old",
+                                                   renew_due=True))
+    assert bytes(view) == b"v" * 50 and cl.renewals == 1
+    assert [s for s, _, _ in cl.log] == ["s0r0", "s0r0"]  # the step, then the plan
+
+
+def _write(cl: FakeCluster, off: int, data: bytes) -> None:
+    cl.run(plan.write(None, INO, cl.layout, off, memoryview(data), b"c"))
+
+
+def _write_step(cl: FakeCluster, off: int, data: bytes) -> None:
+    view = memoryview(data)
+    step = plan.write_step(INO, cl.layout, off, view, b"c")
+    assert step is not None
+    _step(cl, step, None, plan.write(None, INO, cl.layout, off, view, b"c"))
+
+
+def test_a_small_write_to_one_replica_is_one_step() -> None:
+    lay = _layout(count=2)
+    view = memoryview(b"abc")
+    step = plan.write_step(INO, lay, UNIT + 1, view, b"c")
+    first = plan.write(None, INO, lay, UNIT + 1, view, b"c").send(None)
+    assert isinstance(step, Send) and isinstance(first, Send)
+    assert (step.sid, step.method, step.fields, step.payload) == \
+        (first.sid, first.method, first.fields, first.payload)
+    assert (step.sid, step.method, step.payload) == ("s1r0", "write", view)
+    assert plan.write_step(INO, lay, UNIT - 1, view, b"c") is None  # two pieces
+    assert plan.write_step(INO, lay, 0, view, b"c", True) is None  # renew first
+    assert plan.write_step(INO, _layout(count=1, replicas=2), 0, view, b"c") is None
+
+
+@pytest.mark.parametrize("codes", [[], [errno.EIO], [errno.EPIPE], [errno.EACCES],
+                                   [errno.EACCES, errno.EACCES], [errno.ENOSPC]])
+def test_a_write_step_fails_and_renews_as_the_plan(codes: list[int]) -> None:
+    outcomes = []
+    for use_step in (False, True):
+        cl = FakeCluster(_layout(count=1))
+        cl.fail[("s0r0", "write")] = list(codes)
+        outcomes.append(_outcome(cl, _write_step if use_step else _write, 10, b"hello")
+                        + (bytes(cl.objects.get(("s0r0", 0), b"")),))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_the_blocking_driver_hands_a_failed_step_over_as_the_plan() -> None:
+    from pfs.client.blocking_driver import BlockingDriver
+
+    class Pool:
+        def __init__(self, code: int) -> None:
+            self.code = code
+            self.calls: list[str] = []
+
+        def call(self, sid: str, *a: Any, **k: Any) -> Any:
+            self.calls.append(sid)
+            raise OSError(self.code, f"x on {sid}")
+
+    lay = _layout(count=1, replicas=2)
+    view = memoryview(bytearray(10))
+
+    def run(pool: Pool) -> None:
+        drv = BlockingDriver(pool, None)  # type: ignore[arg-type]
+        step = plan.read_step(INO, lay, 0, view, b"c")
+        drv.run_step(step, plan.read_step_done,
+                     lambda: plan.read(None, INO, lay, 0, view, b"c"))
+
+    for code in (errno.ECONNREFUSED, errno.EACCES):  # Reconnect, Renew: the trio driver's
+        with pytest.raises(plan.HandOver):
+            run(Pool(code))
+    pool = Pool(errno.EIO)
+    with pytest.raises(OSError) as err:  # the next replica, then the last error
+        run(pool)
+    assert err.value.errno == errno.EIO and pool.calls == ["s0r0", "s0r1"]
+    with pytest.raises(plan.HandOver):  # no blocking connections at all
+        BlockingDriver(None, None).run_step(  # type: ignore[arg-type]
+            plan.read_step(INO, lay, 0, view, b"c"), plan.read_step_done,
+            lambda: plan.read(None, INO, lay, 0, view, b"c"))
+
+
 class _FakeStager:
     """A pinned buffer of two halves; copies land in a bytearray standing for the GPU."""
 
