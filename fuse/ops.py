@@ -521,15 +521,15 @@ class PfsOperations(pyfuse3.Operations):
         with fs_errors():
             s = await self.meta.statfs()
         out = pyfuse3.StatvfsData()
-        out.f_bsize = s["bsize"]
-        out.f_frsize = s.get("frsize", s["bsize"])
-        out.f_blocks = s["blocks"]
-        out.f_bfree = s["bfree"]
-        out.f_bavail = s["bavail"]
-        out.f_files = s["files"]
-        out.f_ffree = s["ffree"]
-        out.f_favail = s["ffree"]
-        out.f_namemax = s["namemax"]
+        out.f_bsize = s.bsize
+        out.f_frsize = s.frsize
+        out.f_blocks = s.blocks
+        out.f_bfree = s.bfree
+        out.f_bavail = s.bavail
+        out.f_files = s.files
+        out.f_ffree = s.ffree
+        out.f_favail = s.ffree
+        out.f_namemax = s.namemax
         return out
 
     # -- extended attributes ---------------------------------------------------
