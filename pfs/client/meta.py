@@ -1,6 +1,9 @@
-"""Typed calls to the metaserver, by inode number (the FUSE layer's view).
+"""The metaserver connection, and its operations by inode number (the FUSE layer's view).
 
-One multiplexed connection; when it breaks, the call in flight fails with the error and
+Each method runs the one plan of :mod:`pfs.client.ops` for its operation (``meta_*``:
+the typed request and how its reply is read, defined once for every caller) on the trio
+driver; the path API runs the same plans with a path ``At``. What is here is the
+connection: one multiplexed connection; when it breaks, the call in flight fails with the error and
 the next call reconnects, so a mount whose metaserver went away returns errors and
 recovers when it is back.
 

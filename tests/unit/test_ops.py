@@ -108,7 +108,7 @@ def test_close_with_bytes_to_commit_retries_through_an_outage() -> None:
     sleeps = [e.seconds for e in seen if isinstance(e, Sleep)]
     assert sleeps == [0.05, 0.1, 0.2]  # backing off
     closes = [e for e in seen if isinstance(e, MetaCall)]
-    assert len(closes) == 4 and closes[-1].msg.written_end == 100
+    assert len(closes) == 4 and closes[-1].msg.written_end == 100  # type: ignore[attr-defined]
     assert h.closed and h.released == 1 and h.state.size == 100
 
 

@@ -85,15 +85,16 @@ class FakeCluster:
                 off += len(d)
             return counts
         assert isinstance(eff, Send)
-        stripe = eff.msg.obj[1]
+        msg: Any = eff.msg
+        stripe = msg.obj[1]
         self.log.append((eff.sid, eff.msg.method, stripe))
         errs = self.fail.get((eff.sid, eff.msg.method))
         if errs:
             raise OSError(errs.pop(0), f"injected on {eff.sid}")
         obj = self.objects.setdefault((eff.sid, stripe), bytearray())
         if eff.msg.method == "read":
-            assert eff.msg.len <= MAX_REQUEST
-            chunk = obj[eff.msg.off:eff.msg.off + eff.msg.len]
+            assert msg.len <= MAX_REQUEST
+            chunk = obj[msg.off:msg.off + msg.len]
             dests = eff.into if isinstance(eff.into, list) else [eff.into]
             pos = 0
             for d in dests:
@@ -105,7 +106,7 @@ class FakeCluster:
         if eff.msg.method == "write":
             srcs = eff.payload if isinstance(eff.payload, list) else [eff.payload]
             data = b"".join(bytes(s) for s in srcs)
-            off = eff.msg.off
+            off = msg.off
             if len(obj) < off + len(data):
                 obj.extend(bytes(off + len(data) - len(obj)))
             obj[off:off + len(data)] = data
@@ -220,7 +221,7 @@ def test_a_capability_due_is_renewed_first() -> None:
 
     def do(eff: Any) -> Any:
         if isinstance(eff, Send):
-            caps.append(eff.msg.cap)
+            caps.append(eff.msg.cap)  # type: ignore[attr-defined]
         return real(eff)
 
     cl.do = do  # type: ignore[method-assign]

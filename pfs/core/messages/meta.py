@@ -80,7 +80,7 @@ class EntryReply(ReplyMessage):
 
 class HelloReply(ReplyMessage):
     root: int = Int(doc="1")
-    version: int = Int(doc="int")
+    version: int = Int(doc="int, the protocol version negotiated on this connection")
 
 
 class ResolveReply(ReplyMessage):

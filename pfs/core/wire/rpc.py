@@ -309,6 +309,12 @@ class ConnContext:
     inflight: set[int] = field(default_factory=set)  # request ids being handled
     local: bool = False  # came through the local Unix socket (same host)
 
+    @property
+    def version(self) -> int:
+        """The protocol version this connection's frames carry (negotiated by the
+        handshake, pfs/core/versions.py)."""
+        return self.conn.decoder.version
+
 
 class ByteBudget:
     """Payload bytes held by requests in flight; a reader waits while it is spent."""
