@@ -5,8 +5,10 @@ and :class:`~pfs.client.plan.Sleep`. ``AsyncClient`` carries them out on the tri
 driver, the sync client on the blocking driver in the caller's thread: neither runs the
 other's coroutines, and a plan never waits by itself (a ``Sleep`` is an effect too).
 
-Entry calls name their entry by path: the metaserver resolves it in the same round trip
-(docs/rpc.md, "path" beside "parent" + "name").
+Each metaserver operation is one plan here (``meta_*``: its typed request of
+:mod:`pfs.core.messages.meta`, and how its reply is read), whoever runs it: the path API
+below names entries with a path ``At`` (the metaserver resolves it in the same round
+trip, docs/rpc.md), ``MetaClient``'s methods by inode with a parent + name ``At``.
 """
 from __future__ import annotations
 
@@ -76,33 +78,34 @@ def meta_access(ino: int, mask: int, cred: WireCred) -> Plan[None]:
     yield MetaCall(M.Access(ino=ino, mask=mask, cred=cred))
 
 
-def _entry(msg: M.EntryChange) -> Plan[tuple[Any, StatResult | None]]:
-    """An entry change: the typed reply, and the directory's attributes after the change
-    when ``msg`` asked for them (``want_parent``, docs/rpc.md), else None."""
-    r = yield MetaCall(msg)
+def _parent(r: Any) -> StatResult | None:
+    """The directory's attributes after an entry change, when the request asked for them
+    (``want_parent``, docs/rpc.md), else None."""
     pa = r.parent_attr
-    return r, StatResult.from_wire(pa) if pa is not None else None
+    return StatResult.from_wire(pa) if pa is not None else None
 
 
 # The six entry changes take ``want_parent``: the parent's attributes after the change
-# come back as the last value (None without it).
+# come back as the last value (None without it). Each is one plan, not a plan over a
+# shared sub-plan: these are the hot paths, and a level of generators costs.
 def meta_mkdir(at: At, mode: int, cred: WireCred, want_parent: bool = False
                ) -> Plan[tuple[StatResult, StatResult | None]]:
-    r, pa = yield from _entry(M.Mkdir(at=at, mode=mode, cred=cred, want_parent=want_parent))
-    return StatResult.from_wire(r.attr), pa
+    r = yield MetaCall(M.Mkdir(at=at, mode=mode, cred=cred, want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
 
 
 def meta_mknod(at: At, mode: int, rdev: int, cred: WireCred, want_parent: bool = False
                ) -> Plan[tuple[StatResult, StatResult | None]]:
-    r, pa = yield from _entry(M.Mknod(at=at, mode=mode, rdev=rdev, cred=cred,
-                                      want_parent=want_parent))
-    return StatResult.from_wire(r.attr), pa
+    r = yield MetaCall(M.Mknod(at=at, mode=mode, rdev=rdev, cred=cred,
+                               want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
 
 
 def meta_create(at: At, mode: int, flags: int, cred: WireCred, want_parent: bool = False
                 ) -> Plan[tuple[M.OpenedReply, StatResult | None]]:
-    return (yield from _entry(M.Create(at=at, mode=mode, flags=flags, cred=cred,
-                                       want_parent=want_parent)))
+    r = yield MetaCall(M.Create(at=at, mode=mode, flags=flags, cred=cred,
+                                want_parent=want_parent))
+    return r, _parent(r)
 
 
 def meta_open(ino: int, flags: int, cred: WireCred) -> Plan[M.OpenedReply]:
@@ -124,11 +127,11 @@ def meta_commit_size(fh: int, written_end: int | None, mtime: int | None = None
 
 
 def meta_unlink(at: At, cred: WireCred, want_parent: bool = False) -> Plan[StatResult | None]:
-    return (yield from _entry(M.Unlink(at=at, cred=cred, want_parent=want_parent)))[1]
+    return _parent((yield MetaCall(M.Unlink(at=at, cred=cred, want_parent=want_parent))))
 
 
 def meta_rmdir(at: At, cred: WireCred, want_parent: bool = False) -> Plan[StatResult | None]:
-    return (yield from _entry(M.Rmdir(at=at, cred=cred, want_parent=want_parent)))[1]
+    return _parent((yield MetaCall(M.Rmdir(at=at, cred=cred, want_parent=want_parent))))
 
 
 def meta_rename(at: At, new: At, flags: int, cred: WireCred) -> Plan[None]:
@@ -141,9 +144,8 @@ def meta_link(ino: int, new: At, cred: WireCred) -> Plan[StatResult]:
 
 def meta_symlink(at: At, target: bytes, cred: WireCred, want_parent: bool = False
                  ) -> Plan[tuple[StatResult, StatResult | None]]:
-    r, pa = yield from _entry(M.Symlink(at=at, target=target, cred=cred,
-                                        want_parent=want_parent))
-    return StatResult.from_wire(r.attr), pa
+    r = yield MetaCall(M.Symlink(at=at, target=target, cred=cred, want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
 
 
 def meta_readlink(ino: int) -> Plan[bytes]:
@@ -210,7 +212,8 @@ def resolve(c: AsyncClient, path: str, follow: bool = True) -> Plan[StatResult]:
 
 
 def stat(c: AsyncClient, path: str | bytes, follow_symlinks: bool = True) -> Plan[StatResult]:
-    return c.merged_attr((yield from resolve(c, norm(path), follow_symlinks)))
+    attr = (yield from meta_resolve(fsname(norm(path)), follow_symlinks, _cred(c)))[0]
+    return c.merged_attr(attr)
 
 
 def lstat(c: AsyncClient, path: str | bytes) -> Plan[StatResult]:

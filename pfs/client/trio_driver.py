@@ -53,7 +53,11 @@ class TrioDriver:
                     return done.value  # type: ignore[no-any-return]
                 value, exc = None, None
                 try:
-                    value = await self._do(effect)
+                    if type(effect) is MetaCall:  # most metadata plans: no other effect
+                        assert self.meta is not None
+                        value = await self.meta.request(effect.msg)
+                    else:
+                        value = await self._do(effect)
                 except OSError as e:
                     exc = e
         finally:
