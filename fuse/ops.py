@@ -27,6 +27,7 @@ import pyfuse3
 
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
 from pfs.fuse.options import MountTuning
 
 log = logging.getLogger(__name__)
@@ -342,9 +343,9 @@ class PfsOperations(pyfuse3.Operations):
         self._check_writable()
         wire = 0
         if flags & pyfuse3.RENAME_NOREPLACE:
-            wire |= 1
+            wire |= RENAME_NOREPLACE
         if flags & pyfuse3.RENAME_EXCHANGE:
-            wire |= 2
+            wire |= RENAME_EXCHANGE
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
         # both directories change, and so does a moved directory (its "..", its ctime),

@@ -34,6 +34,12 @@ import msgpack
 
 from pfs.core.config import LayoutDefaults
 from pfs.core.layout import check_geometry
+from pfs.core.messages.meta import (  # the flags, defined once with the messages
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    XATTR_CREATE,
+    XATTR_REPLACE,
+)
 from pfs.core.messages.records import (  # the POSIX limits, defined once with the messages
     NAME_MAX,
     NOW,
@@ -46,10 +52,6 @@ from pfs.metaserver import keys as K
 from pfs.metaserver.store import Txn
 
 R_OK, W_OK, X_OK = 4, 2, 1
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-XATTR_CREATE = 1
-XATTR_REPLACE = 2
 
 MAXSYMLINKS = 40
 XATTR_LIST_MAX = 65536

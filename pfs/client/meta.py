@@ -39,9 +39,7 @@ from pfs.core.wire.rpc import RpcClient
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RENAME_NOREPLACE = 1
 CLOSE_DELAY = 0.2  # seconds a deferred close waits for a request to carry it
-RENAME_EXCHANGE = 2
 
 
 class MetaClient:
