@@ -85,7 +85,7 @@ class DirectData:
         """Request ``msg`` to server ``sid``: (reply fields, payload bytes received)."""
         rpc = self._take(sid)
         try:
-            reply = rpc.send(msg.to_wire(), payload=payload, into=into)
+            reply = rpc.send(msg, payload=payload, into=into)
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply

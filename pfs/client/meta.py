@@ -117,13 +117,13 @@ class MetaClient:
         """:meth:`request` over the blocking connection, in the caller's thread; the
         handles whose close was deferred go with it (``closes``)."""
         rpc = self._blocking_client()
-        wire = msg.to_wire()
+        closes = None
         if self._closes:
             with self._closes_lock:
                 closes, self._closes = self._closes, []
-                if closes and self._closes_gen == self.generation:
-                    wire["closes"] = closes  # else: opened on a connection now gone
-        return parse_reply(msg, rpc.send(wire)[0])
+                if self._closes_gen != self.generation:
+                    closes = None  # opened on a connection that is gone: released with it
+        return rpc.request(msg, closes=closes)
 
     def defer_close(self, fh: int, generation: int) -> bool:
         """Direct mode: release handle ``fh`` (opened on connection ``generation``, with

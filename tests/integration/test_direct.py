@@ -241,9 +241,9 @@ def test_a_close_with_nothing_to_commit_rides_on_the_next_call(client_toml, work
     sent: list[tuple[str, int]] = []
     real = BlockingRpcClient.send
 
-    def recording(self, wire, **kw):  # type: ignore[no-untyped-def]
-        sent.append((wire["m"], len(wire.get("closes", []))))
-        return real(self, wire, **kw)
+    def recording(self, msg, **kw):  # type: ignore[no-untyped-def]
+        sent.append((msg.method, len(kw.get("closes") or [])))
+        return real(self, msg, **kw)
 
     monkeypatch.setattr(BlockingRpcClient, "send", recording)
     import pfs.client.meta as meta_mod

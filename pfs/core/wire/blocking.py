@@ -224,18 +224,20 @@ class BlockingRpcClient:
         finally:
             self._lock.release()
 
-    def request(self, msg: RequestMessage) -> Any:
+    def request(self, msg: RequestMessage, *, closes: list[int] | None = None) -> Any:
         """A typed call whose reply carries no payload (metadata): its typed reply
         (``EPROTO`` if the reply does not fit it)."""
-        return parse_reply(msg, self.send(msg.to_wire())[0])
+        return parse_reply(msg, self.send(msg, closes=closes)[0])
 
-    def send(self, wire: dict[str, Any], *,
+    def send(self, msg: RequestMessage, *, closes: list[int] | None = None,
              payload: bytes | bytearray | memoryview | None = None,
              into: memoryview | None = None) -> tuple[dict[str, Any], int]:
-        """A request message's map (``msg.to_wire()``, its method under ``"m"``, perhaps
-        with ``closes`` added) with an optional payload; a reply payload lands in
-        ``into`` (at most its length). Returns the reply's fields and its payload
-        length."""
+        """Request ``msg`` (with handles to release first, ``closes``: a metaserver
+        request) and an optional payload; a reply payload lands in ``into`` (at most its
+        length). Returns the reply's fields and its payload length."""
+        wire = msg.to_wire()
+        if closes:
+            wire["closes"] = closes
         return self._exchange(wire, payload, into)
 
     def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
