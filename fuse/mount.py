@@ -128,7 +128,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
             client = AsyncClient(cfg, nursery)
             try:
                 try:
-                    await client.meta.call("hello", client=f"pfs-fuse-{os.getpid()}")
+                    await client.meta.hello(f"pfs-fuse-{os.getpid()}")
                 except OSError as exc:
                     raise MountError(f"metaserver {cfg.meta}: {exc.strerror or exc}") from None
                 ops = PfsOperations(client, opts.tuning)

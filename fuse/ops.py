@@ -28,6 +28,7 @@ import pyfuse3
 
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
 from pfs.fuse.options import MountTuning
 
 log = logging.getLogger(__name__)
@@ -343,9 +344,9 @@ class PfsOperations(pyfuse3.Operations):
         self._check_writable()
         wire = 0
         if flags & pyfuse3.RENAME_NOREPLACE:
-            wire |= 1
+            wire |= RENAME_NOREPLACE
         if flags & pyfuse3.RENAME_EXCHANGE:
-            wire |= 2
+            wire |= RENAME_EXCHANGE
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
         # both directories change, and so does a moved directory (its "..", its ctime),
@@ -522,15 +523,15 @@ class PfsOperations(pyfuse3.Operations):
         with fs_errors():
             s = await self.meta.statfs()
         out = pyfuse3.StatvfsData()
-        out.f_bsize = s["bsize"]
-        out.f_frsize = s.get("frsize", s["bsize"])
-        out.f_blocks = s["blocks"]
-        out.f_bfree = s["bfree"]
-        out.f_bavail = s["bavail"]
-        out.f_files = s["files"]
-        out.f_ffree = s["ffree"]
-        out.f_favail = s["ffree"]
-        out.f_namemax = s["namemax"]
+        out.f_bsize = s.bsize
+        out.f_frsize = s.frsize
+        out.f_blocks = s.blocks
+        out.f_bfree = s.bfree
+        out.f_bavail = s.bavail
+        out.f_files = s.files
+        out.f_ffree = s.ffree
+        out.f_favail = s.ffree
+        out.f_namemax = s.namemax
         return out
 
     # -- extended attributes ---------------------------------------------------

@@ -5,6 +5,8 @@ issued before is stale for writing (pfs/core/caps.py)."""
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -12,6 +14,8 @@ import trio
 from pfs.core import caps
 from pfs.core.auth import ClientAuth
 from pfs.core.layout import object_size
+from pfs.core.messages import data as D
+from pfs.core.messages.base import RequestMessage
 from pfs.core.wire.connect import open_rpc
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
@@ -20,7 +24,9 @@ from pfs.metaserver.registry import Registry
 DATA_TIMEOUT = 30.0  # seconds per call to a data server
 DELETE_CHUNK = 1024  # object ids per delete request
 
-Calls = dict[str, list[tuple[str, dict[str, Any]]]]  # sid -> [(method, fields)], in order
+# sid -> [(ino, request)], in order; ``request(cap=...)`` builds the message with the
+# admin capability issued for that server
+Calls = dict[str, list[tuple[int, Callable[..., RequestMessage]]]]
 
 
 class DataPlane:
@@ -72,15 +78,14 @@ class DataPlane:
         """Run each server's calls in order, servers in parallel; errors by server."""
         errors: dict[str, OSError] = {}
 
-        async def one(sid: str, todo: list[tuple[str, dict[str, Any]]]) -> None:
+        async def one(sid: str, todo: list[tuple[int, Callable[..., RequestMessage]]]) -> None:
             try:
                 client = await self._client(sid)
-                for method, fields in todo:
+                for ino, request in todo:
                     # an admin capability for this server only; its generation fences
                     # the inode (every capability issued before is stale for writing)
-                    ino = fields["obj"][0] if "obj" in fields else 0
                     cap, _ = self._signer.issue(ino, caps.ADMIN, ttl=DATA_TIMEOUT * 2, sid=sid)
-                    await client.call(method, {**fields, "cap": cap})
+                    await client.request(request(cap=cap))
             except OSError as exc:
                 errors[sid] = exc
 
@@ -95,9 +100,10 @@ class DataPlane:
         unit, count = layout["unit"], layout["count"]
         calls: Calls = {}
         for stripe, sids in enumerate(layout["servers"]):
-            fields = {"obj": [ino, stripe], "size": object_size(unit, count, stripe, size)}
+            request = partial(D.Truncate, obj=(ino, stripe),
+                              size=object_size(unit, count, stripe, size))
             for sid in sids:
-                calls.setdefault(sid, []).append(("truncate", fields))
+                calls.setdefault(sid, []).append((ino, request))
         # reach every server before cutting any object: a replica cut while another
         # cannot be leaves copies that disagree about data the file (its size unchanged
         # by the failed truncation) still has
@@ -111,6 +117,6 @@ class DataPlane:
     async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
         """Delete objects (``{sid: [[ino, stripe], ...]}``); errors by server."""
         return await self.call_servers(
-            {sid: [("delete", {"objs": lst[i:i + DELETE_CHUNK]})
+            {sid: [(0, partial(D.Delete, objs=[(o[0], o[1]) for o in lst[i:i + DELETE_CHUNK]]))
                    for i in range(0, len(lst), DELETE_CHUNK)]
              for sid, lst in objs.items()})

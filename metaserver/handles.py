@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pfs.core import caps
+from pfs.core.messages.meta import MAX_CLOSES
 from pfs.core.wire.rpc import ConnContext
 from pfs.metaserver import keys as K
 from pfs.metaserver.commit import CommitQueue
 from pfs.metaserver.store import Store, WriteTxn
-
-MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
 
 
 def rights_of(flags: int) -> int:

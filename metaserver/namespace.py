@@ -34,29 +34,32 @@ import msgpack
 
 from pfs.core.config import LayoutDefaults
 from pfs.core.layout import check_geometry
+from pfs.core.messages.meta import (  # the flags, defined once with the messages
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    XATTR_CREATE,
+    XATTR_REPLACE,
+)
+from pfs.core.messages.records import (  # the POSIX limits, defined once with the messages
+    NAME_MAX,
+    NOW,
+    PATH_MAX,
+    SYMLINK_MAX,
+    XATTR_NAME_MAX,
+    XATTR_SIZE_MAX,
+)
 from pfs.metaserver import keys as K
 from pfs.metaserver.store import Txn
 
 R_OK, W_OK, X_OK = 4, 2, 1
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-XATTR_CREATE = 1
-XATTR_REPLACE = 2
 
-NAME_MAX = 255
-PATH_MAX = 4096
-SYMLINK_MAX = 4095
 MAXSYMLINKS = 40
-XATTR_NAME_MAX = 255
-XATTR_SIZE_MAX = 65536
 XATTR_LIST_MAX = 65536
 READDIR_MAX = 4096
 DIR_SIZE = 4096
 FILES_MAX = 1 << 32
 STATFS_BSIZE = 4096
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
-
-NOW = "now"
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,6 @@ from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-
 
 class MetaService(RpcService):
     name = "meta"
@@ -203,7 +201,7 @@ class MetaService(RpcService):
     # ------------------------------------------------------------------ handlers
     async def rpc_hello(self, ctx: ConnContext, req: M.Hello) -> M.HelloReply:
         ctx.state["client"] = req.client
-        return M.HelloReply(root=K.ROOT_INO, version=PROTOCOL_VERSION)
+        return M.HelloReply(root=K.ROOT_INO, version=ctx.version)  # as negotiated
 
     async def rpc_resolve(self, ctx: ConnContext, req: M.Resolve) -> M.ResolveReply:
         cred = self._cred(ctx, req)

@@ -33,6 +33,7 @@ from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
 from pfs.core.auth import client_auth
 from pfs.core.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.core.layout import Layout
+from pfs.core.messages.meta import OpenedReply
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +390,7 @@ class AsyncClient:
         async with trio.open_nursery() as nursery:
             client = cls(cfg, nursery, cred)
             try:
-                await client.meta.call("hello", client="pfs")
+                await client.meta.hello("pfs")
                 yield client
             finally:
                 # files left open are closed so what they wrote reaches the metaserver;
@@ -453,12 +454,12 @@ class AsyncClient:
         return attr
 
     # -- handles by inode (FUSE) -------------------------------------------------
-    def _handle(self, r: dict[str, Any], flags: int, path: str = "",
+    def _handle(self, r: OpenedReply, flags: int, path: str = "",
                 cred: Cred | None = None) -> FileHandle:
-        attr = StatResult.from_wire(r["attr"])
+        attr = StatResult.from_wire(r.attr)
         state = self._acquire_state(attr.st_ino, attr.st_size)
-        h = FileHandle(self, attr.st_ino, r["fh"], flags, Layout.from_wire(r["layout"]),
-                       state, path, attr, r.get("cap"), float(r.get("cap_ttl") or 0.0), cred)
+        h = FileHandle(self, attr.st_ino, r.fh, flags, Layout.from_wire(r.layout),  # type: ignore[arg-type]
+                       state, path, attr, r.cap, float(r.cap_ttl or 0.0), cred)
         self.handles.add(h)
         return h
 

@@ -3,7 +3,7 @@ thread, for ``pfs.connect()``: no trio, no threads, one request at a time.
 
 Data requests go over :class:`~pfs.client.direct.DirectData`'s pooled blocking
 connections, short-circuit reads are one ``preadv``, metadata requests go over the
-``MetaClient``'s blocking connection (``_blocking_call``), a
+``MetaClient``'s blocking connection (``request_blocking``), a
 :class:`~pfs.client.plan.Parallel` runs its sub-plans one after the other. What needs
 the event loop or the metaserver — renewing a capability of a file handle, asking a
 local data server for a descriptor, reconnecting to a server that may have moved —
@@ -36,6 +36,7 @@ from pfs.client.plan import (
     ToDevice,
     resume,
 )
+from pfs.core.messages.base import parse_reply
 
 T = TypeVar("T")
 
@@ -100,11 +101,13 @@ class BlockingDriver:
     def _send(self, effect: Send) -> int:
         if self.data is None or type(effect.into) is list or type(effect.payload) is list:
             raise HandOver("scattered requests are the trio driver's")
-        return self.data.call(effect.sid, effect.method, effect.fields,
-                              payload=effect.payload, into=effect.into)[1]
+        msg = effect.msg
+        fields, n = self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
+        parse_reply(msg, fields)  # checked: EPROTO when it does not fit
+        return n
 
     def _meta_call(self, effect: MetaCall) -> Any:
-        return self.meta._blocking_call(effect.method, effect.fields)
+        return self.meta.request_blocking(effect.msg)
 
     def _parallel(self, effect: Parallel) -> list[Any]:
         return [self.run(sub) for sub in effect.plans]

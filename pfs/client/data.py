@@ -12,8 +12,9 @@ from typing import Any
 import trio
 
 from pfs.core.auth import ClientAuth
+from pfs.core.messages.base import RequestMessage
 from pfs.core.wire.connect import open_rpc
-from pfs.core.wire.rpc import RpcClient
+from pfs.core.wire.rpc import Result, RpcClient
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,12 @@ class DataClient:
             self._conns[sid] = conns
             return conns[next(self._rr) % len(conns)]
 
-    async def call(self, sid: str, method: str, fields: dict[str, Any], **kw: Any):
+    async def send(self, sid: str, msg: RequestMessage, **kw: Any) -> Result:
+        """Request ``msg`` to server ``sid`` (``payload``, ``into``, ``timeout`` as
+        :meth:`RpcClient.send`)."""
         async with self._slots:
             conn = await self.connection(sid)
-            return await conn.call(method, fields, **kw)
+            return await conn.send(msg, **kw)
 
     def close(self) -> None:
         for conns in self._conns.values():

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pfs.core.auth import ClientAuth
+from pfs.core.messages.base import RequestMessage
 from pfs.core.wire.blocking import BlockingRpcClient
 from pfs.core.wire.connect import open_blocking
 
@@ -79,12 +80,12 @@ class DirectData:
                 self._idle.setdefault(sid, []).append(rpc)
             self._cond.notify()
 
-    def call(self, sid: str, method: str, fields: dict[str, Any], *,
+    def send(self, sid: str, msg: RequestMessage, *,
              payload: Any = None, into: Any = None) -> tuple[dict[str, Any], int]:
-        """One request to server ``sid``: (reply fields, payload bytes received)."""
+        """Request ``msg`` to server ``sid``: (reply fields, payload bytes received)."""
         rpc = self._take(sid)
         try:
-            reply = rpc.call_into(method, fields, payload=payload, into=into)
+            reply = rpc.send(msg, payload=payload, into=into)
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply

@@ -1,11 +1,14 @@
-"""Typed calls to the metaserver, by inode number (the FUSE layer's view).
+"""The metaserver connection, and its operations by inode number (the FUSE layer's view).
 
-One multiplexed connection; when it breaks, the call in flight fails with the error and
+Each method runs the one plan of :mod:`pfs.client.ops` for its operation (``meta_*``:
+the typed request and how its reply is read, defined once for every caller) on the trio
+driver; the path API runs the same plans with a path ``At``. What is here is the
+connection: one multiplexed connection; when it breaks, the call in flight fails with the error and
 the next call reconnects, so a mount whose metaserver went away returns errors and
 recovers when it is back.
 
 ``direct=True`` (the synchronous client): calls go over a blocking connection instead
-(``_blocking_call``), one at a time, from whichever thread makes them: the blocking
+(``request_blocking``), one at a time, from whichever thread makes them: the blocking
 driver carries the sync client's metadata plans (``pfs.client.ops``) out in the caller's
 thread with no hop into its trio thread. A call made from the trio thread blocks that
 loop for one round trip.
@@ -16,29 +19,27 @@ import errno
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
-from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.client import ops
+from pfs.client.plan import Plan
+from pfs.client.trio_driver import TrioDriver
+from pfs.client.types import Cred, DirEntry, StatResult, fsname
 from pfs.core import auth
 from pfs.core.auth import ClientAuth
 from pfs.core.messages import meta as M
-from pfs.core.messages.base import RequestMessage
+from pfs.core.messages.base import RequestMessage, parse_reply
 from pfs.core.messages.records import At, WireCred
 from pfs.core.wire.blocking import BlockingRpcClient
 from pfs.core.wire.connect import open_blocking, open_rpc
-from pfs.core.wire.rpc import RpcClient, parse_reply
+from pfs.core.wire.rpc import RpcClient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-RENAME_NOREPLACE = 1
 CLOSE_DELAY = 0.2  # seconds a deferred close waits for a request to carry it
-RENAME_EXCHANGE = 2
-
-
-def fsname(name: str | bytes) -> bytes:
-    return os.fsencode(name) if isinstance(name, str) else bytes(name)
 
 
 class MetaClient:
@@ -51,6 +52,7 @@ class MetaClient:
         self.timeout = timeout
         self.cred = cred or Cred.current()
         self._wire_cred: tuple[Cred | None, WireCred] = (None, (0, 0, ()))
+        self._driver = TrioDriver(meta=self)  # runs the metadata plans of ops
         self._rpc: RpcClient | None = None
         self._connect_lock = trio.Lock()
         self.direct = direct
@@ -103,8 +105,7 @@ class MetaClient:
                 except OSError as exc:
                     raise self._unreachable(exc) from None
                 try:
-                    hello = M.Hello(client=f"pfs-{os.getpid()}")
-                    parse_reply(hello, rpc.call(hello.method, hello.to_wire()))
+                    rpc.request(M.Hello(client=f"pfs-{os.getpid()}"))
                 except BaseException:
                     rpc.close()
                     raise
@@ -112,23 +113,17 @@ class MetaClient:
                 self.generation += 1
             return rpc
 
-    def _blocking_call(self, method: str, fields: dict[str, Any]) -> dict[str, Any]:
+    def request_blocking(self, msg: RequestMessage) -> Any:
+        """:meth:`request` over the blocking connection, in the caller's thread; the
+        handles whose close was deferred go with it (``closes``)."""
         rpc = self._blocking_client()
-        with self._closes_lock:
-            closes, self._closes = self._closes, []
-            if self._closes_gen != self.generation:
-                closes = []  # opened on a connection that is gone: released with it
-        if closes:
-            fields = {**fields, "closes": closes}
-        return rpc.call(method, fields)
-
-    async def call(self, method: str, **fields: Any) -> dict[str, Any]:
-        """An untyped call (fields as keywords, the reply's map back); prefer
-        :meth:`request` with a message of :mod:`pfs.core.messages.meta`."""
-        if self.direct:
-            return self._blocking_call(method, fields)
-        rpc = await self._client()
-        return (await rpc.call(method, fields)).fields
+        closes = None
+        if self._closes:
+            with self._closes_lock:
+                closes, self._closes = self._closes, []
+                if self._closes_gen != self.generation:
+                    closes = None  # opened on a connection that is gone: released with it
+        return rpc.request(msg, closes=closes)
 
     def defer_close(self, fh: int, generation: int) -> bool:
         """Direct mode: release handle ``fh`` (opened on connection ``generation``, with
@@ -161,25 +156,17 @@ class MetaClient:
             due = bool(self._closes)
         if due:
             try:
-                self._blocking_call("release", M.Release().to_wire())
+                self.request_blocking(M.Release())
             except OSError as exc:  # the connection broke: the server released them
                 log.debug("releasing closed handles: %s", exc)
 
     async def request(self, msg: RequestMessage) -> Any:
         """A typed call: ``msg`` (a request of :mod:`pfs.core.messages.meta`) out, its typed
         reply back (``EPROTO`` if the reply does not fit it)."""
-        fields = msg.to_wire()
         if self.direct:
-            return parse_reply(msg, self._blocking_call(msg.method, fields))
+            return self.request_blocking(msg)
         rpc = await self._client()
-        return parse_reply(msg, (await rpc.call(msg.method, fields)).fields)
-
-    async def _entry(self, msg: M.EntryChange) -> tuple[Any, StatResult | None]:
-        """An entry change: the typed reply, and the directory's attributes after the
-        change when ``msg`` asked for them (``want_parent``, docs/rpc.md), else None."""
-        r = await self.request(msg)
-        pa = r.parent_attr
-        return r, StatResult.from_wire(pa) if pa is not None else None
+        return parse_reply(msg, (await rpc.send(msg)).fields)
 
     def wire_cred(self, cred: Cred | None = None) -> WireCred:
         """A message's ``cred``: ``cred``, or the client's own (the last one's is kept:
@@ -191,8 +178,6 @@ class MetaClient:
         wire = (c.uid, c.gid, tuple(c.groups))
         self._wire_cred = (c, wire)
         return wire
-
-    _cred = wire_cred
 
     def disconnect(self) -> None:
         if self._rpc is not None:
@@ -212,144 +197,130 @@ class MetaClient:
             self._disconnected = True
         self.disconnect()
 
-    # -- namespace -----------------------------------------------------------
+    async def hello(self, client: str) -> M.HelloReply:
+        """Check the metaserver answers (the root inode, the protocol version)."""
+        r: M.HelloReply = await self.request(M.Hello(client=client))
+        return r
+
+    # -- the metadata operations (pfs.client.ops), by inode ----------------------
+    async def run(self, plan: Plan[T]) -> T:
+        """Carry a metadata plan out over this connection."""
+        return await self._driver.run(plan)
+
     async def resolve(self, path: str | bytes, follow: bool = True,
                       cred: Cred | None = None) -> tuple[StatResult, int, bytes]:
-        r = await self.request(M.Resolve(path=fsname(path), follow=follow,
-                                         cred=self._cred(cred)))
-        return StatResult.from_wire(r.attr), r.parent, r.name
+        return await self._driver.run(ops.meta_resolve(fsname(path), follow,
+                                                       self.wire_cred(cred)))
 
     async def lookup(self, parent: int, name: str | bytes, cred: Cred | None = None) -> StatResult:
-        r = await self.request(M.Lookup(parent=parent, name=fsname(name), cred=self._cred(cred)))
-        return StatResult.from_wire(r.attr)
+        return await self._driver.run(ops.meta_lookup(parent, fsname(name),
+                                                      self.wire_cred(cred)))
 
     async def getattr(self, ino: int) -> StatResult:
-        return StatResult.from_wire((await self.request(M.Getattr(ino=ino))).attr)
+        return await self._driver.run(ops.meta_getattr(ino))
 
     async def setattr(self, ino: int, cred: Cred | None = None, **changes: Any) -> StatResult:
-        r = await self.request(M.Setattr(ino=ino, cred=self._cred(cred), **changes))
-        return StatResult.from_wire(r.attr)
+        return await self._driver.run(ops.meta_setattr(ino, self.wire_cred(cred), **changes))
 
     async def access(self, ino: int, mask: int, cred: Cred | None = None) -> None:
-        await self.request(M.Access(ino=ino, mask=mask, cred=self._cred(cred)))
+        await self._driver.run(ops.meta_access(ino, mask, self.wire_cred(cred)))
 
     # The six entry changes take ``want_parent``: the parent's attributes after the
     # change come back as the last value (None without it).
     async def mkdir(self, parent: int, name: str | bytes, mode: int, cred: Cred | None = None,
                     want_parent: bool = False) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry(M.Mkdir(at=At.of(parent, fsname(name)), mode=mode,
-                                          cred=self._cred(cred), want_parent=want_parent))
-        return StatResult.from_wire(r.attr), pa
+        return await self._driver.run(ops.meta_mkdir(At(parent, fsname(name)), mode,
+                                                     self.wire_cred(cred), want_parent))
 
     async def mknod(self, parent: int, name: str | bytes, mode: int, rdev: int = 0,
                     cred: Cred | None = None, want_parent: bool = False
                     ) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry(M.Mknod(at=At.of(parent, fsname(name)), mode=mode, rdev=rdev,
-                                          cred=self._cred(cred), want_parent=want_parent))
-        return StatResult.from_wire(r.attr), pa
+        return await self._driver.run(ops.meta_mknod(At(parent, fsname(name)), mode, rdev,
+                                                     self.wire_cred(cred), want_parent))
 
     async def create(self, parent: int, name: str | bytes, mode: int, flags: int,
                      cred: Cred | None = None, want_parent: bool = False
-                     ) -> tuple[dict[str, Any], StatResult | None]:
-        r, pa = await self._entry(M.Create(at=At.of(parent, fsname(name)), mode=mode,
-                                           flags=flags, cred=self._cred(cred),
-                                           want_parent=want_parent))
-        return r.to_wire(), pa
+                     ) -> tuple[M.OpenedReply, StatResult | None]:
+        return await self._driver.run(ops.meta_create(At(parent, fsname(name)), mode, flags,
+                                                      self.wire_cred(cred), want_parent))
 
-    async def open(self, ino: int, flags: int, cred: Cred | None = None) -> dict[str, Any]:
-        r = await self.request(M.Open(ino=ino, flags=flags, cred=self._cred(cred)))
-        return r.to_wire()
+    async def open(self, ino: int, flags: int, cred: Cred | None = None) -> M.OpenedReply:
+        return await self._driver.run(ops.meta_open(ino, flags, self.wire_cred(cred)))
 
     async def close(self, fh: int, written_end: int | None = None,
                     mtime: int | None = None) -> None:
-        await self.request(M.Close(fh=fh, written_end=written_end, mtime=mtime))
+        await self._driver.run(ops.meta_close(fh, written_end, mtime))
 
-    async def renew(self, fh: int) -> dict[str, Any]:
-        """A fresh capability for open handle ``fh``: ``{"cap", "cap_ttl"}``."""
-        return (await self.request(M.Renew(fh=fh))).to_wire()
+    async def renew(self, fh: int) -> M.CapReply:
+        """A fresh capability for open handle ``fh``."""
+        return await self._driver.run(ops.meta_renew(fh))
 
     async def commit_size(self, fh: int, written_end: int | None,
                           mtime: int | None = None) -> StatResult:
-        r = await self.request(M.CommitSize(fh=fh, written_end=written_end, mtime=mtime))
-        return StatResult.from_wire(r.attr)
+        return await self._driver.run(ops.meta_commit_size(fh, written_end, mtime))
 
     async def unlink(self, parent: int, name: str | bytes, cred: Cred | None = None,
                      want_parent: bool = False) -> StatResult | None:
-        _, pa = await self._entry(M.Unlink(at=At.of(parent, fsname(name)),
-                                           cred=self._cred(cred), want_parent=want_parent))
-        return pa
+        return await self._driver.run(ops.meta_unlink(At(parent, fsname(name)),
+                                                      self.wire_cred(cred), want_parent))
 
     async def rmdir(self, parent: int, name: str | bytes, cred: Cred | None = None,
                     want_parent: bool = False) -> StatResult | None:
-        _, pa = await self._entry(M.Rmdir(at=At.of(parent, fsname(name)),
-                                          cred=self._cred(cred), want_parent=want_parent))
-        return pa
+        return await self._driver.run(ops.meta_rmdir(At(parent, fsname(name)),
+                                                     self.wire_cred(cred), want_parent))
 
     async def rename(self, parent: int, name: str | bytes, newparent: int,
                      newname: str | bytes, flags: int = 0, cred: Cred | None = None) -> None:
-        await self.request(M.Rename(at=At.of(parent, fsname(name)),
-                                    new=At.of(newparent, fsname(newname)), flags=flags,
-                                    cred=self._cred(cred)))
+        await self._driver.run(ops.meta_rename(At(parent, fsname(name)),
+                                               At(newparent, fsname(newname)), flags,
+                                               self.wire_cred(cred)))
 
     async def link(self, ino: int, newparent: int, newname: str | bytes,
                    cred: Cred | None = None) -> StatResult:
-        r = await self.request(M.Link(ino=ino, new=At.of(newparent, fsname(newname)),
-                                      cred=self._cred(cred)))
-        return StatResult.from_wire(r.attr)
+        return await self._driver.run(ops.meta_link(ino, At(newparent, fsname(newname)),
+                                                    self.wire_cred(cred)))
 
     async def symlink(self, parent: int, name: str | bytes, target: str | bytes,
                       cred: Cred | None = None, want_parent: bool = False
                       ) -> tuple[StatResult, StatResult | None]:
-        r, pa = await self._entry(M.Symlink(at=At.of(parent, fsname(name)),
-                                            target=fsname(target), cred=self._cred(cred),
-                                            want_parent=want_parent))
-        return StatResult.from_wire(r.attr), pa
+        return await self._driver.run(ops.meta_symlink(At(parent, fsname(name)),
+                                                       fsname(target), self.wire_cred(cred),
+                                                       want_parent))
 
     async def readlink(self, ino: int) -> bytes:
-        r: M.TargetReply = await self.request(M.Readlink(ino=ino))
-        return r.target
+        return await self._driver.run(ops.meta_readlink(ino))
 
     async def readdir(self, ino: int, cookie: int = 0, limit: int = 1024, plus: bool = False,
                       cred: Cred | None = None) -> tuple[list[DirEntry], bool]:
-        r = await self.request(M.Readdir(ino=ino, cookie=cookie, limit=limit, plus=plus,
-                                         cred=self._cred(cred)))
-        out = []
-        for name, child, mode, ck, attr in r.entries:
-            out.append(DirEntry(os.fsdecode(name), "", child, mode, ck,
-                                StatResult.from_wire(attr) if attr else None))
-        return out, bool(r.eof)
+        return await self._driver.run(ops.meta_readdir(ino, cookie, limit, plus,
+                                                       self.wire_cred(cred)))
 
-    async def statfs(self) -> dict[str, int]:
-        return (await self.request(M.Statfs())).to_wire()
+    async def statfs(self) -> M.StatfsReply:
+        return await self._driver.run(ops.meta_statfs())
 
     async def getxattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> bytes:
-        r: M.ValueReply = await self.request(M.Getxattr(ino=ino, name=fsname(name),
-                                                        cred=self._cred(cred)))
-        return r.value
+        return await self._driver.run(ops.meta_getxattr(ino, fsname(name),
+                                                        self.wire_cred(cred)))
 
     async def setxattr(self, ino: int, name: str | bytes, value: bytes, flags: int = 0,
                        cred: Cred | None = None) -> None:
-        await self.request(M.Setxattr(ino=ino, name=fsname(name), value=bytes(value),
-                                      flags=flags, cred=self._cred(cred)))
+        await self._driver.run(ops.meta_setxattr(ino, fsname(name), bytes(value), flags,
+                                                 self.wire_cred(cred)))
 
     async def listxattr(self, ino: int, cred: Cred | None = None) -> list[bytes]:
-        r: M.NamesReply = await self.request(M.Listxattr(ino=ino, cred=self._cred(cred)))
-        return r.names
+        return await self._driver.run(ops.meta_listxattr(ino, self.wire_cred(cred)))
 
     async def removexattr(self, ino: int, name: str | bytes, cred: Cred | None = None) -> None:
-        await self.request(M.Removexattr(ino=ino, name=fsname(name), cred=self._cred(cred)))
+        await self._driver.run(ops.meta_removexattr(ino, fsname(name), self.wire_cred(cred)))
 
     async def get_layout(self, ino: int) -> dict[str, Any]:
-        r: M.LayoutReply = await self.request(M.GetLayout(ino=ino))
-        return r.layout  # type: ignore[return-value]  # nil for symlinks and devices
+        """The file's layout (None for symlinks and devices)."""
+        return await self._driver.run(ops.meta_get_layout(ino))
 
     async def set_layout(self, ino: int, unit: int = 0, count: int = 0, replicas: int = 0,
                          cred: Cred | None = None) -> dict[str, Any]:
-        r: M.LayoutReply = await self.request(M.SetLayout(ino=ino, unit=unit, count=count,
-                                                          replicas=replicas,
-                                                          cred=self._cred(cred)))
-        return r.layout  # type: ignore[return-value]
+        return await self._driver.run(ops.meta_set_layout(ino, unit, count, replicas,
+                                                          self.wire_cred(cred)))
 
     async def servers(self) -> dict[str, dict[str, Any]]:
-        r: M.ServersReply = await self.request(M.Servers())
-        return r.servers
+        return await self._driver.run(ops.meta_servers())

@@ -5,8 +5,10 @@ and :class:`~pfs.client.plan.Sleep`. ``AsyncClient`` carries them out on the tri
 driver, the sync client on the blocking driver in the caller's thread: neither runs the
 other's coroutines, and a plan never waits by itself (a ``Sleep`` is an effect too).
 
-Entry calls name their entry by path: the metaserver resolves it in the same round trip
-(docs/rpc.md, "path" beside "parent" + "name").
+Each metaserver operation is one plan here (``meta_*``: its typed request of
+:mod:`pfs.core.messages.meta`, and how its reply is read), whoever runs it: the path API
+below names entries with a path ``At`` (the metaserver resolves it in the same round
+trip, docs/rpc.md), ``MetaClient``'s methods by inode with a parent + name ``At``.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pfs.client.meta import fsname
 from pfs.client.plan import DeferClose, MetaCall, Plan, Sleep
-from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.client.types import Cred, DirEntry, StatResult, fsname
+from pfs.core.messages import meta as M
+from pfs.core.messages.records import NOW, At, WireCred
 
 if TYPE_CHECKING:  # types only: aio builds its methods on these plans
     from pfs.client.aio import AsyncClient, FileHandle
@@ -48,23 +51,169 @@ def _path(path: str | bytes) -> bytes:
     return fsname(norm(path))
 
 
-def call(method: str, **fields: Any) -> MetaCall:
-    """The one place a metadata request of a plan is built."""
-    return MetaCall(method, fields)
+# -- the metadata operations: each request built and its reply read once, run by the
+# path API below, by ``MetaClient``'s methods (by inode, the mount's view) and by file
+# handles, over either driver. An entry is an ``At``: parent + name, or a path.
+def meta_resolve(path: bytes, follow: bool, cred: WireCred) -> Plan[tuple[StatResult, int, bytes]]:
+    r = yield MetaCall(M.Resolve(path=path, follow=follow, cred=cred))
+    return StatResult.from_wire(r.attr), r.parent, r.name
 
 
-def open_request(ino: int, flags: int, cred: Cred) -> MetaCall:
-    return call("open", ino=ino, flags=flags, cred=cred.to_wire())
+def meta_lookup(parent: int, name: bytes, cred: WireCred) -> Plan[StatResult]:
+    return StatResult.from_wire((yield MetaCall(M.Lookup(parent=parent, name=name,
+                                                         cred=cred))).attr)
+
+
+def meta_getattr(ino: int) -> Plan[StatResult]:
+    return StatResult.from_wire((yield MetaCall(M.Getattr(ino=ino))).attr)
+
+
+def meta_setattr(ino: int, cred: WireCred, **changes: Any) -> Plan[StatResult]:
+    """Change the attributes given (None: unchanged)."""
+    r = yield MetaCall(M.Setattr(ino=ino, cred=cred, **changes))
+    return StatResult.from_wire(r.attr)
+
+
+def meta_access(ino: int, mask: int, cred: WireCred) -> Plan[None]:
+    yield MetaCall(M.Access(ino=ino, mask=mask, cred=cred))
+
+
+def _parent(r: Any) -> StatResult | None:
+    """The directory's attributes after an entry change, when the request asked for them
+    (``want_parent``, docs/rpc.md), else None."""
+    pa = r.parent_attr
+    return StatResult.from_wire(pa) if pa is not None else None
+
+
+# The six entry changes take ``want_parent``: the parent's attributes after the change
+# come back as the last value (None without it). Each is one plan, not a plan over a
+# shared sub-plan: these are the hot paths, and a level of generators costs.
+def meta_mkdir(at: At, mode: int, cred: WireCred, want_parent: bool = False
+               ) -> Plan[tuple[StatResult, StatResult | None]]:
+    r = yield MetaCall(M.Mkdir(at=at, mode=mode, cred=cred, want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
+
+
+def meta_mknod(at: At, mode: int, rdev: int, cred: WireCred, want_parent: bool = False
+               ) -> Plan[tuple[StatResult, StatResult | None]]:
+    r = yield MetaCall(M.Mknod(at=at, mode=mode, rdev=rdev, cred=cred,
+                               want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
+
+
+def meta_create(at: At, mode: int, flags: int, cred: WireCred, want_parent: bool = False
+                ) -> Plan[tuple[M.OpenedReply, StatResult | None]]:
+    r = yield MetaCall(M.Create(at=at, mode=mode, flags=flags, cred=cred,
+                                want_parent=want_parent))
+    return r, _parent(r)
+
+
+def meta_open(ino: int, flags: int, cred: WireCred) -> Plan[M.OpenedReply]:
+    return (yield MetaCall(M.Open(ino=ino, flags=flags, cred=cred)))  # type: ignore[no-any-return]
+
+
+def meta_close(fh: int, written_end: int | None = None, mtime: int | None = None) -> Plan[None]:
+    yield MetaCall(M.Close(fh=fh, written_end=written_end, mtime=mtime))
+
+
+def meta_renew(fh: int) -> Plan[M.CapReply]:
+    return (yield MetaCall(M.Renew(fh=fh)))  # type: ignore[no-any-return]
+
+
+def meta_commit_size(fh: int, written_end: int | None, mtime: int | None = None
+                     ) -> Plan[StatResult]:
+    r = yield MetaCall(M.CommitSize(fh=fh, written_end=written_end, mtime=mtime))
+    return StatResult.from_wire(r.attr)
+
+
+def meta_unlink(at: At, cred: WireCred, want_parent: bool = False) -> Plan[StatResult | None]:
+    return _parent((yield MetaCall(M.Unlink(at=at, cred=cred, want_parent=want_parent))))
+
+
+def meta_rmdir(at: At, cred: WireCred, want_parent: bool = False) -> Plan[StatResult | None]:
+    return _parent((yield MetaCall(M.Rmdir(at=at, cred=cred, want_parent=want_parent))))
+
+
+def meta_rename(at: At, new: At, flags: int, cred: WireCred) -> Plan[None]:
+    yield MetaCall(M.Rename(at=at, new=new, flags=flags, cred=cred))
+
+
+def meta_link(ino: int, new: At, cred: WireCred) -> Plan[StatResult]:
+    return StatResult.from_wire((yield MetaCall(M.Link(ino=ino, new=new, cred=cred))).attr)
+
+
+def meta_symlink(at: At, target: bytes, cred: WireCred, want_parent: bool = False
+                 ) -> Plan[tuple[StatResult, StatResult | None]]:
+    r = yield MetaCall(M.Symlink(at=at, target=target, cred=cred, want_parent=want_parent))
+    return StatResult.from_wire(r.attr), _parent(r)
+
+
+def meta_readlink(ino: int) -> Plan[bytes]:
+    return (yield MetaCall(M.Readlink(ino=ino))).target  # type: ignore[no-any-return]
+
+
+def meta_readdir(ino: int, cookie: int, limit: int, plus: bool, cred: WireCred,
+                 base: str = "") -> Plan[tuple[list[DirEntry], bool]]:
+    """A page of entries (their ``path`` under ``base``; empty without it) and whether
+    it is the last."""
+    r = yield MetaCall(M.Readdir(ino=ino, cookie=cookie, limit=limit, plus=plus, cred=cred))
+    out = []
+    for raw, child, mode, ck, a in r.entries:
+        name = os.fsdecode(raw)
+        out.append(DirEntry(name, posixpath.join(base, name) if base else "", child, mode, ck,
+                            StatResult.from_wire(a) if a else None))
+    return out, bool(r.eof)
+
+
+def meta_statfs() -> Plan[M.StatfsReply]:
+    return (yield MetaCall(M.Statfs()))  # type: ignore[no-any-return]
+
+
+def meta_getxattr(ino: int, name: bytes, cred: WireCred) -> Plan[bytes]:
+    r = yield MetaCall(M.Getxattr(ino=ino, name=name, cred=cred))
+    return r.value  # type: ignore[no-any-return]
+
+
+def meta_setxattr(ino: int, name: bytes, value: bytes, flags: int, cred: WireCred) -> Plan[None]:
+    yield MetaCall(M.Setxattr(ino=ino, name=name, value=value, flags=flags, cred=cred))
+
+
+def meta_listxattr(ino: int, cred: WireCred) -> Plan[list[bytes]]:
+    return (yield MetaCall(M.Listxattr(ino=ino, cred=cred))).names  # type: ignore[no-any-return]
+
+
+def meta_removexattr(ino: int, name: bytes, cred: WireCred) -> Plan[None]:
+    yield MetaCall(M.Removexattr(ino=ino, name=name, cred=cred))
+
+
+def meta_get_layout(ino: int) -> Plan[dict[str, Any]]:
+    """The file's layout (None for symlinks and devices)."""
+    return (yield MetaCall(M.GetLayout(ino=ino))).layout  # type: ignore[no-any-return]
+
+
+def meta_set_layout(ino: int, unit: int, count: int, replicas: int, cred: WireCred
+                    ) -> Plan[dict[str, Any]]:
+    r = yield MetaCall(M.SetLayout(ino=ino, unit=unit, count=count, replicas=replicas,
+                                   cred=cred))
+    return r.layout  # type: ignore[no-any-return]
+
+
+def meta_servers() -> Plan[dict[str, dict[str, Any]]]:
+    return (yield MetaCall(M.Servers())).servers  # type: ignore[no-any-return]
 
 
 # -- the path API -----------------------------------------------------------------------
+def _cred(c: AsyncClient) -> WireCred:
+    return c.meta.wire_cred(c.cred)
+
+
 def resolve(c: AsyncClient, path: str, follow: bool = True) -> Plan[StatResult]:
-    r = yield call("resolve", path=fsname(path), follow=follow, cred=c.cred.to_wire())
-    return StatResult.from_wire(r["attr"])
+    return (yield from meta_resolve(fsname(path), follow, _cred(c)))[0]
 
 
 def stat(c: AsyncClient, path: str | bytes, follow_symlinks: bool = True) -> Plan[StatResult]:
-    return c.merged_attr((yield from resolve(c, norm(path), follow_symlinks)))
+    attr = (yield from meta_resolve(fsname(norm(path)), follow_symlinks, _cred(c)))[0]
+    return c.merged_attr(attr)
 
 
 def lstat(c: AsyncClient, path: str | bytes) -> Plan[StatResult]:
@@ -87,16 +236,12 @@ def scandir(c: AsyncClient, path: str | bytes = "/", plus: bool = False) -> Plan
     out: list[DirEntry] = []
     cookie = 0
     while True:
-        r = yield call("readdir", ino=attr.st_ino, cookie=cookie, limit=READDIR_PAGE,
-                       plus=plus, cred=c.cred.to_wire())
-        page = r["entries"]
-        for raw, child, mode, ck, a in page:
-            name = os.fsdecode(raw)
-            out.append(DirEntry(name, posixpath.join(base, name), child, mode, ck,
-                                StatResult.from_wire(a) if a else None))
-        if r["eof"] or not page:
+        page, eof = yield from meta_readdir(attr.st_ino, cookie, READDIR_PAGE, plus, _cred(c),
+                                            base)
+        out.extend(page)
+        if eof or not page:
             return out
-        cookie = page[-1][3]
+        cookie = page[-1].cookie
 
 
 def listdir(c: AsyncClient, path: str | bytes = "/") -> Plan[list[str]]:
@@ -104,7 +249,7 @@ def listdir(c: AsyncClient, path: str | bytes = "/") -> Plan[list[str]]:
 
 
 def mkdir(c: AsyncClient, path: str | bytes, mode: int = 0o777) -> Plan[None]:
-    yield call("mkdir", path=_path(path), mode=mode & ~c.umask, cred=c.cred.to_wire())
+    yield from meta_mkdir(At.by_path(_path(path)), mode & ~c.umask, _cred(c))
 
 
 def makedirs(c: AsyncClient, path: str | bytes, mode: int = 0o777,
@@ -125,47 +270,44 @@ def makedirs(c: AsyncClient, path: str | bytes, mode: int = 0o777,
 
 
 def remove(c: AsyncClient, path: str | bytes) -> Plan[None]:
-    yield call("unlink", path=_path(path), cred=c.cred.to_wire())
+    yield from meta_unlink(At.by_path(_path(path)), _cred(c))
 
 
 def rmdir(c: AsyncClient, path: str | bytes) -> Plan[None]:
-    yield call("rmdir", path=_path(path), cred=c.cred.to_wire())
+    yield from meta_rmdir(At.by_path(_path(path)), _cred(c))
 
 
 def rename(c: AsyncClient, src: str | bytes, dst: str | bytes, flags: int = 0) -> Plan[None]:
-    yield call("rename", path=_path(src), newpath=_path(dst), flags=flags,
-               cred=c.cred.to_wire())
+    yield from meta_rename(At.by_path(_path(src)), At.by_path(_path(dst)), flags, _cred(c))
 
 
 def link(c: AsyncClient, src: str | bytes, dst: str | bytes) -> Plan[None]:
     attr = yield from lstat(c, src)
-    yield call("link", ino=attr.st_ino, newpath=_path(dst), cred=c.cred.to_wire())
+    yield from meta_link(attr.st_ino, At.by_path(_path(dst)), _cred(c))
 
 
 def symlink(c: AsyncClient, target: str | bytes, path: str | bytes) -> Plan[None]:
-    yield call("symlink", path=_path(path), target=fsname(target), cred=c.cred.to_wire())
+    yield from meta_symlink(At.by_path(_path(path)), fsname(target), _cred(c))
 
 
 def readlink(c: AsyncClient, path: str | bytes) -> Plan[str]:
     attr = yield from lstat(c, path)
-    return os.fsdecode((yield call("readlink", ino=attr.st_ino))["target"])
+    return os.fsdecode((yield from meta_readlink(attr.st_ino)))
 
 
 def set_attr(ino: int, cred: Cred, **changes: Any) -> Plan[StatResult]:
-    fields = {k: v for k, v in changes.items() if v is not None}
-    r = yield call("setattr", ino=ino, cred=cred.to_wire(), **fields)
-    return StatResult.from_wire(r["attr"])
+    return (yield from meta_setattr(ino, (cred.uid, cred.gid, tuple(cred.groups)), **changes))
 
 
 def chmod(c: AsyncClient, path: str | bytes, mode: int) -> Plan[None]:
     attr = yield from stat(c, path)
-    yield from set_attr(attr.st_ino, c.cred, mode=mode & 0o7777)
+    yield from meta_setattr(attr.st_ino, _cred(c), mode=mode & 0o7777)
 
 
 def chown(c: AsyncClient, path: str | bytes, uid: int, gid: int) -> Plan[None]:
     attr = yield from stat(c, path)
-    yield from set_attr(attr.st_ino, c.cred, uid=None if uid < 0 else uid,
-                       gid=None if gid < 0 else gid)
+    yield from meta_setattr(attr.st_ino, _cred(c), uid=None if uid < 0 else uid,
+                            gid=None if gid < 0 else gid)
 
 
 def utime(c: AsyncClient, path: str | bytes, times: tuple[float, float] | None = None,
@@ -178,38 +320,35 @@ def utime(c: AsyncClient, path: str | bytes, times: tuple[float, float] | None =
     elif times is not None:
         at, mt = int(times[0] * 1e9), int(times[1] * 1e9)
     else:
-        at = mt = "now"
-    yield from set_attr(attr.st_ino, c.cred, atime=at, mtime=mt)
+        at = mt = NOW
+    yield from meta_setattr(attr.st_ino, _cred(c), atime=at, mtime=mt)
 
 
 def truncate(c: AsyncClient, path: str | bytes, size: int) -> Plan[None]:
     attr = yield from stat(c, path)
-    yield from set_attr(attr.st_ino, c.cred, size=size)
+    yield from meta_setattr(attr.st_ino, _cred(c), size=size)
     c.truncated(attr.st_ino, size)
 
 
 def getxattr(c: AsyncClient, path: str | bytes, name: str | bytes) -> Plan[bytes]:
     attr = yield from stat(c, path)
-    r = yield call("getxattr", ino=attr.st_ino, name=fsname(name), cred=c.cred.to_wire())
-    return r["value"]  # type: ignore[no-any-return]
+    return (yield from meta_getxattr(attr.st_ino, fsname(name), _cred(c)))
 
 
 def setxattr(c: AsyncClient, path: str | bytes, name: str | bytes, value: bytes,
              flags: int = 0) -> Plan[None]:
     attr = yield from stat(c, path)
-    yield call("setxattr", ino=attr.st_ino, name=fsname(name), value=bytes(value),
-               flags=flags, cred=c.cred.to_wire())
+    yield from meta_setxattr(attr.st_ino, fsname(name), bytes(value), flags, _cred(c))
 
 
 def listxattr(c: AsyncClient, path: str | bytes) -> Plan[list[str]]:
     attr = yield from stat(c, path)
-    r = yield call("listxattr", ino=attr.st_ino, cred=c.cred.to_wire())
-    return [os.fsdecode(n) for n in r["names"]]
+    return [os.fsdecode(n) for n in (yield from meta_listxattr(attr.st_ino, _cred(c)))]
 
 
 def removexattr(c: AsyncClient, path: str | bytes, name: str | bytes) -> Plan[None]:
     attr = yield from stat(c, path)
-    yield call("removexattr", ino=attr.st_ino, name=fsname(name), cred=c.cred.to_wire())
+    yield from meta_removexattr(attr.st_ino, fsname(name), _cred(c))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,22 +365,20 @@ class StatVFS:
 
 
 def statvfs(c: AsyncClient, path: str | bytes = "/") -> Plan[StatVFS]:
-    s = yield call("statfs")
-    return StatVFS(s["bsize"], s.get("frsize", s["bsize"]), s["blocks"], s["bfree"],
-                   s["bavail"], s["files"], s["ffree"], s["ffree"], s["namemax"])
+    s = yield from meta_statfs()
+    return StatVFS(s.bsize, s.frsize, s.blocks, s.bfree, s.bavail, s.files, s.ffree,
+                   s.ffree, s.namemax)
 
 
 def get_layout(c: AsyncClient, path: str | bytes) -> Plan[dict[str, Any]]:
     attr = yield from stat(c, path)
-    return (yield call("get_layout", ino=attr.st_ino))["layout"]  # type: ignore[no-any-return]
+    return (yield from meta_get_layout(attr.st_ino))
 
 
 def set_layout(c: AsyncClient, path: str | bytes, count: int = 0, unit: int = 0,
                replicas: int = 0) -> Plan[dict[str, Any]]:
     attr = yield from stat(c, path)
-    r = yield call("set_layout", ino=attr.st_ino, unit=unit, count=count, replicas=replicas,
-                   cred=c.cred.to_wire())
-    return r["layout"]  # type: ignore[no-any-return]
+    return (yield from meta_set_layout(attr.st_ino, unit, count, replicas, _cred(c)))
 
 
 def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) -> Plan[FileHandle]:
@@ -250,8 +387,8 @@ def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) 
     p = norm(path)
     if flags & os.O_CREAT:
         try:
-            r = yield call("create", path=fsname(p), mode=perm & ~c.umask, flags=flags,
-                           cred=c.cred.to_wire())
+            r, _ = yield from meta_create(At.by_path(fsname(p)), perm & ~c.umask, flags,
+                                          _cred(c))
             return c._handle(r, flags, p)
         except FileExistsError:
             if flags & os.O_EXCL:
@@ -259,38 +396,38 @@ def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) 
     attr = yield from resolve(c, p)
     if statmod.S_ISDIR(attr.st_mode) and (flags & os.O_ACCMODE) != os.O_RDONLY:
         raise OSError(errno.EISDIR, f"{p}: is a directory")
-    r = yield open_request(attr.st_ino, flags, c.cred)
+    r = yield from meta_open(attr.st_ino, flags, _cred(c))
     return c._handle(r, flags, p)
 
 
 # -- file handles -----------------------------------------------------------------------
-def renew(h: FileHandle) -> Plan[dict[str, Any]]:
+def renew(h: FileHandle) -> Plan[M.CapReply | M.OpenedReply]:
     """A fresh capability; if the metaserver lost the handle (it restarted, or the
     connection broke), open the inode again (permissions are checked again)."""
+    r: M.CapReply | M.OpenedReply
     try:
-        r = yield call("renew", fh=h.fh)
+        r = yield from meta_renew(h.fh)
     except OSError as exc:
         if exc.errno != errno.EBADF:
             raise
         r = yield from reopen(h)
-    h._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
-    return r  # type: ignore[no-any-return]
+    h._set_cap(r.cap, float(r.cap_ttl or 0.0))
+    return r
 
 
-def reopen(h: FileHandle) -> Plan[dict[str, Any]]:
+def reopen(h: FileHandle) -> Plan[M.OpenedReply]:
     """Open the inode again for a handle the metaserver lost (EBADF)."""
     meta = h.client.meta
-    r = yield open_request(h.ino, h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
-                           h.cred or h.client.cred)
-    h.fh = r["fh"]
+    r = yield from meta_open(h.ino, h.flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC),
+                             meta.wire_cred(h.cred or h.client.cred))
+    h.fh = r.fh
     h.meta_gen = meta.generation
-    h._set_cap(r.get("cap"), float(r.get("cap_ttl") or 0.0))
-    return r  # type: ignore[no-any-return]
+    h._set_cap(r.cap, float(r.cap_ttl or 0.0))
+    return r
 
 
 def _commit_size(h: FileHandle, end: int | None) -> Plan[StatResult]:
-    r = yield call("commit_size", fh=h.fh, written_end=end, mtime=time.time_ns())
-    return StatResult.from_wire(r["attr"])
+    return (yield from meta_commit_size(h.fh, end, time.time_ns()))
 
 
 def commit(h: FileHandle) -> Plan[None]:
@@ -324,8 +461,7 @@ def truncate_handle(h: FileHandle, size: int) -> Plan[None]:
 
 
 def getattr_handle(h: FileHandle) -> Plan[StatResult]:
-    r = yield call("getattr", ino=h.ino)
-    attr = StatResult.from_wire(r["attr"])
+    attr = yield from meta_getattr(h.ino)
     return attr.with_size(max(attr.st_size, h.state.written_end))
 
 
@@ -358,8 +494,7 @@ def _close_on_server(h: FileHandle, end: int | None) -> Plan[None]:
         try:
             if lost:
                 yield from reopen(h)
-            yield call("close", fh=h.fh, written_end=end,
-                       mtime=time.time_ns() if end is not None else None)
+            yield from meta_close(h.fh, end, time.time_ns() if end is not None else None)
             return
         except OSError as exc:
             if exc.errno == errno.EBADF and not lost:

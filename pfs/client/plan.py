@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from pfs.core.layout import Layout, Piece, stripe_extents
+from pfs.core.messages import data as D
+from pfs.core.messages.base import RequestMessage
 
 T = TypeVar("T")
 Plan = Generator[Any, Any, T]
@@ -77,12 +79,12 @@ def classify(exc: OSError) -> Failure:
 # -- effects ------------------------------------------------------------------------
 @dataclass(slots=True)
 class Send:
-    """One request to data server ``sid``; the result is the payload bytes received
-    (into ``into``: a buffer or a list of buffers filled in order)."""
+    """Request ``msg`` (of :mod:`pfs.core.messages.data`) to data server ``sid``; the
+    result is the payload bytes received (into ``into``: a buffer or a list of buffers
+    filled in order). The driver checks the reply fits ``msg`` (``EPROTO``)."""
 
     sid: str
-    method: str
-    fields: dict[str, Any]
+    msg: RequestMessage
     payload: Any = None
     into: Any = None
 
@@ -137,10 +139,10 @@ class LocalRead:
 
 @dataclass(slots=True)
 class MetaCall:
-    """One metaserver request; the result is the reply's fields."""
+    """Request ``msg`` (of :mod:`pfs.core.messages.meta`) to the metaserver; the result
+    is its typed reply (``EPROTO`` when the reply does not fit)."""
 
-    method: str
-    fields: dict[str, Any]
+    msg: RequestMessage
 
 
 @dataclass(slots=True)
@@ -194,21 +196,20 @@ class LocalObjects(Protocol):
 
 
 # -- requests: one builder per data RPC ------------------------------------------------
-def read_request(ino: int, stripe: int, off: int, length: int,
-                 cap: bytes | None) -> dict[str, Any]:
-    return {"obj": [ino, stripe], "off": off, "len": length, "cap": cap}
+def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None) -> D.Read:
+    return D.Read(obj=(ino, stripe), off=off, len=length, cap=cap)
 
 
-def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> dict[str, Any]:
-    return {"obj": [ino, stripe], "off": off, "cap": cap}
+def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> D.Write:
+    return D.Write(obj=(ino, stripe), off=off, cap=cap)
 
 
-def fsync_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
-    return {"obj": [ino, stripe], "cap": cap}
+def fsync_request(ino: int, stripe: int, cap: bytes | None) -> D.Fsync:
+    return D.Fsync(obj=(ino, stripe), cap=cap)
 
 
-def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> dict[str, Any]:
-    return {"obj": [ino, stripe], "cap": cap}
+def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> D.OpenFd:
+    return D.OpenFd(obj=(ino, stripe), cap=cap)
 
 
 # -- pieces ---------------------------------------------------------------------------
@@ -294,14 +295,14 @@ def send(effect: Send) -> Plan[int]:
         raise
 
 
-def from_replicas(replicas: Sequence[str], method: str, fields: dict[str, Any], *,
+def from_replicas(replicas: Sequence[str], msg: RequestMessage, *,
                   payload: Any = None, into: Any = None) -> Plan[int]:
     """Send to each replica in turn until one answers; a failure that is not the
     server's (a refused capability, a bad request) ends it at once."""
     err: OSError | None = None
     for sid in replicas:
         try:
-            return (yield Send(sid, method, fields, payload, into))
+            return (yield Send(sid, msg, payload, into))
         except OSError as exc:
             kind = classify(exc)
             if kind is Failure.RECONNECT:
@@ -353,7 +354,7 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
             zero_unread(dests, (yield LocalRead(local, fd, obj_off, dests)))
             return
     total = first.length if len(run) == 1 else sum(p.length for p in run)
-    got = yield from from_replicas(layout.servers[stripe], "read",
+    got = yield from from_replicas(layout.servers[stripe],
                                    read_request(ino, stripe, obj_off, total, cap),
                                    into=dests[0] if len(dests) == 1 else dests)
     if got < total:
@@ -395,8 +396,8 @@ def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[P
     """One stripe's run to every replica: each must hold an acknowledged write."""
     srcs = _views(data, base, run)
     payload = srcs[0] if len(srcs) == 1 else srcs
-    fields = write_request(ino, run[0].stripe, run[0].obj_off, cap)
-    return _all([send(Send(sid, "write", fields, payload))
+    msg = write_request(ino, run[0].stripe, run[0].obj_off, cap)
+    return _all([send(Send(sid, msg, payload))
                  for sid in layout.servers[run[0].stripe]])
 
 
@@ -412,7 +413,7 @@ def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
           renew_due: bool = False) -> Plan[None]:
     """Every object of the file, on every replica, to stable storage."""
     def body(c: bytes | None) -> Plan[Any]:
-        return _all([send(Send(sid, "fsync", fsync_request(ino, stripe, c)))
+        return _all([send(Send(sid, fsync_request(ino, stripe, c)))
                      for stripe, replicas in enumerate(layout.servers) for sid in replicas])
     yield from with_cap(owner, cap, renew_due, body)
 
@@ -441,8 +442,8 @@ def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | 
         fd = local.known_fd(stripe)
         if fd is not None:
             return LocalRead(local, fd, obj_off, [buf])
-    return Send(layout.servers[stripe][0], "read",
-                read_request(ino, stripe, obj_off, len(buf), cap), None, buf)
+    return Send(layout.servers[stripe][0], read_request(ino, stripe, obj_off, len(buf), cap),
+                None, buf)
 
 
 def read_step_done(step: LocalRead | Send, result: Any) -> None:
@@ -467,14 +468,14 @@ def write_step(ino: int, layout: Layout, off: int, data: memoryview, cap: bytes 
     replicas = layout.servers[stripe]
     if len(replicas) != 1:
         return None
-    return Send(replicas[0], "write", write_request(ino, stripe, obj_off, cap), data)
+    return Send(replicas[0], write_request(ino, stripe, obj_off, cap), data)
 
 
 def _same_effect(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if type(a) is Send:
-        return bool(a.sid == b.sid and a.method == b.method)
+        return bool(a.sid == b.sid and a.msg.method == b.msg.method)
     if type(a) is LocalRead:
         return bool(a.fd == b.fd and a.obj_off == b.obj_off)
     return False

@@ -45,7 +45,7 @@ class _Channel:
             self.rid += 1
             try:
                 await self.conn.send_frame(Kind.REQUEST, self.rid,
-                                           {"m": "open_fd", **open_fd_request(ino, stripe, cap)})
+                                           open_fd_request(ino, stripe, cap).to_wire())
                 head, fds = await self.conn.recv_frame_with_fds()
             except BaseException:  # a reply half-read (or never read) leaves the stream
                 self.conn.close()  # out of step: this channel is done

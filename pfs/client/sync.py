@@ -92,7 +92,7 @@ class Client:
             async def make() -> AsyncClient:
                 assert loop.nursery is not None
                 c = AsyncClient(cfg, loop.nursery, cred, direct_meta=cfg.direct_meta)
-                await c.meta.call("hello", client="pfs")
+                await c.meta.hello("pfs")
                 return c
 
             return cls(loop, loop.run(make))

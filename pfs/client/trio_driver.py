@@ -9,12 +9,11 @@ nursery, and the first ``OSError`` among them is raised as itself.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from pfs.client.data import DataClient, run_all
-from pfs.client.meta import MetaClient
 from pfs.client.plan import (
     Call,
     DeferClose,
@@ -30,6 +29,10 @@ from pfs.client.plan import (
     Sleep,
     ToDevice,
 )
+from pfs.core.messages.base import parse_reply
+
+if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
+    from pfs.client.meta import MetaClient
 
 T = TypeVar("T")
 
@@ -50,7 +53,11 @@ class TrioDriver:
                     return done.value  # type: ignore[no-any-return]
                 value, exc = None, None
                 try:
-                    value = await self._do(effect)
+                    if type(effect) is MetaCall:  # most metadata plans: no other effect
+                        assert self.meta is not None
+                        value = await self.meta.request(effect.msg)
+                    else:
+                        value = await self._do(effect)
                 except OSError as e:
                     exc = e
         finally:
@@ -59,8 +66,9 @@ class TrioDriver:
     async def _do(self, effect: Any) -> Any:
         if isinstance(effect, Send):
             assert self.data is not None
-            r = await self.data.call(effect.sid, effect.method, effect.fields,
-                                     payload=effect.payload, into=effect.into)
+            msg = effect.msg
+            r = await self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
+            parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
             return r.nbytes
         if isinstance(effect, Parallel):
             results: list[Any] = [None] * len(effect.plans)
@@ -72,7 +80,7 @@ class TrioDriver:
             return results
         if isinstance(effect, MetaCall):
             assert self.meta is not None
-            return await self.meta.call(effect.method, **effect.fields)
+            return await self.meta.request(effect.msg)
         if isinstance(effect, LocalRead):
             return await effect.local.read(effect.fd, effect.obj_off, effect.dests)
         if isinstance(effect, LocalFd):

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def fsname(name: str | bytes) -> bytes:
+    """A name or path as the metaserver takes it: bytes (a str through ``os.fsencode``)."""
+    return os.fsencode(name) if isinstance(name, str) else bytes(name)
+
+
 @dataclass(frozen=True, slots=True)
 class Cred:
     """Who a request acts for; the metaserver checks permissions with it."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import pfs
+from pfs.core.messages.meta import Release
 from pfs.core.wire.blocking import BlockingConnection, BlockingRpcClient
 from pfs.core.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
 from tests.conftest import run_threads
@@ -317,6 +318,6 @@ def test_a_release_after_close_opens_no_connection(client_toml: Path) -> None:
     meta = c.aio.meta
     c.close()
     with pytest.raises(OSError) as err:
-        meta._blocking_call("release", {})
+        meta.request_blocking(Release())
     assert err.value.errno == errno.ENOTCONN
     assert meta._blocking is None

@@ -366,14 +366,14 @@ def test_concurrent_renewals_reopen_a_lost_handle_once(client, workdir) -> None:
     h = f.handle
     meta = client.aio.meta
     opens = []
-    real_call = meta.call
+    real_request = meta.request
 
-    async def counting_call(method, **k):  # the open requests that reach the metaserver
-        if method == "open":
-            opens.append(k)
-        return await real_call(method, **k)
+    async def counting(msg):  # the open requests that reach the metaserver
+        if msg.method == "open":
+            opens.append(msg)
+        return await real_request(msg)
 
-    meta.call = counting_call
+    meta.request = counting
     _drop_meta_connection(client)
     h._renew_at = 0  # the capability is due: every data call renews first
 
@@ -383,7 +383,7 @@ def test_concurrent_renewals_reopen_a_lost_handle_once(client, workdir) -> None:
                 n.start_soon(h.pread, 1000, i * 1000)
 
     client._run(many)
-    del meta.call
+    del meta.request
     assert len(opens) == 1
     f.close()
 

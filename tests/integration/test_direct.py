@@ -239,13 +239,13 @@ def test_a_close_with_nothing_to_commit_rides_on_the_next_call(client_toml, work
     from pfs.core.wire.blocking import BlockingRpcClient
 
     sent: list[tuple[str, int]] = []
-    real = BlockingRpcClient.call_into
+    real = BlockingRpcClient.send
 
-    def recording(self, method, fields=None, **kw):  # type: ignore[no-untyped-def]
-        sent.append((method, len((fields or {}).get("closes", []))))
-        return real(self, method, fields, **kw)
+    def recording(self, msg, **kw):  # type: ignore[no-untyped-def]
+        sent.append((msg.method, len(kw.get("closes") or [])))
+        return real(self, msg, **kw)
 
-    monkeypatch.setattr(BlockingRpcClient, "call_into", recording)
+    monkeypatch.setattr(BlockingRpcClient, "send", recording)
     import pfs.client.meta as meta_mod
 
     monkeypatch.setattr(meta_mod, "CLOSE_DELAY", 2.0)  # no release of its own mid-test

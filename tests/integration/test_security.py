@@ -196,8 +196,7 @@ def test_client_renews_capabilities_and_survives_truncation(tmp_path: Path) -> N
                 await f.pwrite(b"yy", 10)  # renewed on ESTALE, without the caller noticing
                 assert f.cap != stale
                 sid = f.layout.servers[0][0]
-                await expect(errno.ESTALE, a.data.call(sid, "write",
-                                                       write_request(f.ino, 0, 0, stale),
+                await expect(errno.ESTALE, a.data.send(sid, write_request(f.ino, 0, 0, stale),
                                                        payload=b"z"))
                 await f.close()  # commits a's own written end (20000): the cut stays zeros
                 assert await b.read_file("/f") == b"x" * 10 + b"yy" + bytes(20000 - 12)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 import pfs
+from pfs.client.plan import open_fd_request
 from pfs.core.config import ClientConfig, load
 
 UNIT = 64 * 1024
@@ -105,8 +106,7 @@ def test_open_fd_is_refused_over_tcp(client, workdir) -> None:
         cap = f.handle.cap
 
         async def ask():
-            return await client.aio.data.call(sid, "open_fd", {"obj": [f.handle.ino, 0],
-                                                              "cap": cap})
+            return await client.aio.data.send(sid, open_fd_request(f.handle.ino, 0, cap))
 
         with pytest.raises(OSError) as ei:
             client._run(ask)

@@ -18,6 +18,7 @@ import trio
 from pfs.core import auth, versions
 from pfs.core.config import ClientConfig, load
 from pfs.core.errors import ProtocolError, RemoteProtocolError
+from pfs.core.messages import meta as M
 from pfs.core.versions import LEGACY_RANGE, METADATA_FORMAT, OBJECT_FORMAT, FormatError, negotiate
 from pfs.core.wire.connect import open_blocking, open_rpc
 from pfs.core.wire.protocol import FrameDecoder, Kind, Peer, encode_frame
@@ -249,7 +250,9 @@ def test_real_metaserver_negotiates_or_refuses(private_cluster: Path) -> None:
             newer = dataclasses.replace(base, versions=(1, versions.PROTOCOL_MAX + 3))
             rpc = await open_rpc(newer, n, host, int(port_s))
             assert rpc.conn.decoder.version == versions.PROTOCOL_MAX
-            assert (await rpc.call("hello", {"client": "t"})).fields["root"] == K.ROOT_INO
+            hello = await rpc.request(M.Hello(client="t"))
+            assert hello.root == K.ROOT_INO
+            assert hello.version == rpc.conn.decoder.version  # as negotiated
             rpc.close()
             future = (versions.PROTOCOL_MAX + 1, versions.PROTOCOL_MAX + 2)
             with pytest.raises(OSError) as info:

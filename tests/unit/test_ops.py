@@ -11,11 +11,20 @@ import pytest
 from pfs.client import ops
 from pfs.client.plan import DeferClose, MetaCall, Sleep
 from pfs.client.types import Cred
+from pfs.core.messages.base import parse_reply
 
 
 def _attr(ino: int = 5, size: int = 0) -> dict[str, Any]:
     return {"ino": ino, "mode": 0o100644, "uid": 0, "gid": 0, "size": size, "atime": 0,
             "mtime": 0, "ctime": 0, "nlink": 1, "rdev": 0}
+
+
+def _wire(cred: Cred) -> Any:
+    return (cred.uid, cred.gid, tuple(cred.groups))
+
+
+def _opened(fh: int, cap: bytes | None = None, ttl: float = 0) -> dict[str, Any]:
+    return {"attr": _attr(), "fh": fh, "cap": cap or b"", "cap_ttl": ttl}
 
 
 def drive(plan: Any, answer: Any) -> tuple[Any, list[Any]]:
@@ -32,6 +41,8 @@ def drive(plan: Any, answer: Any) -> tuple[Any, list[Any]]:
         value, exc = None, None
         try:
             value = answer(eff)
+            if isinstance(eff, MetaCall) and isinstance(value, dict):
+                value = parse_reply(eff.msg, value)  # as a driver hands it over
         except OSError as e:
             exc = e
 
@@ -47,7 +58,8 @@ def _handle(dirty: bool = True, end: int = 100) -> Any:
     st.written_end = end
     h = SimpleNamespace(fh=1, ino=5, flags=os.O_WRONLY, cred=None, path="/f", meta_gen=1,
                         state=st, _dirty=dirty, closed=False, released=0, caps=[])
-    h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2),
+    h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2,
+                                                                      wire_cred=_wire),
                                config=SimpleNamespace(timeout=60.0))
     h._set_cap = lambda cap, ttl: h.caps.append(cap)
     h._released = lambda: setattr(h, "released", h.released + 1)
@@ -58,15 +70,15 @@ def test_commit_reopens_a_handle_the_metaserver_lost() -> None:
     h = _handle()
 
     def answer(eff: Any) -> Any:
-        if eff.method == "commit_size" and eff.fields["fh"] == 1:
+        if eff.msg.method == "commit_size" and eff.msg.fh == 1:
             raise OSError(errno.EBADF, "lost")
-        if eff.method == "open":
-            return {"fh": 9, "cap": b"new", "cap_ttl": 10}
+        if eff.msg.method == "open":
+            return _opened(9, b"new", 10)
         return {"attr": _attr(size=100)}
 
     _, seen = drive(ops.commit(h), answer)
-    assert [e.method for e in seen] == ["commit_size", "open", "commit_size"]
-    assert seen[1].fields["flags"] == os.O_WRONLY and h.fh == 9 and h.meta_gen == 2
+    assert [e.msg.method for e in seen] == ["commit_size", "open", "commit_size"]
+    assert seen[1].msg.flags == os.O_WRONLY and h.fh == 9 and h.meta_gen == 2
     assert h.state.size == 100 and not h._dirty
 
 
@@ -96,7 +108,7 @@ def test_close_with_bytes_to_commit_retries_through_an_outage() -> None:
     sleeps = [e.seconds for e in seen if isinstance(e, Sleep)]
     assert sleeps == [0.05, 0.1, 0.2]  # backing off
     closes = [e for e in seen if isinstance(e, MetaCall)]
-    assert len(closes) == 4 and closes[-1].fields["written_end"] == 100
+    assert len(closes) == 4 and closes[-1].msg.written_end == 100  # type: ignore[attr-defined]
     assert h.closed and h.released == 1 and h.state.size == 100
 
 
@@ -124,21 +136,22 @@ def test_a_final_close_error_is_not_retried() -> None:
 
 
 def test_open_with_o_creat_falls_back_to_the_existing_file() -> None:
-    c: Any = SimpleNamespace(cred=Cred(1, 1), umask=0o022, handles=[])
-    c._handle = lambda r, flags, p: (r["fh"], flags, p)
+    c: Any = SimpleNamespace(cred=Cred(1, 1), umask=0o022, handles=[],
+                             meta=SimpleNamespace(wire_cred=_wire))
+    c._handle = lambda r, flags, p: (r.fh, flags, p)
 
     def answer(eff: Any) -> Any:
-        if eff.method == "create":
+        if eff.msg.method == "create":
             raise OSError(errno.EEXIST, "exists")
-        if eff.method == "resolve":
-            return {"attr": _attr(ino=8)}
-        return {"fh": 3}
+        if eff.msg.method == "resolve":
+            return {"attr": _attr(ino=8), "parent": 1, "name": b"b"}
+        return _opened(3)
 
     flags = os.O_CREAT | os.O_WRONLY
     handle, seen = drive(ops.open_path(c, "a//b", flags, 0o666), answer)
     assert handle == (3, flags, "/a/b")
-    assert [e.method for e in seen] == ["create", "resolve", "open"]
-    assert seen[0].fields["mode"] == 0o644 and seen[2].fields["ino"] == 8
+    assert [e.msg.method for e in seen] == ["create", "resolve", "open"]
+    assert seen[0].msg.mode == 0o644 and seen[2].msg.ino == 8
     with pytest.raises(FileExistsError):
         drive(ops.open_path(c, "/a/b", flags | os.O_EXCL), answer)
 
@@ -147,9 +160,9 @@ def test_renew_reopens_on_ebadf() -> None:
     h = _handle()
 
     def answer(eff: Any) -> Any:
-        if eff.method == "renew":
+        if eff.msg.method == "renew":
             raise OSError(errno.EBADF, "lost")
-        return {"fh": 4, "cap": b"c2", "cap_ttl": 5}
+        return _opened(4, b"c2", 5)
 
     drive(ops.renew(h), answer)
     assert h.fh == 4 and h.caps == [b"c2", b"c2"]

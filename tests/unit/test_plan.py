@@ -19,6 +19,7 @@ from pfs.client.plan import (
     classify,
 )
 from pfs.core.layout import Layout
+from pfs.core.messages import data as D
 
 UNIT = 4096
 INO = 7
@@ -84,15 +85,16 @@ class FakeCluster:
                 off += len(d)
             return counts
         assert isinstance(eff, Send)
-        stripe = eff.fields["obj"][1]
-        self.log.append((eff.sid, eff.method, stripe))
-        errs = self.fail.get((eff.sid, eff.method))
+        msg: Any = eff.msg
+        stripe = msg.obj[1]
+        self.log.append((eff.sid, eff.msg.method, stripe))
+        errs = self.fail.get((eff.sid, eff.msg.method))
         if errs:
             raise OSError(errs.pop(0), f"injected on {eff.sid}")
         obj = self.objects.setdefault((eff.sid, stripe), bytearray())
-        if eff.method == "read":
-            assert eff.fields["len"] <= MAX_REQUEST
-            chunk = obj[eff.fields["off"]:eff.fields["off"] + eff.fields["len"]]
+        if eff.msg.method == "read":
+            assert msg.len <= MAX_REQUEST
+            chunk = obj[msg.off:msg.off + msg.len]
             dests = eff.into if isinstance(eff.into, list) else [eff.into]
             pos = 0
             for d in dests:
@@ -101,10 +103,10 @@ class FakeCluster:
                 d[len(part):] = b"\xee" * (len(d) - len(part))  # a short reply leaves junk
                 pos += len(d)
             return len(chunk)
-        if eff.method == "write":
+        if eff.msg.method == "write":
             srcs = eff.payload if isinstance(eff.payload, list) else [eff.payload]
             data = b"".join(bytes(s) for s in srcs)
-            off = eff.fields["off"]
+            off = msg.off
             if len(obj) < off + len(data):
                 obj.extend(bytes(off + len(data) - len(obj)))
             obj[off:off + len(data)] = data
@@ -219,7 +221,7 @@ def test_a_capability_due_is_renewed_first() -> None:
 
     def do(eff: Any) -> Any:
         if isinstance(eff, Send):
-            caps.append(eff.fields["cap"])
+            caps.append(eff.msg.cap)  # type: ignore[attr-defined]
         return real(eff)
 
     cl.do = do  # type: ignore[method-assign]
@@ -276,7 +278,7 @@ def test_a_driver_that_cannot_reconnect_hands_the_operation_over() -> None:
         def __init__(self, code: int) -> None:
             self.code = code
 
-        def call(self, *a: Any, **k: Any) -> Any:
+        def send(self, *a: Any, **k: Any) -> Any:
             raise OSError(self.code, "x")
 
     lay = _layout(count=1, replicas=2)
@@ -347,8 +349,7 @@ def test_a_small_plan_is_one_effect() -> None:
     buf = memoryview(bytearray(100))
     p = plan.read(None, INO, lay, UNIT + 10, buf, b"c")
     eff = p.send(None)
-    assert isinstance(eff, Send) and eff.fields == {"obj": [INO, 1], "off": 10, "len": 100,
-                                                    "cap": b"c"}
+    assert isinstance(eff, Send) and eff.msg == D.Read(obj=(INO, 1), off=10, len=100, cap=b"c")
     with pytest.raises(StopIteration):
         p.send(100)
 
@@ -383,9 +384,9 @@ def test_a_small_read_is_one_step_built_as_the_plans_first_effect() -> None:
     step = plan.read_step(INO, lay, UNIT + 10, view, b"c")
     first = plan.read(None, INO, lay, UNIT + 10, view, b"c").send(None)
     assert isinstance(step, Send) and isinstance(first, Send)
-    assert (step.sid, step.method, step.fields, step.payload) == \
-        (first.sid, first.method, first.fields, first.payload)
-    assert (step.sid, step.method, step.payload) == ("s1r0", "read", None)
+    assert (step.sid, step.msg.to_wire(), step.payload) == \
+        (first.sid, first.msg.to_wire(), first.payload)
+    assert (step.sid, step.msg.method, step.payload) == ("s1r0", "read", None)
     assert bytes(step.into) == bytes(first.into) and len(step.into) == 100
     # a descriptor held: one local read; refused: the replicas; not asked yet: no step
     local = _Local({1: 5, 2: None})
@@ -480,9 +481,9 @@ def test_a_small_write_to_one_replica_is_one_step() -> None:
     step = plan.write_step(INO, lay, UNIT + 1, view, b"c")
     first = plan.write(None, INO, lay, UNIT + 1, view, b"c").send(None)
     assert isinstance(step, Send) and isinstance(first, Send)
-    assert (step.sid, step.method, step.fields, step.payload) == \
-        (first.sid, first.method, first.fields, first.payload)
-    assert (step.sid, step.method, step.payload) == ("s1r0", "write", view)
+    assert (step.sid, step.msg.to_wire(), step.payload) == \
+        (first.sid, first.msg.to_wire(), first.payload)
+    assert (step.sid, step.msg.method, step.payload) == ("s1r0", "write", view)
     assert plan.write_step(INO, lay, UNIT - 1, view, b"c") is None  # two pieces
     assert plan.write_step(INO, lay, 0, view, b"c", True) is None  # renew first
     assert plan.write_step(INO, _layout(count=1, replicas=2), 0, view, b"c") is None
@@ -508,7 +509,7 @@ def test_the_blocking_driver_hands_a_failed_step_over_as_the_plan() -> None:
             self.code = code
             self.calls: list[str] = []
 
-        def call(self, sid: str, *a: Any, **k: Any) -> Any:
+        def send(self, sid: str, *a: Any, **k: Any) -> Any:
             self.calls.append(sid)
             raise OSError(self.code, f"x on {sid}")
 

@@ -503,6 +503,10 @@ class Empty(ReplyMessage):
     """``{}``"""
 
 
-# ---------------------------------------------------------------------------
-# field specifiers (typed Any so a declaration reads ``ino: int = Int()``)
-# ---------------------------------------------------------------------------
+def parse_reply(msg: RequestMessage, fields: dict[str, Any]) -> Any:
+    """The typed reply to ``msg`` from a reply frame's map (``EPROTO`` when it does not
+    fit: the peer broke the protocol)."""
+    try:
+        return msg.reply.from_wire(fields)
+    except OSError as exc:
+        raise OSError(errno.EPROTO, f"bad reply to {msg.method}: {exc.strerror}") from None

@@ -40,6 +40,10 @@ from pfs.core.messages.records import (
 
 REGISTRY = Registry("metaserver")
 MAX_CLOSES = 4096  # handles one request may release along with it ("closes")
+RENAME_NOREPLACE = 1  # rename's flags
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1  # setxattr's flags
+XATTR_REPLACE = 2
 
 
 def _name() -> Any:
@@ -80,7 +84,7 @@ class EntryReply(ReplyMessage):
 
 class HelloReply(ReplyMessage):
     root: int = Int(doc="1")
-    version: int = Int(doc="int")
+    version: int = Int(doc="int, the protocol version negotiated on this connection")
 
 
 class ResolveReply(ReplyMessage):
@@ -248,7 +252,8 @@ class Rmdir(EntryChange, method="rmdir", reply=EntryReply):
 class Rename(MetaRequest, method="rename", reply=Empty):
     at: At = Entry()
     new: At = Entry(prefix="new")
-    flags: int = Int(default=0, doc="0, RENAME_NOREPLACE=1, RENAME_EXCHANGE=2")
+    flags: int = Int(default=0, doc=f"0, RENAME_NOREPLACE={RENAME_NOREPLACE}, "
+                                    f"RENAME_EXCHANGE={RENAME_EXCHANGE}")
     cred: WireCred = Cred()
 
 
@@ -289,7 +294,7 @@ class Setxattr(MetaRequest, method="setxattr", reply=Empty):
     ino: int = Int()
     name: bytes = _xname()
     value: bytes = Bytes(max_len=XATTR_SIZE_MAX, len_code=errno.E2BIG)
-    flags: int = Int(default=0, doc="XATTR_CREATE=1, XATTR_REPLACE=2")
+    flags: int = Int(default=0, doc=f"XATTR_CREATE={XATTR_CREATE}, XATTR_REPLACE={XATTR_REPLACE}")
     cred: WireCred = Cred()
 
 

@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from pfs.core.errors import ProtocolError, from_wire
+from pfs.core.messages.base import RequestMessage, parse_reply
 from pfs.core.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
 
 log = logging.getLogger(__name__)
@@ -223,18 +224,32 @@ class BlockingRpcClient:
         finally:
             self._lock.release()
 
-    def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A call whose reply carries no payload (metadata); its fields."""
-        return self.call_into(method, fields)[0]
+    def request(self, msg: RequestMessage, *, closes: list[int] | None = None) -> Any:
+        """A typed call whose reply carries no payload (metadata): its typed reply
+        (``EPROTO`` if the reply does not fit it)."""
+        return parse_reply(msg, self.send(msg, closes=closes)[0])
 
-    def call_into(self, method: str, fields: dict[str, Any] | None = None, *,
-                  payload: bytes | bytearray | memoryview | None = None,
-                  into: memoryview | None = None) -> tuple[dict[str, Any], int]:
-        """A call with an optional request payload; a reply payload lands in ``into``
-        (at most its length). Returns the reply's fields and its payload length."""
-        msg = {"m": method}
+    def send(self, msg: RequestMessage, *, closes: list[int] | None = None,
+             payload: bytes | bytearray | memoryview | None = None,
+             into: memoryview | None = None) -> tuple[dict[str, Any], int]:
+        """Request ``msg`` (with handles to release first, ``closes``: a metaserver
+        request) and an optional payload; a reply payload lands in ``into`` (at most its
+        length). Returns the reply's fields and its payload length."""
+        wire = msg.to_wire()
+        if closes:
+            wire["closes"] = closes
+        return self._exchange(wire, payload, into)
+
+    def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:
+        """An untyped call, for tests that send what no message allows; the library
+        sends messages (:meth:`request`, :meth:`send`)."""
+        wire = {"m": method}
         if fields:
-            msg.update(fields)
+            wire.update(fields)
+        return self._exchange(wire, None, None)[0]
+
+    def _exchange(self, msg: dict[str, Any], payload: bytes | bytearray | memoryview | None,
+                  into: memoryview | None) -> tuple[dict[str, Any], int]:
         conn = self.conn
         with self._lock:
             if conn.closed:

@@ -26,7 +26,7 @@ import trio
 
 from pfs.core.auth import OPEN, Identity, ServerAuth
 from pfs.core.errors import ProtocolError, from_wire, to_wire
-from pfs.core.messages.base import Registry, ReplyMessage, RequestMessage
+from pfs.core.messages.base import Registry, ReplyMessage, RequestMessage, parse_reply
 from pfs.core.wire.protocol import FrameHead, Kind, Limits
 from pfs.core.wire.transport import (
     Connection,
@@ -158,20 +158,34 @@ class RpcClient:
             call.done.set()
         self.conn.close()
 
+    async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
+                   into: memoryview | list[memoryview] | None = None,
+                   timeout: float | None = None) -> Result:
+        """One typed request; the reply's map unparsed (see :meth:`request`), its payload
+        in ``into`` (a buffer, or a list of buffers filled in order) when given."""
+        return await self._exchange(msg.method, msg.to_wire(), payload, into, timeout)
+
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
                    payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
                    timeout: float | None = None) -> Result:
-        """One request; the reply's payload lands in ``into`` (a buffer, or a list of
-        buffers filled in order) when given."""
+        """An untyped request, for tests that send what no message allows (a missing
+        field, an unknown method); the library sends messages (:meth:`send`,
+        :meth:`request`)."""
+        wire = {"m": method}
+        if fields:
+            wire.update(fields)
+        return await self._exchange(method, wire, payload, into, timeout)
+
+    async def _exchange(self, method: str, wire: dict[str, Any], payload: Payload | None,
+                        into: memoryview | list[memoryview] | None,
+                        timeout: float | None) -> Result:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)
         call = _Call(into)
         self._pending[rid] = call
-        msg = {"m": method}
-        if fields:
-            msg.update(fields)
+        msg = wire
         limit = self.timeout if timeout is None else timeout
         try:
             with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
@@ -193,7 +207,7 @@ class RpcClient:
                       timeout: float | None = None) -> Any:
         """A typed call: ``msg`` out, its reply class back (a reply that does not
         match it is ``EPROTO``: the peer broke the protocol)."""
-        result = await self.call(msg.method, msg.to_wire(), payload=payload, timeout=timeout)
+        result = await self._exchange(msg.method, msg.to_wire(), payload, None, timeout)
         return parse_reply(msg, result.fields)
 
     async def _abandon(self, rid: int, call: _Call) -> None:
@@ -215,14 +229,6 @@ class RpcClient:
     def close(self) -> None:
         self._cancel.cancel()
         self.conn.close()
-
-
-def parse_reply(msg: RequestMessage, fields: dict[str, Any]) -> Any:
-    """The typed reply to ``msg`` from a reply frame's map."""
-    try:
-        return msg.reply.from_wire(fields)
-    except OSError as exc:
-        raise OSError(errno.EPROTO, f"bad reply to {msg.method}: {exc.strerror}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -302,6 +308,12 @@ class ConnContext:
     identity: Identity | None = None  # who authenticated (None: not yet)
     inflight: set[int] = field(default_factory=set)  # request ids being handled
     local: bool = False  # came through the local Unix socket (same host)
+
+    @property
+    def version(self) -> int:
+        """The protocol version this connection's frames carry (negotiated by the
+        handshake, pfs/core/versions.py)."""
+        return self.conn.decoder.version
 
 
 class ByteBudget:
