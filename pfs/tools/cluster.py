@@ -18,7 +18,6 @@ writes its bound port to that pipe once it serves.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
@@ -305,8 +304,3 @@ def status(d: Path) -> dict[str, object]:
         raise ClusterError(f"{d} holds no cluster (no cluster.toml)")
     return {"dir": str(d), "meta": f"{spec.host}:{spec.meta_port}",
             "data_servers": spec.data_servers, "processes": running(d)}
-
-
-def ensure_stopped(d: Path) -> None:
-    if running(d):
-        raise OSError(errno.EBUSY, f"cluster in {d} is still running")
