@@ -61,11 +61,13 @@ def dir_format(d: str) -> int | None:
     return int(text)
 
 
-def _write_format(d: str, fmt: int) -> None:
-    path = os.path.join(d, FORMAT_FILE)
+def _write_file(d: str, name: str, text: str) -> None:
+    """Replace ``d/name`` with ``text`` durably: a temporary file, fsync, rename, and
+    fsync of the directory (a crash leaves the old file or the new one)."""
+    path = os.path.join(d, name)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{fmt}\n")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -74,6 +76,10 @@ def _write_format(d: str, fmt: int) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _write_format(d: str, fmt: int) -> None:
+    _write_file(d, FORMAT_FILE, f"{fmt}\n")
 
 
 def _to_1(d: str) -> None:
@@ -169,9 +175,6 @@ class ObjectStore:
         h = _mix(*obj)
         d = self.dirs[h % len(self.dirs)]
         return os.path.join(d, _OBJ_DIR, f"{(h >> 32) & 0xFF:02x}", f"{obj[0]}.{obj[1]}")
-
-    def dir_of(self, obj: ObjId) -> str:
-        return self.dirs[_mix(*obj) % len(self.dirs)]
 
     def _count(self) -> int:
         n = 0
@@ -311,18 +314,7 @@ class ObjectStore:
         if not sid or len(sid) > MAX_SID_LEN or "\n" in sid:
             raise OSError(errno.EINVAL, f"unusable server id {sid!r}")
         for d in self.dirs:
-            path = os.path.join(d, SID_FILE)
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(sid + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            _write_file(d, SID_FILE, sid + "\n")
 
     def close(self) -> None:
         """Close every cached descriptor (pinned ones close on release)."""

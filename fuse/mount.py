@@ -46,13 +46,12 @@ import dataclasses
 import errno
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
+from pfs.core.daemon import wait_ready
 from pfs.fuse.options import MountError, MountOptions, parse_options
 
 log = logging.getLogger(__name__)
@@ -222,21 +221,16 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
         os.close(wfd)
         out.close()
     try:
-        line = b""
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([rfd], [], [], left)[0]:
-                proc.kill()
-                raise MountError(f"the mount daemon did not report in {READY_TIMEOUT:g} s")
-            chunk = os.read(rfd, 4096)
-            if not chunk:
-                code = proc.wait()
-                raise MountError(f"the mount daemon exited (status {code}) before mounting"
-                                 + (f"; see {logfile}" if logfile else ""))
-            line += chunk
+        line = wait_ready(rfd, READY_TIMEOUT)
+    except TimeoutError:
+        proc.kill()
+        raise MountError(f"the mount daemon did not report in {READY_TIMEOUT:g} s") from None
     finally:
         os.close(rfd)
+    if line is None:
+        code = proc.wait()
+        raise MountError(f"the mount daemon exited (status {code}) before mounting"
+                         + (f"; see {logfile}" if logfile else ""))
     text = line.decode(errors="replace").strip()
     if text != "ok":
         proc.wait()

@@ -1,6 +1,6 @@
 """pfs: a parallel distributed filesystem for LLM clusters.
 
-``pfs.connect()`` returns a :class:`pfs.client.Client`, an os-like API over the
+``pfs.connect()`` returns a :class:`pfs.client.sync.Client`, an os-like API over the
 cluster that reads and writes stripes in parallel straight into the caller's buffers.
 """
 from __future__ import annotations

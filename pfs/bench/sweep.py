@@ -85,7 +85,8 @@ def _int_list(v: Any) -> list[int]:
 
 def gpu_present() -> bool:
     try:
-        from pfs.loader.gpu import kvikio_missing, libcuda_missing
+        from pfs.client.device import libcuda_missing
+        from pfs.loader.gpu import kvikio_missing
 
         return libcuda_missing() is None and kvikio_missing() is None
     except ImportError:

@@ -5,7 +5,7 @@ A plan is a generator. It yields *effects* — :class:`Send` a request to a serv
 :class:`LocalRead` for short-circuit objects, :class:`MetaCall` and :class:`Sleep` for the
 metadata plans of :mod:`pfs.client.ops` — and is sent each effect's result, or thrown the
 ``OSError`` it raised. It opens nothing and waits for nothing (h11's idea), so every
-data-path rule lives here once and is tested without a socket (tests/test_plan.py):
+data-path rule lives here once and is tested without a socket (tests/unit/test_plan.py):
 
 - a range is cut into per-stripe *runs* (contiguous in the object, at most MAX_REQUEST);
   one request per run, its reply scattered over the caller's buffer;

@@ -1,10 +1,12 @@
 """What every pfs server process does around its service: report readiness on a pipe,
-then serve until SIGTERM or SIGINT."""
+then serve until SIGTERM or SIGINT; and the supervisor's side of that pipe."""
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +23,23 @@ def report_ready(ready_fd: int | None, port: int) -> None:
         os.write(ready_fd, f"{port}\n".encode())
     finally:
         os.close(ready_fd)
+
+
+def wait_ready(rfd: int, timeout: float) -> bytes | None:
+    """The supervisor's side of :func:`report_ready`: the line the child writes to the
+    pipe ``rfd`` (without its newline), or None when the child closed the pipe (exited)
+    first. TimeoutError when no line came in ``timeout`` seconds. Leaves ``rfd`` open."""
+    line = b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([rfd], [], [], left)[0]:
+            raise TimeoutError(f"no line on the ready pipe in {timeout:g} s")
+        chunk = os.read(rfd, 4096)
+        if not chunk:
+            return None
+        line += chunk
+    return line[:-1]
 
 
 async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,

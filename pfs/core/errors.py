@@ -23,14 +23,6 @@ class LocalProtocolError(ProtocolError):
     """We tried to send something the framing cannot carry."""
 
 
-def fs_error(code: int, detail: str = "") -> OSError:
-    """An OSError whose message names the errno and what it is about."""
-    msg = os.strerror(code)
-    if detail:
-        msg = f"{msg}: {detail}"
-    return OSError(code, msg)
-
-
 def from_wire(code: object, msg: object) -> OSError:
     """Rebuild the OSError a server sent; an unknown code becomes EIO."""
     if not isinstance(code, int) or code <= 0 or code > 4095:

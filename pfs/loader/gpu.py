@@ -22,16 +22,7 @@ from typing import Any
 import trio
 
 from pfs.client import device
-from pfs.client.device import (  # re-exported: what loaders use from here
-    STAGING_SIZE,
-    DeviceBuffer,
-    DeviceStager,
-    GpuUnavailable,
-    device_buffer,
-    is_device_buffer,
-    libcuda_missing,
-    require_staging,
-)
+from pfs.client.device import GpuUnavailable, device_buffer, is_device_buffer, require_staging
 from pfs.core.config import GDS_MIN_BYTES, check_profile
 from pfs.core.engine import DEFAULT_QUEUE_DEPTH, Engine, Op, register_engine
 
@@ -39,10 +30,8 @@ log = logging.getLogger(__name__)
 
 GDS_TASK_SIZE = 16 << 20  # kvikio task size for the `load` profile (large sequential reads)
 
-__all__ = ["GDS_TASK_SIZE", "STAGING_SIZE", "DeviceBuffer", "DeviceStager", "GdsEngine",
-           "GpuUnavailable", "choose_path", "device_buffer", "gds_read", "is_device_buffer",
-           "kvikio_missing", "libcuda_missing", "require_gds", "require_staging",
-           "set_task_size"]
+__all__ = ["GDS_TASK_SIZE", "GdsEngine", "choose_path", "gds_read", "kvikio_missing",
+           "require_gds", "set_task_size"]
 
 
 def _import_kvikio() -> Any:

@@ -621,7 +621,7 @@ def _framework(framework: str | None, device: str) -> _Numpy | _Torch:
             raise ValueError(f"device={device!r} needs torch (pip install torch)") from None
         return _Numpy()
     if device.startswith("cuda"):
-        from pfs.loader.gpu import GpuUnavailable, libcuda_missing
+        from pfs.client.device import GpuUnavailable, libcuda_missing
 
         why = libcuda_missing()
         if why is not None:

@@ -1,1 +1,1 @@
-"""The tools: the ``pfs`` command, local clusters, the demo, certificates, the server process helper."""
+"""The tools: the ``pfs`` command, local clusters, the demo, certificates."""

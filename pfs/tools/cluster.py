@@ -18,10 +18,8 @@ writes its bound port to that pipe once it serves.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import select
 import signal
 import sys
 import time
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pfs.core import config as cfgmod
+from pfs.core.daemon import wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -169,23 +168,16 @@ def _start(d: Path, name: str, argv: list[str]) -> int:
 
     (d / "run" / f"{name}.pid").write_text(f"{pid}\n")
     try:
-        line = b""
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([rfd], [], [], max(0.0, left))
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-                raise ClusterError(f"{name} did not report readiness in {READY_TIMEOUT:g} s; "
-                                   f"see {d / 'logs' / (name + '.log')}")
-            chunk = os.read(rfd, 64)
-            if not chunk:
-                code = exit_status()
-                raise ClusterError(f"{name} exited (status {code}) before serving; "
-                                   f"see {d / 'logs' / (name + '.log')}")
-            line += chunk
+        line = wait_ready(rfd, READY_TIMEOUT)
+    except TimeoutError:
+        os.kill(pid, signal.SIGKILL)
+        raise ClusterError(f"{name} did not report readiness in {READY_TIMEOUT:g} s; "
+                           f"see {d / 'logs' / (name + '.log')}") from None
     finally:
         os.close(rfd)
+    if line is None:
+        raise ClusterError(f"{name} exited (status {exit_status()}) before serving; "
+                           f"see {d / 'logs' / (name + '.log')}")
     return int(line.strip())
 
 
@@ -305,8 +297,3 @@ def status(d: Path) -> dict[str, object]:
         raise ClusterError(f"{d} holds no cluster (no cluster.toml)")
     return {"dir": str(d), "meta": f"{spec.host}:{spec.meta_port}",
             "data_servers": spec.data_servers, "processes": running(d)}
-
-
-def ensure_stopped(d: Path) -> None:
-    if running(d):
-        raise OSError(errno.EBUSY, f"cluster in {d} is still running")

@@ -17,8 +17,9 @@ import trio
 
 import pfs.client.device as device
 import pfs.loader.gpu as gpu
+from pfs.client.device import GpuUnavailable, device_buffer, is_device_buffer
 from pfs.core.engine import get_engine
-from pfs.loader.gpu import GpuUnavailable, choose_path, device_buffer, is_device_buffer
+from pfs.loader.gpu import choose_path
 
 
 class FakeDeviceArray:

@@ -153,6 +153,28 @@ def test_handshake_uses_the_highest_common_version(tmp_path: Path, make: Any,
     run(main)
 
 
+def test_open_mode_uses_version_1() -> None:
+    """No handshake, no negotiation (docs/architecture.md, "Versions and upgrades"): an
+    open connection's frames carry version 1 both ways, whatever the ranges."""
+    mode = Mode(auth.ServerAuth(versions=(1, 3)), auth.ClientAuth(versions=(1, 3)))
+    assert mode.server.mode == "open"
+
+    async def main() -> None:
+        async with echo_server(mode) as (port, n):
+            rpc = await open_rpc(mode.client, n, "127.0.0.1", port)
+            assert rpc.conn.decoder.version == versions.HANDSHAKE_VERSION == 1
+            assert (await rpc.call("ping")).fields["version"] == 1
+            rpc.close()
+            blocking = await trio.to_thread.run_sync(open_blocking, mode.client, "127.0.0.1",
+                                                     port)
+            try:
+                assert (await trio.to_thread.run_sync(blocking.call, "ping", {}))["version"] == 1
+            finally:
+                blocking.close()
+
+    run(main)
+
+
 @pytest.mark.parametrize("make,srv,cli", [
     (key_mode, (3, 4), (1, 2)), (key_mode, (1, 2), (3, 4)),
     (tls_mode, (1, 2), (3, 4)), (tls_mode, (3, 4), (1, 2))],

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import setuptools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,14 +212,26 @@ def test_nothing_imports_the_top_level_names() -> None:
     assert bad == []
 
 
-def test_an_explicit_package_list_names_every_package() -> None:
-    """With a package-dir mapping, pyproject lists the packages: a new folder must be in it."""
-    listed = tomllib.loads((ROOT / "pyproject.toml").read_text()).get(
-        "tool", {}).get("setuptools", {}).get("packages")
-    if not isinstance(listed, list):
-        pytest.skip("packages are found, not listed")
-    found = {name for name, path in modules().items() if path.name == "__init__.py"}
-    assert sorted(found ^ set(listed)) == []
+def test_the_installed_packages_are_every_package_folder_under_pfs() -> None:
+    """What pyproject installs (its package list, or what setuptools' find makes of its
+    find rules, links followed as at build time) is exactly the package folders, each by
+    its pfs name: a new folder is not left out, and nothing is installed at top level
+    but ``pfs``."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text()).get("tool", {}).get(
+        "setuptools", {})
+    packages = tool.get("packages")
+    if isinstance(packages, list):
+        installed = set(packages)
+    else:
+        rules = packages.get("find", {}) if isinstance(packages, dict) else {}
+        where = rules.get("where", ["."])
+        assert len(where) == 1, where
+        installed = set(setuptools.find_packages(
+            str(ROOT / where[0]), include=rules.get("include", ["*"]),
+            exclude=rules.get("exclude", [])))
+    folders = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert sorted(installed ^ folders) == []
+    assert {name.split(".")[0] for name in installed} == {"pfs"}
 
 
 def test_folders_installed_under_pfs_are_imported_by_that_name() -> None:

@@ -32,7 +32,7 @@ CREAT = os.O_CREAT | os.O_RDWR
 @pytest.fixture(params=["memory", "lmdb"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
     # the bare engine: no ``C format`` key (the metaserver's format check is tested in
-    # tests/test_versions.py), so both engines start empty
+    # tests/integration/test_versions.py), so both engines start empty
     s = (MemoryStore() if request.param == "memory"
          else LmdbStore(tmp_path / "db", 1 << 26, check_format=False))
     yield s

@@ -490,7 +490,6 @@ class RequestMessage(Message):
     method: ClassVar[str] = ""
     reply: ClassVar[type[ReplyMessage]]
     registry: ClassVar[Registry | None] = None
-    inline: ClassVar[bool] = False  # documentation only: the service decides
     payload_doc: ClassVar[str] = ""
 
 

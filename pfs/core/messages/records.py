@@ -32,11 +32,6 @@ MAX_GROUPS = 65536
 MAX_ID = 1 << 63  # object ids, offsets and sizes on a data server are below it
 NOW = "now"
 
-# the shared records' keys (docs/rpc.md, "Shared records")
-ATTR_KEYS = ("ino", "mode", "nlink", "uid", "gid", "size", "atime", "mtime", "ctime",
-             "rdev", "blksize", "blocks")
-LAYOUT_KEYS = ("unit", "count", "replicas", "servers")
-
 WireCred = tuple[int, int, tuple[int, ...]]
 ObjId = tuple[int, int]
 

@@ -246,7 +246,7 @@ class Request:
     payload: bytearray | None
     reply: ClassVar[None] = None  # no reply class (``encode``)
 
-    def _get(self, key: str, types: type | tuple[type, ...], what: str, default: Any) -> Any:
+    def _get(self, key: str, kind: type, what: str, default: Any) -> Any:
         if key not in self.fields:
             if default is _REQUIRED:
                 raise OSError(errno.EINVAL, f"{self.method}: missing field '{key}'")
@@ -254,37 +254,18 @@ class Request:
         value = self.fields[key]
         if value is None and default is not _REQUIRED:
             return default
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+        if not isinstance(value, kind) or isinstance(value, bool):  # True is no integer
             raise OSError(errno.EINVAL, f"{self.method}: field '{key}' must be {what}")
         return value
 
     def int(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._get(key, int, "an integer", default)
 
-    def opt_int(self, key: builtins.str) -> builtins.int | None:
-        return self._get(key, int, "an integer", None)
-
-    def str(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
-        return self._get(key, str, "a string", default)
-
-    def bytes(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
-        value = self._get(key, (bytes, str), "bytes", default)
-        return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
-
-    def bool(self, key: builtins.str, default: builtins.bool = False) -> builtins.bool:
-        return self._get(key, bool, "a boolean", default)
-
     def list(self, key: builtins.str, default: Any = _REQUIRED) -> Any:
         return self._get(key, list, "a list", default)
 
     def any(self, key: builtins.str, default: Any = None) -> Any:
         return self.fields.get(key, default)
-
-
-
-
-def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
-    return t if isinstance(t, tuple) else (t,)
 
 
 @dataclass(slots=True)
