@@ -11,17 +11,17 @@ import sys
 USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
-              and a loopback socket (issue 2)
-  meta        creates/stats/unlinks per second, 1 and N client processes, vs raw LMDB (issue 2)
+              and a loopback socket
+  meta        creates/stats/unlinks per second, 1 and N client processes, vs raw LMDB
   fuse        dd write / cold read and create/stat/unlink on a pfs mount, the native client,
-              a local dir and a MooseFS mount, in one run (issue 3)
-  io500       the twelve IO500 phases and score on a directory or the native client (issue 6)
-  sweep       data paths: engines x block sizes x patterns x threads, local/native/mount (issue 6)
-  caps        1 MiB and 4 KiB reads/s with capability checks on and off (issue 5)
+              a local dir and a MooseFS mount, in one run
+  io500       the twelve IO500 phases and score on a directory or the native client
+  sweep       data paths: engines x block sizes x patterns x threads, local/native/mount
+  caps        1 MiB and 4 KiB reads/s with capability checks on and off
   loader      sharded safetensors checkpoint into CPU tensors: pfs loader (short-circuit
-              on/off, local), safetensors local, FUSE; warm and cold (issue 4)
+              on/off, local), safetensors local, FUSE; warm and cold
   iops        4 KiB random reads: IOPS, p50/p99, posix/uring at queue depths 1/8/32,
-              local file, network path and short-circuit (issue 4)
+              local file, network path and short-circuit
 """
 
 

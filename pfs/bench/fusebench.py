@@ -1,5 +1,5 @@
 """``pfs bench fuse``: the pfs FUSE mount beside the native client, a local directory and a
-MooseFS mount, all measured in one run, as ``../shared/peers/fsbench.py`` measures:
+MooseFS mount, all measured in one run, the way a plain filesystem benchmark measures:
 
   write      ``dd if=SRC of=DIR/f bs=1M count=MB conv=fsync``  (SRC: random bytes in /dev/shm)
   cold read  drop caches (sync; echo 3 > /proc/sys/vm/drop_caches), ``dd if=DIR/f of=/dev/null bs=1M``
@@ -58,7 +58,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default="local,mount,native,moosefs",
                    help="which to measure (default local,mount,native,moosefs)")
     p.add_argument("--peers-dir", default=os.environ.get("PFS_PEERS_DIR"),
-                   help="the folder with moosefs-up.sh (default: ../shared/peers from the repo)")
+                   help="a folder with moosefs-up.sh and moosefs-down.sh, to measure a MooseFS "
+                        "mount beside pfs (default: $PFS_PEERS_DIR; none: MooseFS skipped)")
     p.add_argument("--mount-opts", default="", help="-o options for pfs mount")
     p.add_argument("--local-dir", help="scratch space (local target, cluster, mount points)")
     p.add_argument("--quick", action="store_true", help="64 MiB, 200 files, 1 rep")
@@ -81,12 +82,8 @@ def dd(args: list[str]) -> tuple[float, float, float]:
     return nbytes / secs / 1e6, secs, cpu
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def peers_dir(arg: str | None) -> Path:
-    return Path(arg) if arg else _repo_root().parent / "shared" / "peers"
+def peers_dir(arg: str | None) -> Path | None:
+    return Path(arg) if arg else None
 
 
 def _port_free(port: int) -> bool:
@@ -257,8 +254,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append("`pfs mount` is not available in this checkout: mount target skipped")
         wanted.remove("mount")
     peers = peers_dir(args.peers_dir)
-    if "moosefs" in wanted and not (peers / "moosefs-up.sh").exists():
-        notes.append(f"no moosefs-up.sh in {peers}: MooseFS target skipped")
+    if "moosefs" in wanted and (peers is None or not (peers / "moosefs-up.sh").exists()):
+        notes.append(f"no moosefs-up.sh in {peers}: MooseFS target skipped" if peers else
+                     "no --peers-dir (or PFS_PEERS_DIR): MooseFS target skipped")
         wanted.remove("moosefs")
     if "moosefs" in wanted and not shutil.which("mfsmount"):
         notes.append("MooseFS is not installed: MooseFS target skipped")
@@ -307,6 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         targets.append(Target("native", None, server_pids))
                     elif name == "moosefs":
                         log("starting MooseFS")
+                        assert peers is not None  # else the target was skipped above
                         mfs_env = moosefs_up(peers, mmnt, mbase)
                         targets.append(Target("moosefs", mmnt, moosefs_pids(mbase)))
                     else:
@@ -325,7 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             if _is_mounted(pmnt):
                 pfs_umount(pmnt)
-            if mfs_env is not None:
+            if mfs_env is not None and peers is not None:
                 moosefs_down(peers, mmnt, mfs_env)
             src.unlink(missing_ok=True)
     res["runs"] = runs
@@ -361,7 +360,7 @@ def report(res: dict[str, Any]) -> str:
     lines.append("ratios:")
     for k, v in res["ratios"].items():
         lines.append(f"  {k:36s} {v:.3f}")
-    lines.append("aims (issue 3): mount >= MooseFS on write, cold read, creates, stats, unlinks; "
+    lines.append("aims: mount >= MooseFS on write, cold read, creates, stats, unlinks; "
                  "mount read >= 0.4x native read")
     return "\n".join(lines)
 

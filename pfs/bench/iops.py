@@ -1,5 +1,5 @@
 """``pfs bench iops``: 4 KiB random reads — IOPS and p50/p99 latency — with the ``posix``
-and ``uring`` engines at queue depths 1, 8 and 32, on three paths, in one run (issue 4):
+and ``uring`` engines at queue depths 1, 8 and 32, on three paths, in one run:
 
 - ``local``: a plain file (``--file-size`` random bytes, in the page cache) read with
   :func:`pfs.core.engine.get_engine` ``(engine, queue_depth=qd)``;

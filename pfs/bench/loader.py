@@ -1,5 +1,5 @@
 """``pfs bench loader``: a sharded safetensors checkpoint loaded into CPU tensors by every
-path, in one run, beside ``safetensors`` from a local directory (issue 4).
+path, in one run, beside ``safetensors`` from a local directory.
 
 The checkpoint is synthetic but shaped like an LLM's (``--hidden`` wide decoder layers,
 llama proportions: q/k/v/o ``hidden x hidden``, gate/up ``inter x hidden``, down
@@ -468,7 +468,7 @@ def report(res: dict[str, Any]) -> str:
     lines.append("st_touch = load_file + one byte of every page read: every byte in memory "
                  "but mapped from the page cache (warm: zero-copy, no copying loader can "
                  "match it; cold: the disk-bound reference); st_lazy reads no tensor byte.")
-    lines.append("aim (issue 4): pfs loader >= 1.0x safetensors from local disk")
+    lines.append("aim: pfs loader >= 1.0x safetensors from local disk")
     for n in res.get("notes", []):
         lines.append(f"note: {n}")
     return "\n".join(lines)

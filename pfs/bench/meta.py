@@ -313,7 +313,7 @@ def report(res: dict[str, Any]) -> str:
     for r in res["median"]:
         lines.append(f"  {r['label']} x{r['clients']}: creates/s = "
                      f"{ratio(r['create']['ops_per_s'], single):.2f}x the 1-op-per-commit LMDB rate")
-    lines.append("aim (issue 2): >= 5,000 durable creates/s with 8 clients")
+    lines.append("aim: >= 5,000 durable creates/s with 8 clients")
     return "\n".join(lines)
 
 

@@ -340,7 +340,7 @@ def report(res: dict[str, Any]) -> str:
     lines.append("ratios (GB/s):")
     for k, v in res["ratios"].items():
         lines.append(f"  {k:42s} {v:.3f}")
-    lines.append("aims (issue 2): pfs read >= 0.5x local read, pfs write >= 0.5x local write")
+    lines.append("aims: pfs read >= 0.5x local read, pfs write >= 0.5x local write")
     return "\n".join(lines)
 
 
