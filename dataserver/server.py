@@ -202,9 +202,11 @@ class DataService(RpcService):
         try:
             n = await self.engine.write(fd, off, data)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                self.report_now.set()
-            raise
+            if exc.errno != errno.ENOSPC:
+                raise
+            self.report_now.set()
+            raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
+                                        f"{list(obj)}, {len(data)} bytes at {off})") from exc
         finally:
             release()
         return D.CountReply(n=n)
