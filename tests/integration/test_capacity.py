@@ -134,7 +134,9 @@ def test_a_disk_that_fills_up_gives_enospc_and_keeps_what_was_acknowledged(
     small = d / "data" / "ds0"  # the one data server's directory, 8 MiB
     with _tmpfs(small, "8m"):
         try:
-            toml = cluster.up(d, data_servers=1, data_args=FAST)
+            # a slow heartbeat: only the one a full disk sends at once can tell the
+            # metaserver in time
+            toml = cluster.up(d, data_servers=1, data_args=["--heartbeat", "6"])
             with pfs.connect(config=toml) as c:
                 kept = os.urandom(2 * MiB)
                 c.write_file("/kept", kept)  # acknowledged
@@ -145,13 +147,13 @@ def test_a_disk_that_fills_up_gives_enospc_and_keeps_what_was_acknowledged(
                 assert c.read_file("/kept") == kept
                 # the server said so at once: the next file is refused by placement
                 _until("the full disk to be reported",
-                       lambda: all(s["full"] for s in _servers(c).values()), timeout=5)
+                       lambda: all(s["full"] for s in _servers(c).values()), timeout=2)
                 with pytest.raises(OSError) as info:
                     c.write_file("/next", b"y")
                 assert info.value.errno == errno.ENOSPC and "next" in str(info.value)
                 c.remove("/big")  # space comes back with the next heartbeat
                 _until("the space to come back",
-                       lambda: not any(s["full"] for s in _servers(c).values()))
+                       lambda: not any(s["full"] for s in _servers(c).values()), timeout=30)
                 c.write_file("/next", b"y")
                 assert c.read_file("/kept") == kept
         finally:
