@@ -320,7 +320,8 @@ def cmd_cluster_status(args: argparse.Namespace) -> None:
             servers = c._run(c.aio.meta.servers)
             for sid, s in sorted(servers.items()):
                 print(f"data server {sid} {s['host']}:{s['port']} "
-                      f"{'up' if s['alive'] else 'DOWN'} free {human(s['free'])} of {human(s['total'])}")
+                      f"{'DOWN' if not s['alive'] else 'FULL' if s.get('full') else 'up'} "
+                      f"free {human(s['free'])} of {human(s['total'])}")
 
 
 def cmd_meta_serve(args: argparse.Namespace) -> None:
