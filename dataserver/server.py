@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
+MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
 
 
 class DataService(RpcService):
@@ -290,6 +291,8 @@ class DataService(RpcService):
                         while True:
                             with trio.move_on_after(heartbeat):
                                 await self.report_now.wait()
+                                # many writes finding the disk full: one report for all
+                                await trio.sleep(min(heartbeat, MIN_REPORT_GAP))
                             self.report_now = trio.Event()
                             total, free, vols = self.space()
                             assert self.sid is not None
