@@ -23,11 +23,12 @@ from pfs.core.engine import Engine, get_engine
 from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import Empty
-from pfs.core.messages.records import MAX_ID
+from pfs.core.messages.records import MAX_ID, Volume
 from pfs.core.wire.connect import open_rpc
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.core.wire.transport import local_socket_name
+from pfs.dataserver import capacity
 from pfs.dataserver.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
+MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
 
 
 class DataService(RpcService):
@@ -45,7 +47,8 @@ class DataService(RpcService):
 
     def __init__(self, store: ObjectStore, engine: Engine, limits: Limits | None = None,
                  *, use_sendfile: bool = True, auth: ServerAuth | None = None,
-                 own_auth: ClientAuth | None = None, verify_caps: bool | None = None) -> None:
+                 own_auth: ClientAuth | None = None, verify_caps: bool | None = None,
+                 free_override: int = -1) -> None:
         super().__init__(limits, auth)
         self.store = store
         self.engine = engine
@@ -64,6 +67,10 @@ class DataService(RpcService):
         self.floor = 0  # generation at the last registration
         self.cap_ttl = 300.0
         self.fences: dict[int, tuple[int, float]] = {}  # ino -> (generation, monotonic)
+        self.free_override = free_override  # >= 0: the test knob of DataConfig
+        # set when a write found the disk full: heartbeat now, so that the metaserver
+        # stops placing new stripes here before the next regular heartbeat
+        self.report_now = trio.Event()
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
@@ -195,6 +202,12 @@ class DataService(RpcService):
         fd, release = got
         try:
             n = await self.engine.write(fd, off, data)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            self.report_now.set()
+            raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
+                                        f"{list(obj)}, {len(data)} bytes at {off})") from exc
         finally:
             release()
         return D.CountReply(n=n)
@@ -241,6 +254,12 @@ class DataService(RpcService):
         return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects)
 
     # -- registration ----------------------------------------------------------
+    def space(self) -> tuple[int, int, list[Volume]]:
+        """Total and free bytes (each filesystem once) and each data directory's."""
+        vols = capacity.volumes(self.store.dirs, self.free_override)
+        total, free = capacity.space(vols)
+        return total, free, vols
+
     async def keep_registered(self, meta: str, host: str, port: int, heartbeat: float, *,
                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                               ) -> None:
@@ -270,11 +289,15 @@ class DataService(RpcService):
                             started = True
                             task_status.started()
                         while True:
-                            await trio.sleep(heartbeat)
-                            cap = self.store.capacity()
+                            with trio.move_on_after(heartbeat):
+                                await self.report_now.wait()
+                                # many writes finding the disk full: one report for all
+                                await trio.sleep(min(heartbeat, MIN_REPORT_GAP))
+                            self.report_now = trio.Event()
+                            total, free, vols = self.space()
                             assert self.sid is not None
-                            await client.request(M.Heartbeat(sid=self.sid, total=cap.total,
-                                                             free=cap.free))
+                            await client.request(M.Heartbeat(sid=self.sid, total=total,
+                                                             free=free, dirs=vols))
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised
@@ -291,9 +314,9 @@ class DataService(RpcService):
     async def _register(self, client: RpcClient, host: str, port: int) -> None:
         if host in ("", "0.0.0.0", "::"):  # advertise the address the metaserver sees us on
             host = client.conn.sock.getsockname()[0]
-        cap = self.store.capacity()
+        total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
-            sid=self.sid, host=host, port=port, total=cap.total, free=cap.free))
+            sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
@@ -366,7 +389,7 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         store.close()
         raise
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
-                          verify_caps=verify_caps)
+                          verify_caps=verify_caps, free_override=config.free_override)
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

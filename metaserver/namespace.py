@@ -8,7 +8,8 @@ inside its group-commit transactions; the tests run them against both store engi
 
 Hooks the server supplies:
 
-* ``servers()`` -> ``{sid: free_bytes}`` of alive data servers, for placement;
+* ``servers()`` -> ``{sid: free_bytes}`` of alive data servers that are not full (their
+  free space above the reserve, ``registry.py``), for placement;
 * ``opened(ino)`` -> True if the inode has open handles (then dropping its last link
   makes it an orphan instead of deleting it). The server's version also marks the
   inode so that an ``open`` racing with the deletion fails;
@@ -96,6 +97,10 @@ ROOT = Cred(0, 0)
 def _err(code: int, detail: str = "") -> OSError:
     msg = os.strerror(code)
     return OSError(code, f"{msg}: {detail}" if detail else msg)
+
+
+def _show(name: bytes) -> str:
+    return name.decode("utf-8", "replace")
 
 
 def pack(obj: Any) -> bytes:
@@ -377,24 +382,26 @@ class Namespace:
                 replicas or self.default.replicas)
 
     def file_layout(self, txn: Txn, dir_ino: int | None, unit: int = 0, count: int = 0,
-                    replicas: int = 0) -> dict[str, Any]:
+                    replicas: int = 0, what: str = "") -> dict[str, Any]:
         """A placed layout: explicit values, else the nearest directory default, else
-        the cluster's."""
+        the cluster's. ``what`` names the file in an ENOSPC."""
         if dir_ino is not None:
             unit, count, replicas = self.inherited(txn, dir_ino, unit, count, replicas)
         unit = unit or self.default.unit
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
-        return self.place(unit, count, replicas)
+        return self.place(unit, count, replicas, what)
 
-    def place(self, unit: int, count: int, replicas: int) -> dict[str, Any]:
-        """Choose servers: ``count`` distinct stripes (fewer if fewer servers are alive),
-        picked at random weighted by free space; a stripe's replicas on distinct
-        servers, and apart from other stripes' while there are enough servers."""
+    def place(self, unit: int, count: int, replicas: int, what: str = "") -> dict[str, Any]:
+        """Choose servers: ``count`` distinct stripes (fewer if fewer servers are alive
+        and not full), picked at random weighted by free space; a stripe's replicas on
+        distinct servers, and apart from other stripes' while there are enough servers.
+        ENOSPC only when no server can take a stripe."""
         alive = self.servers()
         if not alive:
-            raise _err(errno.ENOSPC, "no data servers available")
+            raise _err(errno.ENOSPC, f"{what + ': ' if what else ''}no data server can take "
+                       "its data (all are full or down; see `pfs df`)")
         n = len(alive)
         count = min(count, n)
         replicas = min(replicas, n)
@@ -682,7 +689,7 @@ class Namespace:
             rdev = 0
         extra: dict[str, Any] = {"rdev": rdev}
         if ftype == stat.S_IFREG:
-            extra["layout"] = self.file_layout(txn, parent)
+            extra["layout"] = self.file_layout(txn, parent, what=_show(name))
         now = self.clock()
         ino, rec = self._make(txn, cred, parent, prec, name, ftype | (mode & 0o7777), now,
                               extra)
@@ -799,7 +806,7 @@ class Namespace:
             attr, layout = self._open_inode(txn, cred, ino, self._rec(txn, ino), flags, now)
             return attr, layout, False
         prec = self._new_entry_checks(txn, cred, parent, name)
-        layout = self.file_layout(txn, parent)
+        layout = self.file_layout(txn, parent, what=_show(name))
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
         return self.attr(ino, rec), layout, True
@@ -1052,7 +1059,7 @@ class Namespace:
             if self.deleting(ino):  # see deletion_plan
                 raise _err(errno.EBUSY, f"inode {ino}: objects of its previous layout are "
                            "being deleted; try again in a moment")
-            layout = self.file_layout(txn, None, unit, count, replicas)
+            layout = self.file_layout(txn, None, unit, count, replicas, f"inode {ino}")
             old = rec.get("layout")
             if old and old.get("servers"):
                 # an empty file may still have objects (truncated to 0, or written by a

@@ -1,6 +1,17 @@
 """The data servers the metaserver knows are up: what each registered or last reported
-(address, total and free bytes) and when. A server silent for ``timeout`` seconds counts
-as down: placement skips it, ``statfs`` leaves its space out, nothing is sent to it.
+(address, total and free bytes, each data directory and its filesystem) and when. A
+server silent for ``timeout`` seconds counts as down: placement skips it, ``statfs``
+leaves its space out, nothing is sent to it.
+
+Capacity is counted per filesystem, once (``lfs df``): data servers on one host whose
+directories share a disk report the same filesystem identity. A server that reports no
+directories (an older one) counts as one filesystem of its own.
+
+A server is *full* when one of its directories has less free space than the reserve
+(``reserve_bytes`` or ``reserve_percent`` of that filesystem, whichever is smaller; a
+stripe object may land in any of its directories): placement gives it no new stripes.
+The numbers are as fresh as the last heartbeat; a data server whose disk fills up
+between heartbeats sends one at once.
 
 Only liveness lives here; the durable record of each server (key ``R``, so addresses
 survive a metaserver restart) is the namespace's. Called from the event loop and from
@@ -14,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pfs.core.messages.records import Volume
+
 
 @dataclass(slots=True)
 class LiveServer:
@@ -22,31 +35,73 @@ class LiveServer:
     total: int
     free: int
     seen: float  # clock() of the last register/heartbeat
+    dirs: list[Volume]
+
+
+def _volumes(sid: str, total: int, free: int, dirs: list[Volume] | None) -> list[Volume]:
+    """What ``sid`` reported per directory; an older server's whole space as one
+    filesystem of its own."""
+    if not dirs:
+        return [Volume("", "", total, free)]
+    return list(dirs)
+
+
+def _fs_key(sid: str, v: Volume) -> str:
+    return v.fs if v.fs else f"\0{sid}\0{v.path}"  # no identity: unique
+
+
+def distinct(servers: dict[str, list[Volume]]) -> tuple[int, int]:
+    """Total and free bytes of the servers' volumes, each filesystem counted once."""
+    seen: dict[str, Volume] = {}
+    for sid, vols in sorted(servers.items()):
+        for v in vols:
+            seen.setdefault(_fs_key(sid, v), v)
+    return sum(v.total for v in seen.values()), sum(v.free for v in seen.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Free space kept back on every filesystem: the smaller of the two."""
+
+    nbytes: int = 256 << 20
+    percent: float = 1.0
+
+    def of(self, total: int) -> int:
+        return min(self.nbytes, int(total * self.percent / 100))
+
+    def full(self, vols: list[Volume]) -> bool:
+        return any(v.free <= self.of(v.total) for v in vols)
 
 
 class Registry:
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic,
+                 reserve: Reserve | None = None) -> None:
         self._timeout = timeout
         self._clock = clock
+        self._reserve = reserve or Reserve()
         self._lock = threading.Lock()
         self._live: dict[str, LiveServer] = {}
 
     def _alive_since(self) -> float:
         return self._clock() - self._timeout
 
-    def register(self, sid: str, host: str, port: int, total: int, free: int) -> None:
+    def register(self, sid: str, host: str, port: int, total: int, free: int,
+                 dirs: list[Volume] | None = None) -> None:
         """``sid`` is up at ``host:port`` (a registration, or a heartbeat from a server
         registered before this metaserver started)."""
+        vols = _volumes(sid, total, free, dirs)
         with self._lock:
-            self._live[sid] = LiveServer(host, port, total, free, self._clock())
+            self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols)
 
-    def heartbeat(self, sid: str, total: int, free: int) -> bool:
+    def heartbeat(self, sid: str, total: int, free: int,
+                  dirs: list[Volume] | None = None) -> bool:
         """``sid`` is still up; False when it has not registered since this start."""
+        vols = _volumes(sid, total, free, dirs)
         with self._lock:
             live = self._live.get(sid)
             if live is None:
                 return False
-            live.total, live.free, live.seen = total, free, self._clock()
+            live.total, live.free, live.seen, live.dirs = total, free, self._clock(), vols
             return True
 
     def address(self, sid: str) -> tuple[str, int] | None:
@@ -58,17 +113,19 @@ class Registry:
         return s.host, s.port
 
     def free_space(self) -> dict[str, int]:
-        """Free bytes of each server that is up (what placement chooses among)."""
+        """Free bytes of each server that is up and not full (what placement chooses
+        among)."""
         since = self._alive_since()
         with self._lock:
-            return {sid: s.free for sid, s in self._live.items() if s.seen >= since}
+            return {sid: s.free for sid, s in self._live.items()
+                    if s.seen >= since and not self._reserve.full(s.dirs)}
 
     def capacity(self) -> tuple[int, int]:
-        """Total and free bytes of the servers that are up."""
+        """Total and free bytes of the servers that are up, each filesystem once."""
         since = self._alive_since()
         with self._lock:
-            alive = [s for s in self._live.values() if s.seen >= since]
-        return sum(s.total for s in alive), sum(s.free for s in alive)
+            alive = {sid: s.dirs for sid, s in self._live.items() if s.seen >= since}
+        return distinct(alive)
 
     def describe(self, stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The stored servers' records, updated from what each last reported, with
@@ -80,6 +137,7 @@ class Registry:
                 live = self._live.get(sid)
                 if live is not None:
                     rec = {"host": live.host, "port": live.port, "total": live.total,
-                           "free": live.free}
+                           "free": live.free, "full": self._reserve.full(live.dirs),
+                           "dirs": [list(v) for v in live.dirs if v.path]}
                 out[sid] = {**rec, "alive": live is not None and live.seen >= since}
         return out

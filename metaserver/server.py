@@ -42,7 +42,7 @@ from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.handles import OpenFiles, rights_of
 from pfs.metaserver.namespace import Cred, Namespace
-from pfs.metaserver.registry import Registry
+from pfs.metaserver.registry import Registry, Reserve
 from pfs.metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
 from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 
@@ -82,7 +82,8 @@ class MetaService(RpcService):
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
         self.commit = CommitQueue(store, self._batch_committed)
-        self.registry = Registry(cfg.heartbeat_timeout)
+        self.registry = Registry(cfg.heartbeat_timeout,
+                                 reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent))
         self.handles = OpenFiles(store, self.commit, self._reclaim)
         self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
                             opened=self.handles.opened, is_open=self.handles.is_open,
@@ -457,7 +458,7 @@ class MetaService(RpcService):
         host, port, total, free = req.host, req.port, req.total, req.free
         await self.commit.mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free))
-        self.registry.register(sid, host, port, total, free)
+        self.registry.register(sid, host, port, total, free, req.dirs)
         self.dataplane.forget(sid)
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
                  sid, host, port, free, total)
@@ -472,13 +473,13 @@ class MetaService(RpcService):
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.sid, req.total, req.free
-        if self.registry.heartbeat(sid, total, free):
+        if self.registry.heartbeat(sid, total, free, req.dirs):
             return Empty()
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
-        self.registry.register(sid, rec["host"], rec["port"], total, free)
+        self.registry.register(sid, rec["host"], rec["port"], total, free, req.dirs)
         return Empty()
 
 

@@ -251,7 +251,13 @@ class FileHandle:
             off = self.state.known_size
         view = memoryview(data).cast("B")
         if view:
-            await self.client.driver.run(self._write_plan(view, off))
+            try:
+                await self.client.driver.run(self._write_plan(view, off))
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, f"{self.path or f'inode {self.ino}'}: "
+                                            f"{exc.strerror}") from exc
             self._wrote(off + len(view))
         return len(view)
 

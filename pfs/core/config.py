@@ -135,6 +135,10 @@ class MetaConfig:
     port: int = 9400
     map_size: int = 8 << 30  # LMDB map size in bytes
     heartbeat_timeout: float = 15.0  # a data server silent this long is down
+    # a data server with less free space than this on a directory gets no new stripes:
+    # reserve_bytes or reserve_percent of the filesystem, whichever is smaller
+    reserve_bytes: int = 256 << 20
+    reserve_percent: float = 1.0
     layout: LayoutDefaults = field(default_factory=LayoutDefaults)
     # security (docs/security.md)
     key_file: str = ""  # the cluster key; with node_keys: key mode
@@ -157,6 +161,7 @@ class DataConfig:
     engine: str = "auto"  # auto (io_uring where the kernel has it, else posix), posix, uring
     heartbeat: float = 2.0  # seconds between heartbeats
     local_socket: bool = True  # serve short-circuit reads to clients on this host
+    free_override: int = -1  # TEST ONLY: report this many bytes free per directory
     key_file: str = ""  # the cluster key (docs/security.md)
     tls_cert: str = ""
     tls_key: str = ""

@@ -202,15 +202,32 @@ def cmd_getstripe(args: argparse.Namespace) -> None:
         print(json.dumps(c.get_layout(args.path)))
 
 
+def _df_row(name: str, total: int, free: int, note: str = "") -> str:
+    used = total - free
+    pct = 100 * used / total if total else 0
+    return (f"{name:<40} {human(total):>11} {human(used):>11} {human(free):>11} "
+            f"{pct:4.0f}%  {note}").rstrip()
+
+
 def cmd_df(args: argparse.Namespace) -> None:
+    """One row per data server (and per data directory where it has several), then the
+    total, each physical filesystem counted once (``lfs df``)."""
     with _client(args) as c:
+        servers = c._run(c.aio.meta.servers)
         s = c.statvfs()
-        total, free = s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
-        print(f"{'size':>12} {'used':>12} {'avail':>12} {'use%':>5}  files")
-        used = total - free
-        pct = 100 * used / total if total else 0
-        print(f"{human(total):>12} {human(used):>12} {human(free):>12} {pct:4.0f}%  "
-              f"{s.f_files - s.f_ffree}")
+    print(f"{'server / directory':<40} {'size':>11} {'used':>11} {'avail':>11} {'use%':>5}  "
+          "state")
+    for sid, srv in sorted(servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"])):
+        state = "DOWN" if not srv["alive"] else "FULL" if srv.get("full") else "up"
+        print(_df_row(f"{sid[:8]} {srv['host']}:{srv['port']}", srv["total"], srv["free"],
+                      state))
+        dirs = srv.get("dirs") or []
+        if len(dirs) > 1:
+            for path, _fs, total, free in dirs:
+                print(_df_row(f"  {path}", total, free))
+    total, free = s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
+    print(_df_row("total (each filesystem once)", total, free,
+                  f"{s.f_files - s.f_ffree} files"))
 
 
 def cmd_load(args: argparse.Namespace) -> None:
@@ -303,7 +320,8 @@ def cmd_cluster_status(args: argparse.Namespace) -> None:
             servers = c._run(c.aio.meta.servers)
             for sid, s in sorted(servers.items()):
                 print(f"data server {sid} {s['host']}:{s['port']} "
-                      f"{'up' if s['alive'] else 'DOWN'} free {human(s['free'])} of {human(s['total'])}")
+                      f"{'DOWN' if not s['alive'] else 'FULL' if s.get('full') else 'up'} "
+                      f"free {human(s['free'])} of {human(s['total'])}")
 
 
 def cmd_meta_serve(args: argparse.Namespace) -> None:

@@ -532,9 +532,12 @@ def test_special_files(mdir: Path) -> None:
     assert sorted(os.listdir(mdir)) == ["chr", "fifo", "sock"]
 
 
-def test_statfs(mnt: Path) -> None:
+def test_statfs(mnt: Path, client_toml: Path) -> None:
     s = os.statvfs(mnt)
     assert s.f_namemax == 255 and s.f_blocks > 0 and s.f_bsize > 0 and s.f_files > 0
+    # the session's four data servers share one disk: its size, counted once
+    disk = os.statvfs(client_toml.parent / "data")
+    assert abs(s.f_blocks * s.f_frsize - disk.f_blocks * disk.f_frsize) <= s.f_frsize
 
 
 def test_large_directory(mdir: Path) -> None:

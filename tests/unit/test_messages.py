@@ -27,7 +27,15 @@ from pfs.core.messages.base import (
     RequestMessage,
     StrField,
 )
-from pfs.core.messages.records import At, AtField, CredField, ObjIdField, TimeField
+from pfs.core.messages.records import (
+    At,
+    AtField,
+    CredField,
+    ObjIdField,
+    TimeField,
+    Volume,
+    VolumeField,
+)
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.dataserver.server import DataService
 from pfs.metaserver.server import MetaService
@@ -46,7 +54,9 @@ def _sample(spec: Field) -> dict[str, Any]:
     elif isinstance(spec, ObjIdField):
         value = [3, 1]
     elif isinstance(spec, ListField):
-        value = [[1, 2]] if isinstance(spec.item, ObjIdField) else [4]
+        value = ([[1, 2]] if isinstance(spec.item, ObjIdField)
+                 else [["/d", "boot:2049", 10, 5]] if isinstance(spec.item, VolumeField)
+                 else [4])
     elif isinstance(spec, TimeField):
         value = "now"
     elif isinstance(spec, IntField):
@@ -190,6 +200,21 @@ def test_bad_object_ids(bad: Any) -> None:
                        (D.OpenFd, {})):
         assert err(cls.from_wire, {"obj": bad, **extra}).errno == errno.EINVAL
     assert err(D.Delete.from_wire, {"objs": [[1, 1], bad]}).errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("bad", [None, "x", ["/d", "fs", 1], ["/d", "fs", -1, 0],
+                                 ["/d", 7, 1, 0], [b"/d", "fs", 1, 0], ["/d", "fs", 1, 2**63],
+                                 ["/d", "f" * 256, 1, 0], {"path": "/d"}])
+def test_volumes_a_data_server_reports(bad: Any) -> None:
+    """Each data directory with its filesystem identity; an older server sends none."""
+    hb = {"sid": "s", "total": 10, "free": 5}
+    assert M.Heartbeat.from_wire(hb).dirs is None
+    m = M.Heartbeat.from_wire({**hb, "dirs": [["/d", "boot:2049", 10, 5]]})
+    assert m.dirs == [Volume("/d", "boot:2049", 10, 5)]
+    assert wire(m)["dirs"] == [["/d", "boot:2049", 10, 5]]
+    for cls, extra in ((M.Heartbeat, hb), (M.Register, {"host": "h", "port": 1, "total": 1,
+                                                         "free": 0})):
+        assert err(cls.from_wire, {**extra, "dirs": [bad]}).errno == errno.EINVAL
 
 
 def test_list_limits_are_checked_before_their_items() -> None:

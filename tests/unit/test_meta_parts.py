@@ -104,7 +104,8 @@ def test_registry_describes_stored_servers() -> None:
               "c": {"host": "hc", "port": 7, "total": 5, "free": 4}}
     reg.register("a", "h1", 1, 100, 50)
     assert reg.describe(stored) == {
-        "a": {"host": "h1", "port": 1, "total": 100, "free": 50, "alive": True},
+        "a": {"host": "h1", "port": 1, "total": 100, "free": 50, "full": False, "dirs": [],
+              "alive": True},
         "c": {"host": "hc", "port": 7, "total": 5, "free": 4, "alive": False}}
     clock.now += 16
     assert reg.describe(stored)["a"]["alive"] is False

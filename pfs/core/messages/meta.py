@@ -35,6 +35,7 @@ from pfs.core.messages.records import (
     Entry,
     Layout,
     Time,
+    Volumes,
     WireCred,
 )
 
@@ -142,7 +143,8 @@ class LayoutReply(ReplyMessage):
 
 
 class ServersReply(ReplyMessage):
-    servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive"}}')
+    servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive", '
+                                      '"full", "dirs": [[path, fs, total, free], ...]}}')
 
 
 class RegisterReply(ReplyMessage):
@@ -333,6 +335,7 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
     port: int = Int(lo=1, hi=65535)
     total: int = Int(lo=0)
     free: int = Int(lo=0)
+    dirs: list[Any] | None = Volumes()
 
 
 class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
@@ -340,3 +343,4 @@ class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
     sid: str = Str(max_len=128)
     total: int = Int()
     free: int = Int()
+    dirs: list[Any] | None = Volumes()

@@ -19,6 +19,7 @@ from pfs.core.messages.base import (
     Composite,
     Field,
     IntField,
+    ListField,
     MapField,
     violation,
 )
@@ -102,6 +103,35 @@ class TimeField(Field):
         raise violation(errno.EINVAL, f"{method}: field '{self.key}' must be an integer or 'now'")
 
 
+class Volume(NamedTuple):
+    """One data directory of a data server, as it reports it: ``fs`` names the
+    filesystem it lives on, the same for every directory on that filesystem of that
+    host ("" when unknown: counted on its own), so the cluster counts a disk once."""
+
+    path: str
+    fs: str
+    total: int
+    free: int
+
+
+MAX_VOLUMES = 1024  # data directories one data server may report
+
+
+class VolumeField(Field):
+    """``[path, fs, total, free]`` -> a ``Volume``."""
+
+    type_doc = "volume"
+
+    def check(self, v: Any, method: str) -> Any:
+        if (isinstance(v, (list, tuple)) and len(v) == 4
+                and isinstance(v[0], str) and len(v[0]) <= PATH_MAX
+                and isinstance(v[1], str) and len(v[1]) <= NAME_MAX
+                and all(type(x) is int and 0 <= x < MAX_ID for x in v[2:])):
+            return Volume(v[0], v[1], v[2], v[3])
+        raise violation(errno.EINVAL, f"{method}: bad volume {v!r}: want [path, fs, total, "
+                                      f"free]")
+
+
 class At(NamedTuple):
     """Where an entry is: ``parent`` + ``name``, or an absolute ``path`` the metaserver
     resolves (the last component not followed)."""
@@ -164,6 +194,12 @@ def Cred(*, default: Any = REQUIRED) -> Any:  # noqa: N802
 
 def Obj(*, doc: str = "") -> Any:  # noqa: N802
     return ObjIdField(doc=doc, key="obj")
+
+
+def Volumes() -> Any:  # noqa: N802
+    return ListField(VolumeField(), max_len=MAX_VOLUMES, default=None,
+                     doc=f"[[path, fs, total, free], ...], at most {MAX_VOLUMES}: each data "
+                         "directory and the filesystem it is on (absent: one unique one)")
 
 
 def Time(*, default: Any = None, doc: str = "") -> Any:  # noqa: N802
