@@ -1052,13 +1052,19 @@ class Namespace:
                    replicas: int = 0, durable: bool | None = None) -> dict[str, Any]:
         """Set a directory's default layout (0: inherit) or an empty file's; ``durable``
         False opts out of the sync on close (scratch data), True opts back in, None
-        keeps what it said before."""
+        keeps what it said before; given alone, the flag leaves a directory's striping
+        as it was."""
         rec = self._rec(txn, ino)
         if not (cred.root or cred.uid == rec["uid"]):
             raise _err(errno.EPERM, "only the owner sets the layout")
         if min(unit, count, replicas) < 0:
             raise _err(errno.EINVAL, "negative layout value")
         if stat.S_ISDIR(rec["mode"]):
+            if durable is not None and not (unit or count or replicas):
+                # the flag alone (setstripe --no-sync): the striping stays as it was
+                had = rec.get("layout") or {}
+                unit, count = had.get("unit", 0), had.get("count", 0)
+                replicas = had.get("replicas", 0)
             check_geometry(unit or self.default.unit, count or self.default.count,
                            replicas or self.default.replicas)
             layout: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,

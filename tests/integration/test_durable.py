@@ -2,10 +2,10 @@
 after what the handle wrote is on stable storage on every replica, and only then is
 the size committed; a directory opted out (``setstripe --no-sync``) skips it on close.
 
-The probe is the data server's own ``sync`` reply: ``dirty`` counts the listed objects
-written since their last sync there. After a close it must be 0 on every replica; a
-close that stopped syncing leaves it at the number of objects written (the opt-out
-shows the probe sees that)."""
+The probe (tests/sync_probe.py) is the data server's own ``sync`` reply: ``dirty``
+counts the listed objects written since their last sync there. After a close it must be
+0 on every replica; a close that stopped syncing leaves it at the number of objects
+written (the opt-out shows the probe sees that)."""
 from __future__ import annotations
 
 import errno
@@ -20,35 +20,10 @@ import pytest
 import pfs
 from pfs.client.sync import Client
 from pfs.core.layout import Layout
-from pfs.core.messages import data as D
 from pfs.tools import cluster
+from tests.sync_probe import by_server, unsynced
 
 UNIT = 64 * 1024
-
-
-def _dirty(c: Client, path: str) -> dict[str, int]:
-    """Server -> how many of ``path``'s objects there hold writes not yet synced (the
-    probe syncs them: ask once)."""
-    f = c.open(path, "rb")
-    try:
-        h = f.handle  # type: ignore[attr-defined]
-        lay: Layout = h.layout
-        out: dict[str, int] = {}
-        for sid, stripes in _by_server(lay).items():
-            msg = D.Sync(objs=[(h.ino, s) for s in stripes], cap=h.cap)
-            res = c._run(c.aio.data.send, sid, msg)
-            out[sid] = res.fields["dirty"]
-        return out
-    finally:
-        f.close()
-
-
-def _by_server(lay: Layout) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for stripe, sids in enumerate(lay.servers):
-        for sid in sids:
-            out.setdefault(sid, []).append(stripe)
-    return out
 
 
 @pytest.mark.parametrize("size", [100, 4 * UNIT + 7])  # the blocking driver's, the trio's
@@ -58,15 +33,15 @@ def test_close_syncs_what_it_wrote_on_every_replica(client: Client, workdir: str
     client.mkdir(d)
     client.set_layout(d, count=2, unit=UNIT, replicas=2)
     client.write_file(f"{d}/f", os.urandom(size))
-    dirty = _dirty(client, f"{d}/f")
+    dirty = unsynced(client, f"{d}/f")
     assert len(dirty) >= 2 and set(dirty.values()) == {0}, dirty
     # the control: the same writes under the opt-out leave the objects unsynced
     s = f"{workdir}/scratch"
     client.mkdir(s)
     client.set_layout(s, count=2, unit=UNIT, replicas=2, durable=False)
     client.write_file(f"{s}/f", os.urandom(size))
-    dirty = _dirty(client, f"{s}/f")
-    written = _by_server(Layout.from_wire(client.get_layout(f"{s}/f")))
+    dirty = unsynced(client, f"{s}/f")
+    written = by_server(Layout.from_wire(client.get_layout(f"{s}/f")))
     n = 1 if size < UNIT else 2
     assert sum(dirty.values()) == n * 2, (dirty, written)  # every replica of each stripe
 
@@ -79,17 +54,17 @@ def test_flush_and_fsync_sync_too_and_the_opt_out_still_fsyncs(client: Client,
     with client.open(f"{s}/f", "wb") as f:
         f.write(os.urandom(3 * UNIT))
         f.flush()  # opted out: flush commits the size only
-        assert sum(_dirty(client, f"{s}/f").values()) == 2
+        assert sum(unsynced(client, f"{s}/f").values()) == 2
         f.write(os.urandom(UNIT))
         f.fsync()  # fsync syncs even so
-        assert set(_dirty(client, f"{s}/f").values()) == {0}
+        assert set(unsynced(client, f"{s}/f").values()) == {0}
     d = f"{workdir}/durable"
     client.mkdir(d)
     client.set_layout(d, count=2, unit=UNIT)
     with client.open(f"{d}/f", "wb") as f:
         f.write(os.urandom(3 * UNIT))
         f.flush()  # the NFS close-to-open COMMIT
-        assert set(_dirty(client, f"{d}/f").values()) == {0}
+        assert set(unsynced(client, f"{d}/f").values()) == {0}
         assert client.stat(f"{d}/f").st_size == 3 * UNIT
 
 
@@ -104,6 +79,8 @@ def test_the_opt_out_is_inherited_kept_and_undone(client: Client, workdir: str) 
         assert client.get_layout(p)["durable"] is False
     client.set_layout(s, count=2)  # a layout change without the flag keeps it
     assert client.get_layout(s)["durable"] is False
+    client.set_layout(s, durable=False)  # and the flag alone keeps the striping
+    assert client.get_layout(s)["count"] == 2
     client.set_layout(s, durable=True)
     client.write_file(f"{s}/g", b"x")
     assert client.get_layout(f"{s}/g").get("durable", True) is True
