@@ -210,6 +210,10 @@ def sync_request(ino: int, stripes: Sequence[int], cap: bytes | None) -> D.Sync:
     return D.Sync(objs=[(ino, s) for s in stripes], cap=cap)
 
 
+def fsync_request(ino: int, stripe: int, cap: bytes | None) -> D.Fsync:
+    return D.Fsync(obj=(ino, stripe), cap=cap)
+
+
 def open_fd_request(ino: int, stripe: int, cap: bytes | None) -> D.OpenFd:
     return D.OpenFd(obj=(ino, stripe), cap=cap)
 
@@ -442,9 +446,19 @@ def sync(owner: Any, ino: int, layout: Layout, stripes: Iterable[int], cap: byte
         return
 
     def body(c: bytes | None) -> Plan[Any]:
-        return _all([send(Send(sid, sync_request(ino, ss, c)))
-                     for sid, ss in targets.items()])
+        return _all([sync_server(sid, ino, ss, c) for sid, ss in targets.items()])
     yield from with_cap(owner, cap, renew_due, body)
+
+
+def sync_server(sid: str, ino: int, stripes: list[int], cap: bytes | None) -> Plan[Any]:
+    """One server's share of :func:`sync`; a server from before ``sync`` (``ENOSYS``,
+    during a rolling upgrade) gets one ``fsync`` per object instead."""
+    try:
+        return (yield from send(Send(sid, sync_request(ino, stripes, cap))))
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+    return (yield from _all([send(Send(sid, fsync_request(ino, s, cap))) for s in stripes]))
 
 
 def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,

@@ -350,6 +350,16 @@ def test_sync_is_one_request_per_server_listing_its_objects() -> None:
     assert cl.syncs == []
 
 
+def test_sync_to_a_server_without_it_fsyncs_each_object() -> None:
+    lay = Layout(UNIT, 2, 2, (("a", "b"), ("b", "a")))
+    cl = FakeCluster(lay)
+    cl.fail[("b", "sync")] = [errno.ENOSYS]  # an older data server (rolling upgrade)
+    cl.run(plan.sync(None, INO, lay, [0, 1], b"c"))
+    assert sorted(e for e in cl.log if e[0] == "b") == [
+        ("b", "fsync", 0), ("b", "fsync", 1), ("b", "sync", 0), ("b", "sync", 1)]
+    assert sorted(e for e in cl.log if e[0] == "a") == [("a", "sync", 0), ("a", "sync", 1)]
+
+
 def test_sync_fails_with_a_replicas_errno_and_renews_a_refused_cap() -> None:
     lay = Layout(UNIT, 2, 2, (("a", "b"), ("b", "a")))
     cl = FakeCluster(lay)
