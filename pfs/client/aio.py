@@ -55,6 +55,9 @@ class _InodeState:
     size: int
     written_end: int = 0
     handles: int = 0
+    # stripes written since their last sync: a commit of any handle syncs them before
+    # it commits a size, which covers every handle's writes
+    unsynced: set[int] = field(default_factory=set)
     # the sync client writes from its callers' threads as well as from its trio thread
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -105,7 +108,6 @@ class FileHandle:
         self.path = path
         self.closed = False
         self._dirty = False  # written since the size was last committed
-        self._unsynced: set[int] = set()  # stripes written since their last sync
         # a read-only handle reads local objects through descriptors (short circuit)
         self._objects = (HandleObjects(client.local) if client.local is not None
                          and flags & os.O_ACCMODE == os.O_RDONLY else None)
@@ -160,10 +162,11 @@ class FileHandle:
                           renew_due=time.monotonic() >= self._renew_at)
 
     def _wrote(self, off: int, n: int) -> None:
+        # the stripes the next commit (close, flush) syncs first (a set update under
+        # the GIL: the sync client's threads write too), before the size that commit
+        # reads: a size is committed only over stripes taken for its sync
+        self.state.unsynced.update(plan.stripes_of(self.layout, off, n))
         self.state.wrote(off + n)
-        # the stripes the next commit (close, flush) syncs first; a set update under
-        # the GIL, as the sync client's threads write too
-        self._unsynced.update(plan.stripes_of(self.layout, off, n))
         self._dirty = True
 
     async def pread_into(self, buf: Any, off: int) -> int:

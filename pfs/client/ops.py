@@ -435,18 +435,21 @@ def _commit_size(h: FileHandle, end: int | None) -> Plan[StatResult]:
 
 
 def sync_data(h: FileHandle, every: bool = False) -> Plan[None]:
-    """What ``h`` wrote since its last sync, on every replica, to stable storage (or,
-    ``every``, all the file's objects: fsync). A layout that opted out (scratch data)
-    syncs only on fsync. On failure the stripes stay to sync: the next try redoes them."""
+    """What this client wrote to ``h``'s inode since its last sync (through any of its
+    handles: the size a commit sends covers them all), on every replica, to stable
+    storage (or, ``every``, all the file's objects: fsync). A layout that opted out
+    (scratch data) syncs only on fsync. On failure the stripes stay to sync: the next
+    try redoes them."""
     if not every and not h.layout.durable:
         return
-    taken, h._unsynced = h._unsynced, set()
+    st = h.state
+    taken, st.unsynced = st.unsynced, set()
     stripes = range(len(h.layout.servers)) if every else taken
     try:
         yield from sync_objects(h, h.ino, h.layout, stripes, h.cap,
                                 renew_due=h.renew_due())
     except BaseException:
-        h._unsynced |= taken
+        st.unsynced |= taken
         raise
 
 
@@ -462,12 +465,13 @@ def commit(h: FileHandle) -> Plan[None]:
     could take back."""
     if not h._dirty:
         return
-    yield from sync_data(h)
-    # cleared before the size is read: a write that ends while the metaserver answers
-    # (another task or thread) marks the handle again, for the next one
+    # cleared before the size is read, and the size read before the stripes to sync are
+    # taken: a write that ends meanwhile (another task or thread; it marks its stripes,
+    # then the size, then the handle) marks the handle again, for the next commit
     h._dirty = False
     end = h.state.written_end
     try:
+        yield from sync_data(h)
         try:
             attr = yield from _commit_size(h, end)
         except OSError as exc:

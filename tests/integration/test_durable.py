@@ -136,3 +136,23 @@ def test_a_replica_failing_the_sync_fails_close_and_commits_no_size(private_clus
         assert err.value.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOTCONN,
                                    errno.EPIPE, errno.EIO)
         assert c.stat("/d/f").st_size == 0  # the size was not committed
+
+
+def test_a_close_syncs_what_every_handle_of_the_client_wrote(client: Client,
+                                                             workdir: str) -> None:
+    """The size a close commits covers the writes of the client's other handles of
+    the inode too: their stripes are synced with it."""
+    d = f"{workdir}/d"
+    client.mkdir(d)
+    client.set_layout(d, count=2, unit=UNIT)
+    client.write_file(f"{d}/f", b"")
+    a, b = client.open(f"{d}/f", "r+b"), client.open(f"{d}/f", "r+b")
+    try:
+        a.seek(UNIT)
+        a.write(os.urandom(UNIT))  # stripe 1
+        b.write(os.urandom(10))  # stripe 0
+        b.close()  # commits the size 2 * UNIT: a's stripe is synced too
+        assert client.stat(f"{d}/f").st_size == 2 * UNIT
+        assert set(unsynced(client, f"{d}/f").values()) == {0}
+    finally:
+        a.close()

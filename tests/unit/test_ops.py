@@ -52,16 +52,18 @@ class _State:
     def __init__(self) -> None:
         self.size = 0
         self.written_end = 0
+        self.unsynced: set[int] = set()
 
 
 def _handle(dirty: bool = True, end: int = 100, unsynced: tuple[int, ...] = (),
             durable: bool = True) -> Any:
     st = _State()
     st.written_end = end
+    st.unsynced = set(unsynced)
     layout = Layout(4096, 2, 2, (("a", "b"), ("b", "c")), durable)
     h = SimpleNamespace(fh=1, ino=5, flags=os.O_WRONLY, cred=None, path="/f", meta_gen=1,
                         state=st, _dirty=dirty, closed=False, released=0, caps=[],
-                        layout=layout, _unsynced=set(unsynced), cap=b"c",
+                        layout=layout, cap=b"c",
                         renew_due=lambda: False)
     h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2,
                                                                       wire_cred=_wire),
@@ -209,7 +211,7 @@ def test_commit_syncs_what_was_written_on_every_replica_before_the_size() -> Non
     assert sorted(synced) == [("b", [(5, 1)]), ("c", [(5, 1)])]
     methods = [e.msg.method for e in seen if isinstance(e, (Send, MetaCall))]
     assert methods[-1] == "commit_size" and "commit_size" not in methods[:-1]
-    assert h._unsynced == set() and not h._dirty
+    assert h.state.unsynced == set() and not h._dirty
 
 
 def test_close_syncs_then_commits_and_an_opt_out_skips_the_sync() -> None:
@@ -255,4 +257,4 @@ def test_a_failed_sync_keeps_the_stripes_for_the_next_commit() -> None:
     answer, _ = _sync_answer({"b": errno.EIO})
     with pytest.raises(OSError):
         drive(ops.commit(h), answer)
-    assert h._unsynced == {1} and h._dirty
+    assert h.state.unsynced == {1} and h._dirty
