@@ -71,6 +71,8 @@ class DataService(RpcService):
         # set when a write found the disk full: heartbeat now, so that the metaserver
         # stops placing new stripes here before the next regular heartbeat
         self.report_now = trio.Event()
+        # objects written (or cut) since their last sync here: what a Sync reply counts
+        self.unsynced: set[tuple[int, int]] = set()
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
@@ -210,6 +212,7 @@ class DataService(RpcService):
                                         f"{list(obj)}, {len(data)} bytes at {off})") from exc
         finally:
             release()
+        self.unsynced.add(obj)
         return D.CountReply(n=n)
 
     async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
@@ -218,6 +221,7 @@ class DataService(RpcService):
         if cap is not None:
             self._fence(obj[0], cap.gen)
         self.store.truncate(obj, size)
+        self.unsynced.add(obj)
         return Empty()
 
     async def rpc_delete(self, ctx: ConnContext, req: D.Delete) -> D.DeletedReply:
@@ -226,6 +230,7 @@ class DataService(RpcService):
             cap = self._cap(ctx, req, caps.ADMIN, o, writes=True)
             if cap is not None:
                 self._fence(o[0], cap.gen)
+        self.unsynced.difference_update(objs)
         deleted = sum(1 for o in objs if self.store.delete(o))
         return D.DeletedReply(deleted=deleted)
 
@@ -243,6 +248,47 @@ class DataService(RpcService):
         for d in self.store.take_unsynced_dirs(obj):
             await trio.to_thread.run_sync(_fsync_dir, d)
         return Empty()
+
+    async def rpc_sync(self, ctx: ConnContext, req: D.Sync) -> D.SyncReply:
+        """Every listed object's data to stable storage, each fdatasync in a thread of
+        its own (a close lists every object it wrote here: they sync in parallel), then
+        the directories that gained an entry. An object is synced whether or not this
+        process saw it written: a write acknowledged before a restart may still sit in
+        the page cache."""
+        objs = list(dict.fromkeys(req.objs))
+        for obj in objs:
+            self._cap(ctx, req, caps.READ | caps.WRITE, obj)
+        dirty = sum(1 for o in objs if o in self.unsynced)
+        # forgotten before the sync starts: a write landing meanwhile marks it again
+        self.unsynced.difference_update(objs)
+        errors: list[OSError] = []
+
+        async def one(obj: tuple[int, int]) -> None:
+            got = self.store.acquire(obj)
+            if got is None:
+                return
+            fd, release = got
+            try:
+                await trio.to_thread.run_sync(os.fdatasync, fd)
+            except OSError as exc:
+                self.unsynced.add(obj)
+                errors.append(exc)
+            finally:
+                release()
+
+        if len(objs) == 1:
+            await one(objs[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for obj in objs:
+                    nursery.start_soon(one, obj)
+        if errors:
+            log.error("sync of objects %s failed: %s", objs, errors[0])
+            raise errors[0]
+        dirs = dict.fromkeys(d for o in objs for d in self.store.take_unsynced_dirs(o))
+        for d in dirs:
+            await trio.to_thread.run_sync(_fsync_dir, d)
+        return D.SyncReply(dirty=dirty)
 
     async def rpc_stat_obj(self, ctx: ConnContext, req: D.StatObj) -> D.SizeReply:
         obj = req.obj

@@ -391,7 +391,24 @@ class Namespace:
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
-        return self.place(unit, count, replicas, what)
+        layout = self.place(unit, count, replicas, what)
+        if dir_ino is not None and not self.durable(txn, dir_ino):
+            layout["durable"] = False  # absent: durable (what older records mean)
+        return layout
+
+    def durable(self, txn: Txn, dir_ino: int) -> bool:
+        """Whether close() syncs the data of new files in ``dir_ino``: the nearest
+        directory (it, then its ancestors) that says, else yes."""
+        node = dir_ino
+        for _ in range(1 << 16):
+            rec = self._rec(txn, node)
+            said = (rec.get("layout") or {}).get("durable")
+            if said is not None:
+                return bool(said)
+            if node == K.ROOT_INO:
+                break
+            node = rec.get("parent", K.ROOT_INO)
+        return True
 
     def place(self, unit: int, count: int, replicas: int, what: str = "") -> dict[str, Any]:
         """Choose servers: ``count`` distinct stripes (fewer if fewer servers are alive
@@ -1039,17 +1056,30 @@ class Namespace:
         return None
 
     def set_layout(self, txn: Txn, cred: Cred, ino: int, unit: int = 0, count: int = 0,
-                   replicas: int = 0) -> dict[str, Any]:
+                   replicas: int = 0, durable: bool | None = None) -> dict[str, Any]:
+        """Set a directory's default layout (0: inherit) or an empty file's; ``durable``
+        False opts out of the sync on close (scratch data), True opts back in, None
+        keeps what it said before; given alone, the flag leaves a directory's striping
+        as it was."""
         rec = self._rec(txn, ino)
         if not (cred.root or cred.uid == rec["uid"]):
             raise _err(errno.EPERM, "only the owner sets the layout")
         if min(unit, count, replicas) < 0:
             raise _err(errno.EINVAL, "negative layout value")
         if stat.S_ISDIR(rec["mode"]):
+            if durable is not None and not (unit or count or replicas):
+                # the flag alone (setstripe --no-sync): the striping stays as it was
+                had = rec.get("layout") or {}
+                unit, count = had.get("unit", 0), had.get("count", 0)
+                replicas = had.get("replicas", 0)
             check_geometry(unit or self.default.unit, count or self.default.count,
                            replicas or self.default.replicas)
             layout: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
                                       "servers": []}
+            if durable is None:
+                durable = (rec.get("layout") or {}).get("durable")
+            if durable is not None:
+                layout["durable"] = bool(durable)
         elif stat.S_ISREG(rec["mode"]):
             if rec["size"] != 0:
                 raise _err(errno.EBUSY, "the layout of a file with data cannot change")
@@ -1060,6 +1090,10 @@ class Namespace:
                 raise _err(errno.EBUSY, f"inode {ino}: objects of its previous layout are "
                            "being deleted; try again in a moment")
             layout = self.file_layout(txn, None, unit, count, replicas, f"inode {ino}")
+            if durable is None:  # what it had (from its directory, at create)
+                durable = (rec.get("layout") or {}).get("durable", True)
+            if not durable:
+                layout["durable"] = False
             old = rec.get("layout")
             if old and old.get("servers"):
                 # an empty file may still have objects (truncated to 0, or written by a

@@ -441,9 +441,9 @@ class MetaService(RpcService):
 
     async def rpc_set_layout(self, ctx: ConnContext, req: M.SetLayout) -> M.LayoutReply:
         cred, ino = self._cred(ctx, req), req.ino
-        unit, count, replicas = req.unit, req.count, req.replicas
+        unit, count, replicas, durable = req.unit, req.count, req.replicas, req.durable
         return M.LayoutReply(layout=await self.commit.mutate(
-            lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas)))
+            lambda t: self.ns.set_layout(t, cred, ino, unit, count, replicas, durable)))
 
     async def rpc_servers(self, ctx: ConnContext, req: M.Servers) -> M.ServersReply:
         with self.store.read() as txn:

@@ -55,6 +55,9 @@ class _InodeState:
     size: int
     written_end: int = 0
     handles: int = 0
+    # stripes written since their last sync: a commit of any handle syncs them before
+    # it commits a size, which covers every handle's writes
+    unsynced: set[int] = field(default_factory=set)
     # the sync client writes from its callers' threads as well as from its trio thread
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -104,7 +107,7 @@ class FileHandle:
         self.state = state
         self.path = path
         self.closed = False
-        self._dirty = False
+        self._dirty = False  # written since the size was last committed
         # a read-only handle reads local objects through descriptors (short circuit)
         self._objects = (HandleObjects(client.local) if client.local is not None
                          and flags & os.O_ACCMODE == os.O_RDONLY else None)
@@ -124,6 +127,9 @@ class FileHandle:
         async with self._renewing:
             if self._cap_gen == gen:  # else another task renewed (or reopened) meanwhile
                 await self.client.driver.run(ops.renew(self))
+
+    def renew_due(self) -> bool:
+        return time.monotonic() >= self._renew_at
 
     @property
     def readable(self) -> bool:
@@ -155,8 +161,12 @@ class FileHandle:
         return plan.write(self, self.ino, self.layout, off, view, self.cap,
                           renew_due=time.monotonic() >= self._renew_at)
 
-    def _wrote(self, end: int) -> None:
-        self.state.wrote(end)
+    def _wrote(self, off: int, n: int) -> None:
+        # the stripes the next commit (close, flush) syncs first (a set update under
+        # the GIL: the sync client's threads write too), before the size that commit
+        # reads: a size is committed only over stripes taken for its sync
+        self.state.unsynced.update(plan.stripes_of(self.layout, off, n))
+        self.state.wrote(off + n)
         self._dirty = True
 
     async def pread_into(self, buf: Any, off: int) -> int:
@@ -235,7 +245,7 @@ class FileHandle:
                 self.client.blocking.run_step(step, None, self._write_plan, view, off)
         except HandOver:
             return None
-        self._wrote(off + len(view))
+        self._wrote(off, len(view))
         return len(view)
 
     async def pread(self, length: int, off: int) -> bytes:
@@ -258,7 +268,7 @@ class FileHandle:
                     raise
                 raise OSError(errno.ENOSPC, f"{self.path or f'inode {self.ino}'}: "
                                             f"{exc.strerror}") from exc
-            self._wrote(off + len(view))
+            self._wrote(off, len(view))
         return len(view)
 
     # -- metadata: plans of pfs/client/ops.py, after the writes in flight land --------
@@ -271,7 +281,7 @@ class FileHandle:
 
     async def commit(self) -> None:
         """Tell the metaserver how far this client wrote, once the writes in flight
-        landed; then raise an earlier write's error of this handle (what close(2)
+        landed and what they wrote is on stable storage (``ops.commit``); then raise an earlier write's error of this handle (what close(2)
         reports: the mount's flush)."""
         await self.drain()
         await self.client.driver.run(ops.commit(self))
@@ -284,21 +294,24 @@ class FileHandle:
             raise ValueError("I/O operation on closed file")
         await self.drain()
         self._raise_deferred()
-        if self.writable:
-            await self.client.driver.run(plan.fsync(
-                self, self.ino, self.layout, self.cap,
-                renew_due=time.monotonic() >= self._renew_at))
-        await self.client.driver.run(ops.commit(self))
+        await self.client.driver.run(ops.fsync(self) if self.writable else ops.commit(self))
 
     async def getattr(self) -> StatResult:
         return await self.client.driver.run(ops.getattr_handle(self))
 
     async def close(self) -> None:
-        """Close the handle after the writes in flight land; an earlier write's error
-        not yet reported is raised once the handle is closed (it is closed either way)."""
+        """Close the handle after the writes in flight land and what this handle wrote
+        is on stable storage on every replica (unless its layout opted out); only then
+        is the size committed. An earlier write's error not yet reported is raised
+        once the handle is closed (it is closed either way), else a failed sync's (the
+        size is then left uncommitted)."""
         await self.drain()
         err = self._take_deferred()
-        await self.client.driver.run(ops.close_handle(self))
+        try:
+            await self.client.driver.run(ops.close_handle(self))
+        except OSError:
+            if err is None:
+                raise
         if err is not None:
             raise err
 
@@ -586,8 +599,9 @@ class AsyncClient:
         return await self.driver.run(ops.get_layout(self, path))
 
     async def set_layout(self, path: str | bytes, count: int = 0, unit: int = 0,
-                         replicas: int = 0) -> dict[str, Any]:
-        return await self.driver.run(ops.set_layout(self, path, count, unit, replicas))
+                         replicas: int = 0, durable: bool | None = None) -> dict[str, Any]:
+        return await self.driver.run(ops.set_layout(self, path, count, unit, replicas,
+                                                    durable))
 
     async def open(self, path: str | bytes, mode: str | int = "rb", perm: int = 0o666) -> FileHandle:
         flags = open_flags(mode) if isinstance(mode, str) else mode

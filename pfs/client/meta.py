@@ -318,9 +318,10 @@ class MetaClient:
         return await self._driver.run(ops.meta_get_layout(ino))
 
     async def set_layout(self, ino: int, unit: int = 0, count: int = 0, replicas: int = 0,
-                         cred: Cred | None = None) -> dict[str, Any]:
+                         cred: Cred | None = None, durable: bool | None = None
+                         ) -> dict[str, Any]:
         return await self._driver.run(ops.meta_set_layout(ino, unit, count, replicas,
-                                                          self.wire_cred(cred)))
+                                                          self.wire_cred(cred), durable))
 
     async def servers(self) -> dict[str, dict[str, Any]]:
         return await self._driver.run(ops.meta_servers())

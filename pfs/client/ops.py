@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pfs.client.plan import DeferClose, MetaCall, Plan, Sleep
+from pfs.client.plan import sync as sync_objects
 from pfs.client.types import Cred, DirEntry, StatResult, fsname
 from pfs.core.messages import meta as M
 from pfs.core.messages.records import NOW, At, WireCred
@@ -191,10 +192,10 @@ def meta_get_layout(ino: int) -> Plan[dict[str, Any]]:
     return (yield MetaCall(M.GetLayout(ino=ino))).layout  # type: ignore[no-any-return]
 
 
-def meta_set_layout(ino: int, unit: int, count: int, replicas: int, cred: WireCred
-                    ) -> Plan[dict[str, Any]]:
+def meta_set_layout(ino: int, unit: int, count: int, replicas: int, cred: WireCred,
+                    durable: bool | None = None) -> Plan[dict[str, Any]]:
     r = yield MetaCall(M.SetLayout(ino=ino, unit=unit, count=count, replicas=replicas,
-                                   cred=cred))
+                                   durable=durable, cred=cred))
     return r.layout  # type: ignore[no-any-return]
 
 
@@ -376,9 +377,12 @@ def get_layout(c: AsyncClient, path: str | bytes) -> Plan[dict[str, Any]]:
 
 
 def set_layout(c: AsyncClient, path: str | bytes, count: int = 0, unit: int = 0,
-               replicas: int = 0) -> Plan[dict[str, Any]]:
+               replicas: int = 0, durable: bool | None = None) -> Plan[dict[str, Any]]:
+    """``durable`` False: close() of its (new) files skips the data sync (scratch data;
+    fsync still syncs); None: unchanged."""
     attr = yield from stat(c, path)
-    return (yield from meta_set_layout(attr.st_ino, unit, count, replicas, _cred(c)))
+    return (yield from meta_set_layout(attr.st_ino, unit, count, replicas, _cred(c),
+                                       durable))
 
 
 def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) -> Plan[FileHandle]:
@@ -430,15 +434,44 @@ def _commit_size(h: FileHandle, end: int | None) -> Plan[StatResult]:
     return (yield from meta_commit_size(h.fh, end, time.time_ns()))
 
 
+def sync_data(h: FileHandle, every: bool = False) -> Plan[None]:
+    """What this client wrote to ``h``'s inode since its last sync (through any of its
+    handles: the size a commit sends covers them all), on every replica, to stable
+    storage (or, ``every``, all the file's objects: fsync). A layout that opted out
+    (scratch data) syncs only on fsync. On failure the stripes stay to sync: the next
+    try redoes them."""
+    if not every and not h.layout.durable:
+        return
+    st = h.state
+    taken, st.unsynced = st.unsynced, set()
+    stripes = range(len(h.layout.servers)) if every else taken
+    try:
+        yield from sync_objects(h, h.ino, h.layout, stripes, h.cap,
+                                renew_due=h.renew_due())
+    except BaseException:
+        st.unsynced |= taken
+        raise
+
+
+def fsync(h: FileHandle) -> Plan[None]:
+    """fsync(2): the data, then the size."""
+    yield from sync_data(h, every=True)
+    yield from commit(h)
+
+
 def commit(h: FileHandle) -> Plan[None]:
-    """Tell the metaserver how far this client wrote (fsync, flush, close)."""
+    """Tell the metaserver how far this client wrote (fsync, flush, close), once what
+    it wrote is on stable storage: a committed size never covers bytes a power loss
+    could take back."""
     if not h._dirty:
         return
-    # cleared before the size is read: a write that ends while the metaserver answers
-    # (another task or thread) marks the handle again, for the next one
+    # cleared before the size is read, and the size read before the stripes to sync are
+    # taken: a write that ends meanwhile (another task or thread; it marks its stripes,
+    # then the size, then the handle) marks the handle again, for the next commit
     h._dirty = False
     end = h.state.written_end
     try:
+        yield from sync_data(h)
         try:
             attr = yield from _commit_size(h, end)
         except OSError as exc:
@@ -468,15 +501,27 @@ def getattr_handle(h: FileHandle) -> Plan[StatResult]:
 def close_handle(h: FileHandle) -> Plan[None]:
     if h.closed:
         return
+    end = h.state.written_end if h._dirty else None
+    err: OSError | None = None
+    if end is not None:
+        # before the handle is marked closed: a driver that hands the sync over (a
+        # capability to renew) runs the whole close again
+        try:
+            yield from sync_data(h)
+        except OSError as exc:  # the data may not be stable: no size for it
+            log.error("%s: syncing its data failed (%s); its size is not committed",
+                      h.path or f"inode {h.ino}", exc)
+            err, end = exc, None
     h.closed = True
     try:
-        end = h.state.written_end if h._dirty else None
         h._dirty = False
         yield from _close_on_server(h, end)
         if end is not None:
             h.state.size = max(h.state.size, end)
     finally:
         h._released()
+    if err is not None:
+        raise err
 
 
 def _close_on_server(h: FileHandle, end: int | None) -> Plan[None]:

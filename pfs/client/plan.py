@@ -10,7 +10,9 @@ data-path rule lives here once and is tested without a socket (tests/unit/test_p
 - a range is cut into per-stripe *runs* (contiguous in the object, at most MAX_REQUEST);
   one request per run, its reply scattered over the caller's buffer;
 - a read tries a stripe's replicas in order; a short reply is a hole, read as zeros;
-- a write goes to every replica of its stripe; fsync to every object of the file;
+- a write goes to every replica of its stripe (:func:`stripes_of` says which stripes a
+  handle must sync for it); a sync (close, fsync) is one request per server listing the
+  objects written there (:func:`sync_targets`), every replica must answer;
 - a failure is classified (:func:`classify`): renew the capability and retry here,
   try the next replica, or give up with its errno.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -202,6 +204,10 @@ def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None
 
 def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> D.Write:
     return D.Write(obj=(ino, stripe), off=off, cap=cap)
+
+
+def sync_request(ino: int, stripes: Sequence[int], cap: bytes | None) -> D.Sync:
+    return D.Sync(objs=[(ino, s) for s in stripes], cap=cap)
 
 
 def fsync_request(ino: int, stripe: int, cap: bytes | None) -> D.Fsync:
@@ -409,13 +415,57 @@ def write(owner: Any, ino: int, layout: Layout, off: int, data: memoryview,
     yield from with_cap(owner, cap, renew_due, body)
 
 
+def stripes_of(layout: Layout, off: int, length: int) -> range | tuple[int, ...]:
+    """The stripes a write of ``[off, off+length)`` touches (what a later sync must
+    reach), without walking a large range piece by piece."""
+    unit, count = layout.unit, layout.count
+    if length <= 0:
+        return ()
+    first, last = off // unit, (off + length - 1) // unit
+    if last - first + 1 >= count:
+        return range(count)
+    return tuple(b % count for b in range(first, last + 1))
+
+
+def sync_targets(layout: Layout, stripes: Iterable[int]) -> dict[str, list[int]]:
+    """Server -> the stripes whose objects it holds (a replica of), in stripe order:
+    what one sync request to that server lists."""
+    out: dict[str, list[int]] = {}
+    for stripe in sorted(set(stripes)):
+        for sid in layout.servers[stripe] if stripe < len(layout.servers) else ():
+            out.setdefault(sid, []).append(stripe)
+    return out
+
+
+def sync(owner: Any, ino: int, layout: Layout, stripes: Iterable[int], cap: bytes | None,
+         *, renew_due: bool = False) -> Plan[None]:
+    """The objects of ``stripes``, on every replica, to stable storage: one request per
+    server (batched like NFS's COMMIT), all at once; every one must answer."""
+    targets = sync_targets(layout, stripes)
+    if not targets:
+        return
+
+    def body(c: bytes | None) -> Plan[Any]:
+        return _all([sync_server(sid, ino, ss, c) for sid, ss in targets.items()])
+    yield from with_cap(owner, cap, renew_due, body)
+
+
+def sync_server(sid: str, ino: int, stripes: list[int], cap: bytes | None) -> Plan[Any]:
+    """One server's share of :func:`sync`; a server from before ``sync`` (``ENOSYS``,
+    during a rolling upgrade) gets one ``fsync`` per object instead."""
+    try:
+        return (yield from send(Send(sid, sync_request(ino, stripes, cap))))
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+    return (yield from _all([send(Send(sid, fsync_request(ino, s, cap))) for s in stripes]))
+
+
 def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
           renew_due: bool = False) -> Plan[None]:
-    """Every object of the file, on every replica, to stable storage."""
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([send(Send(sid, fsync_request(ino, stripe, c)))
-                     for stripe, replicas in enumerate(layout.servers) for sid in replicas])
-    yield from with_cap(owner, cap, renew_due, body)
+    """Every object of the file, on every replica, to stable storage (whoever wrote it)."""
+    yield from sync(owner, ino, layout, range(len(layout.servers)), cap,
+                    renew_due=renew_due)
 
 
 # -- steps: small plans without a generator ------------------------------------------

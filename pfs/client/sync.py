@@ -251,8 +251,8 @@ class Client:
         return self._drive(ops.get_layout, self.aio, path)
 
     def set_layout(self, path: str | bytes, count: int = 0, unit: int = 0,
-                   replicas: int = 0) -> dict[str, Any]:
-        return self._drive(ops.set_layout, self.aio, path, count, unit, replicas)
+                   replicas: int = 0, durable: bool | None = None) -> dict[str, Any]:
+        return self._drive(ops.set_layout, self.aio, path, count, unit, replicas, durable)
 
 
 class File(io.RawIOBase):

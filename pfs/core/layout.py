@@ -34,18 +34,26 @@ class Layout:
     count: int
     replicas: int = 1
     servers: tuple[tuple[str, ...], ...] = field(default=())
+    # close() syncs the data written to stable storage before the size is committed;
+    # False (scratch data, ``pfs setstripe --no-sync``): only fsync() does
+    durable: bool = True
 
     def __post_init__(self) -> None:
         check_geometry(self.unit, self.count, self.replicas)
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Layout:
+        # a record without "durable" (older metaservers) is durable
         return cls(int(d["unit"]), int(d["count"]), int(d.get("replicas", 1)),
-                   tuple(tuple(s) for s in d.get("servers", ())))
+                   tuple(tuple(s) for s in d.get("servers", ())),
+                   d.get("durable", True) is not False)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"unit": self.unit, "count": self.count, "replicas": self.replicas,
-                "servers": [list(s) for s in self.servers]}
+        out = {"unit": self.unit, "count": self.count, "replicas": self.replicas,
+               "servers": [list(s) for s in self.servers]}
+        if not self.durable:
+            out["durable"] = False
+        return out
 
     def locate(self, off: int) -> tuple[int, int]:
         """(stripe index, object offset) of file byte ``off``."""

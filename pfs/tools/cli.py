@@ -193,7 +193,7 @@ def _report(args: argparse.Namespace, what: str, nbytes: int, secs: float) -> No
 def cmd_setstripe(args: argparse.Namespace) -> None:
     with _client(args) as c:
         lay = c.set_layout(args.path, count=args.count or 0, unit=args.unit or 0,
-                           replicas=args.replicas or 0)
+                           replicas=args.replicas or 0, durable=args.durable)
         print(json.dumps(lay))
 
 
@@ -405,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--count", "-c", type=int)
     sp.add_argument("--unit", "-S", type=parse_size)
     sp.add_argument("--replicas", "-r", type=int)
+    sync = sp.add_mutually_exclusive_group()
+    sync.add_argument("--no-sync", dest="durable", action="store_const", const=False,
+                      help="scratch data: close() does not wait for the data to reach "
+                           "stable storage (fsync still does); inherited by new files")
+    sync.add_argument("--sync", dest="durable", action="store_const", const=True,
+                      help="close() syncs the data before it commits the size (default)")
     sp.add_argument("path")
     client_cmd("getstripe", cmd_getstripe, "show a layout").add_argument("path")
     client_cmd("df", cmd_df, "capacity of the cluster")

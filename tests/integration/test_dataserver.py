@@ -185,6 +185,23 @@ def test_absent_holes_short_reads(tmp_path: Path) -> None:
     run(main)
 
 
+def test_sync_of_several_objects_reports_what_was_unsynced(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with data_server(config(tmp_path)) as (_port, c):
+            for stripe in range(3):
+                await write(c, [9, stripe], 0, b"x" * 1000)
+            objs = [[9, 0], [9, 1], [9, 2], [10, 0]]  # the last is absent: skipped
+            assert (await c.call("sync", {"objs": objs})).fields == {"dirty": 3}
+            assert (await c.call("sync", {"objs": objs})).fields == {"dirty": 0}
+            await write(c, [9, 1], 5, b"y")  # a write marks its object again
+            assert (await c.call("sync", {"objs": objs})).fields == {"dirty": 1}
+            assert await read(c, [9, 1], 4, 3) == b"xyx"
+            assert (await c.call("sync", {"objs": []})).fields == {"dirty": 0}
+            assert await errno_of(c, "sync", {"objs": [[9, -1]]}) == errno.EINVAL
+
+    run(main)
+
+
 def test_truncate_delete_statfs(tmp_path: Path) -> None:
     async def main() -> None:
         async with data_server(config(tmp_path)) as (_port, c):

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from pfs.client import ops
-from pfs.client.plan import DeferClose, MetaCall, Sleep
+from pfs.client.plan import DeferClose, MetaCall, Parallel, Send, Sleep
 from pfs.client.types import Cred
+from pfs.core.layout import Layout
 from pfs.core.messages.base import parse_reply
 
 
@@ -51,13 +52,19 @@ class _State:
     def __init__(self) -> None:
         self.size = 0
         self.written_end = 0
+        self.unsynced: set[int] = set()
 
 
-def _handle(dirty: bool = True, end: int = 100) -> Any:
+def _handle(dirty: bool = True, end: int = 100, unsynced: tuple[int, ...] = (),
+            durable: bool = True) -> Any:
     st = _State()
     st.written_end = end
+    st.unsynced = set(unsynced)
+    layout = Layout(4096, 2, 2, (("a", "b"), ("b", "c")), durable)
     h = SimpleNamespace(fh=1, ino=5, flags=os.O_WRONLY, cred=None, path="/f", meta_gen=1,
-                        state=st, _dirty=dirty, closed=False, released=0, caps=[])
+                        state=st, _dirty=dirty, closed=False, released=0, caps=[],
+                        layout=layout, cap=b"c",
+                        renew_due=lambda: False)
     h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2,
                                                                       wire_cred=_wire),
                                config=SimpleNamespace(timeout=60.0))
@@ -174,3 +181,80 @@ def test_paths_are_checked_before_any_request() -> None:
         with pytest.raises(OSError) as err:
             drive(ops.mkdir(c, bad), lambda eff: {})
         assert err.value.errno == code
+
+
+# -- durable acknowledgements: the data is synced before the size is committed ---------
+def _sync_answer(fail: dict[str, int] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
+    """An ``answer`` that runs Parallel sub-plans in turn and logs (sid, objs) per sync."""
+    synced: list[tuple[str, Any]] = []
+
+    def answer(eff: Any) -> Any:
+        if isinstance(eff, Parallel):
+            return [drive(p, answer)[0] for p in eff.plans]
+        if isinstance(eff, Send):
+            assert eff.msg.method == "sync"
+            if fail and eff.sid in fail:
+                raise OSError(fail[eff.sid], f"injected on {eff.sid}")
+            synced.append((eff.sid, eff.msg.objs))  # type: ignore[attr-defined]
+            return 0
+        if isinstance(eff, DeferClose):
+            return False
+        return {"attr": _attr(size=100)}
+
+    return answer, synced
+
+
+def test_commit_syncs_what_was_written_on_every_replica_before_the_size() -> None:
+    h = _handle(unsynced=(1,))
+    answer, synced = _sync_answer()
+    _, seen = drive(ops.commit(h), answer)
+    assert sorted(synced) == [("b", [(5, 1)]), ("c", [(5, 1)])]
+    methods = [e.msg.method for e in seen if isinstance(e, (Send, MetaCall))]
+    assert methods[-1] == "commit_size" and "commit_size" not in methods[:-1]
+    assert h.state.unsynced == set() and not h._dirty
+
+
+def test_close_syncs_then_commits_and_an_opt_out_skips_the_sync() -> None:
+    h = _handle(unsynced=(0, 1))
+    answer, synced = _sync_answer()
+    drive(ops.close_handle(h), answer)
+    assert sorted(synced) == [("a", [(5, 0)]), ("b", [(5, 0), (5, 1)]), ("c", [(5, 1)])]
+    h = _handle(unsynced=(0, 1), durable=False)
+    answer, synced = _sync_answer()
+    _, seen = drive(ops.close_handle(h), answer)
+    assert synced == [] and seen[-1].msg.written_end == 100
+    # fsync syncs every object even so
+    h = _handle(unsynced=(), durable=False)
+    answer, synced = _sync_answer()
+    drive(ops.fsync(h), answer)
+    assert sorted(s for s, _ in synced) == ["a", "b", "c"]
+
+
+def test_a_failed_sync_fails_close_with_its_errno_and_commits_no_size() -> None:
+    h = _handle(unsynced=(1,))
+    answer, synced = _sync_answer({"c": errno.EIO})
+    with pytest.raises(OSError) as err:
+        drive(ops.close_handle(h), answer)
+    assert err.value.errno == errno.EIO
+    assert h.closed and h.released == 1 and h.state.size == 0
+    # the handle is released on the metaserver, with no size
+    h = _handle(unsynced=(1,))
+    seen: list[Any] = []
+
+    def logged(eff: Any) -> Any:
+        seen.append(eff)
+        return answer(eff)
+
+    with pytest.raises(OSError):
+        drive(ops.close_handle(h), logged)
+    closes = [e for e in seen if isinstance(e, MetaCall)]
+    assert [c.msg.method for c in closes] == ["close"]
+    assert closes[0].msg.written_end is None  # type: ignore[attr-defined]
+
+
+def test_a_failed_sync_keeps_the_stripes_for_the_next_commit() -> None:
+    h = _handle(unsynced=(1,))
+    answer, _ = _sync_answer({"b": errno.EIO})
+    with pytest.raises(OSError):
+        drive(ops.commit(h), answer)
+    assert h.state.unsynced == {1} and h._dirty

@@ -37,6 +37,7 @@ class FakeCluster:
         self.reconnects: list[str] = []
         self.local_fds: dict[int, int | None] = {}  # stripe: descriptor a LocalFd gets
         self.local_reads: list[int] = []
+        self.syncs: list[tuple[str, list[int]]] = []  # (sid, stripes) per sync request
 
     def store(self, data: bytes) -> None:
         """Lay ``data`` out as a file on every replica."""
@@ -86,6 +87,13 @@ class FakeCluster:
             return counts
         assert isinstance(eff, Send)
         msg: Any = eff.msg
+        if msg.method == "sync":  # one request lists the server's objects
+            self.syncs.append((eff.sid, [o[1] for o in msg.objs]))
+            self.log.extend((eff.sid, "sync", o[1]) for o in msg.objs)
+            errs = self.fail.get((eff.sid, "sync"))
+            if errs:
+                raise OSError(errs.pop(0), f"injected on {eff.sid}")
+            return 0
         stripe = msg.obj[1]
         self.log.append((eff.sid, eff.msg.method, stripe))
         errs = self.fail.get((eff.sid, eff.msg.method))
@@ -314,8 +322,60 @@ def test_fsync_reaches_every_object_on_every_replica() -> None:
     lay = _layout(count=2, replicas=2)
     cl = FakeCluster(lay)
     cl.run(plan.fsync(None, INO, lay, b"c"))
-    assert sorted(cl.log) == sorted((f"s{st}r{r}", "fsync", st)
+    assert sorted(cl.log) == sorted((f"s{st}r{r}", "sync", st)
                                     for st in range(2) for r in range(2))
+
+
+def test_stripes_of_a_write() -> None:
+    lay = _layout(count=4)
+    assert list(plan.stripes_of(lay, 0, 1)) == [0]
+    assert list(plan.stripes_of(lay, UNIT - 1, 2)) == [0, 1]
+    assert list(plan.stripes_of(lay, 3 * UNIT, UNIT + 1)) == [3, 0]  # wraps to row 2
+    assert list(plan.stripes_of(lay, 5, 4 * UNIT)) == [0, 1, 2, 3]  # all, not walked
+    assert list(plan.stripes_of(lay, 5, 0)) == []
+
+
+def test_sync_is_one_request_per_server_listing_its_objects() -> None:
+    # 3 stripes, 2 replicas on 3 servers: each server holds replicas of two stripes
+    lay = Layout(UNIT, 3, 2, (("a", "b"), ("b", "c"), ("c", "a")))
+    cl = FakeCluster(lay)
+    cl.run(plan.sync(None, INO, lay, {0, 1, 2}, b"c"))
+    assert sorted(cl.syncs) == [("a", [0, 2]), ("b", [0, 1]), ("c", [1, 2])]
+    # only what was written: stripe 1 is on b and c
+    cl.syncs.clear()
+    cl.run(plan.sync(None, INO, lay, [1, 1], b"c"))
+    assert sorted(cl.syncs) == [("b", [1]), ("c", [1])]
+    cl.syncs.clear()
+    cl.run(plan.sync(None, INO, lay, (), b"c"))  # nothing written: nothing sent
+    assert cl.syncs == []
+
+
+def test_sync_to_a_server_without_it_fsyncs_each_object() -> None:
+    lay = Layout(UNIT, 2, 2, (("a", "b"), ("b", "a")))
+    cl = FakeCluster(lay)
+    cl.fail[("b", "sync")] = [errno.ENOSYS]  # an older data server (rolling upgrade)
+    cl.run(plan.sync(None, INO, lay, [0, 1], b"c"))
+    assert sorted(e for e in cl.log if e[0] == "b") == [
+        ("b", "fsync", 0), ("b", "fsync", 1), ("b", "sync", 0), ("b", "sync", 1)]
+    assert sorted(e for e in cl.log if e[0] == "a") == [("a", "sync", 0), ("a", "sync", 1)]
+
+
+def test_sync_fails_with_a_replicas_errno_and_renews_a_refused_cap() -> None:
+    lay = Layout(UNIT, 2, 2, (("a", "b"), ("b", "a")))
+    cl = FakeCluster(lay)
+    cl.fail[("b", "sync")] = [errno.EIO]
+    with pytest.raises(OSError) as info:
+        cl.run(plan.sync(None, INO, lay, [0, 1], b"c"))
+    assert info.value.errno == errno.EIO
+    cl.fail[("a", "sync")] = [errno.EACCES]
+    cl.syncs.clear()
+    cl.run(plan.sync(None, INO, lay, [0, 1], b"c"))
+    assert cl.renewals == 1
+    assert sorted(cl.syncs)[-2:] == [("a", [0, 1]), ("b", [0, 1])]
+    cl.fail[("a", "sync")] = [errno.ECONNREFUSED]  # every replica must answer
+    with pytest.raises(ConnectionRefusedError):
+        cl.run(plan.sync(None, INO, lay, [0], b"c"))
+    assert cl.reconnects == ["a"]
 
 
 class _Local:

@@ -22,6 +22,7 @@ from pfs.core.messages.records import MAX_ID, Obj, ObjId, ObjIdField
 
 REGISTRY = Registry("dataserver")
 MAX_DELETE = 1 << 16  # object ids in one delete request
+MAX_SYNC = 1 << 16  # object ids in one sync request
 
 
 def _offset(doc: str = "") -> Any:
@@ -63,6 +64,11 @@ class DeletedReply(ReplyMessage):
     deleted: int = Int(doc="int")
 
 
+class SyncReply(ReplyMessage):
+    dirty: int = Int(doc="how many of the objects held writes not yet synced (as far as "
+                         "this server process knows: a restart forgets)")
+
+
 class DataStatfsReply(ReplyMessage):
     total: int = Int()
     free: int = Int()
@@ -98,6 +104,15 @@ class Delete(DataRequest, method="delete", reply=DeletedReply):
 
 class Fsync(DataRequest, method="fsync", reply=Empty):
     obj: ObjId = Obj()
+    cap: Any = _cap()
+
+
+class Sync(DataRequest, method="sync", reply=SyncReply):
+    note = ("each object's data to stable storage (fdatasync, in parallel), and the "
+            "directory entry of one created since; absent objects are skipped. A "
+            "client's close and fsync send one per server, listing what it wrote there")
+    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_SYNC,
+                             doc="list of object ids, at most 65536")
     cap: Any = _cap()
 
 

@@ -320,6 +320,8 @@ class SetLayout(MetaRequest, method="set_layout", reply=LayoutReply):
     unit: int = Int(default=0)
     count: int = Int(default=0)
     replicas: int = Int(default=0)
+    durable: bool | None = Bool(default=None, doc="bool: false, close() does not sync the "
+                                "data (scratch); absent: unchanged")
     cred: WireCred = Cred()
 
 
