@@ -1,4 +1,4 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | loader | iops``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | loader | iops | close``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops,close} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -22,6 +22,8 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops} 
               on/off, local), safetensors local, FUSE; warm and cold
   iops        4 KiB random reads: IOPS, p50/p99, posix/uring at queue depths 1/8/32,
               local file, network path and short-circuit
+  close       write + close latency: durable close vs --no-sync (scratch) vs a local
+              file's fsync, at 1 MiB and 64 MiB
 """
 
 
@@ -46,6 +48,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.loader import main as run
     elif cmd == "iops":
         from pfs.bench.iops import main as run
+    elif cmd == "close":
+        from pfs.bench.closelat import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -136,3 +136,18 @@ def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:
 
     assert [pid for pid in pids if _pid_alive(pid)] == []
     assert list(tmp_path.iterdir()) == []  # its scratch directory went too
+
+
+def test_close(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "close.json"
+    rc = bench_main(["close", "--dir", str(cluster_dir), "--sizes", "256k,1M", "--reps", "2",
+                     "--local-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "durable/scratch" in text and "local_fsync" in text
+    res = json.loads(out.read_text())
+    got = {(p["size"], p["target"]) for p in res["points"]}
+    assert got == {(s, t) for s in (256 << 10, 1 << 20)
+                   for t in ("durable", "scratch", "local_fsync")}
+    for p in res["points"]:
+        assert _positive(p["close_ms"]) and len(p["close_ms_all"]) == 2, p
