@@ -299,6 +299,21 @@ class DataService(RpcService):
         cap = self.store.capacity()
         return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects)
 
+    # -- checking (pfs fsck) ---------------------------------------------------
+    async def rpc_list_objects(self, ctx: ConnContext, req: D.ListObjects
+                               ) -> D.ListObjectsReply:
+        """A page of the objects held here, in id order: what ``pfs fsck`` compares with
+        the metaserver's files. Needs a capability with SCAN (or ADMIN) for inode 0."""
+        if self.verify_caps:
+            self._cap(ctx, req, caps.SCAN | caps.ADMIN, (0, 0))
+            cache: CapCache = ctx.state["caps"]
+            if cache.get(req.cap).ino != 0:
+                raise OSError(errno.EACCES, "capability refused: list_objects needs one for "
+                                            "every inode")
+        objs, end = await trio.to_thread.run_sync(self.store.list_objects, req.after,
+                                                  req.limit)
+        return D.ListObjectsReply(objects=[list(o) for o in objs], end=end)
+
     # -- registration ----------------------------------------------------------
     def space(self) -> tuple[int, int, list[Volume]]:
         """Total and free bytes (each filesystem once) and each data directory's."""

@@ -1153,6 +1153,27 @@ class Namespace:
                     needs[seq].add(sid)
         return objs, needs, live
 
+    def scan_files(self, txn: Txn, after: int, limit: int
+                   ) -> tuple[list[list[Any]], int, bool]:
+        """Up to ``limit`` inodes after ``after``, in order: the regular files among them
+        as ``[ino, size, layout]``, the last inode read, and whether none follows."""
+        rows = self._scan(txn, K.INODE, K.inode(after + 1), limit + 1)
+        files: list[list[Any]] = []
+        last = after
+        for k, v in rows[:limit]:
+            last = K.read_u64(k, 1)
+            rec = unpack(v)
+            if stat.S_ISREG(rec["mode"]):
+                files.append([last, rec["size"], rec.get("layout") or None])
+        return files, last, len(rows) <= limit
+
+    def scan_deleting(self, txn: Txn, after: int, limit: int
+                      ) -> tuple[list[list[Any]], int, bool]:
+        """Queued deletions after sequence number ``after``: ``[seq, ino, layout]``."""
+        rows = self.delq_entries(txn, limit + 1, after + 1)
+        out = [[seq, e["ino"], e["layout"]] for seq, e in rows[:limit]]
+        return out, out[-1][0] if out else after, len(rows) <= limit
+
     @staticmethod
     def delq_done(txn: Txn, seq: int) -> None:
         txn.delete(K.delq(seq))

@@ -450,6 +450,32 @@ class MetaService(RpcService):
             stored = self.ns.list_servers(txn)
         return M.ServersReply(servers=self.registry.describe(stored))
 
+    # ------------------------------------------------------------------ admin scans
+    def _root_only(self, ctx: ConnContext, req: Any) -> None:
+        """Scans of the whole namespace are root's (after squashing and the key's uid
+        range): they read past every permission."""
+        if self._cred(ctx, req).uid != 0:
+            raise OSError(errno.EPERM, f"{req.method}: root only (pfs fsck needs a client "
+                                       "key that may act as uid 0, and no root_squash)")
+
+    async def rpc_scan_inodes(self, ctx: ConnContext, req: M.ScanInodes) -> M.ScanInodesReply:
+        self._root_only(ctx, req)
+        with self.store.read() as txn:
+            files, last, end = self.ns.scan_files(txn, req.after, req.limit)
+        return M.ScanInodesReply(inodes=files, next=last, end=end)
+
+    async def rpc_scan_deleting(self, ctx: ConnContext, req: M.ScanDeleting
+                                ) -> M.ScanDeletingReply:
+        self._root_only(ctx, req)
+        with self.store.read() as txn:
+            entries, last, end = self.ns.scan_deleting(txn, req.after, req.limit)
+        return M.ScanDeletingReply(entries=entries, next=last, end=end)
+
+    async def rpc_scan_cap(self, ctx: ConnContext, req: M.ScanCap) -> M.CapReply:
+        self._root_only(ctx, req)
+        cap, ttl = self.signer.issue(0, caps.READ | caps.SCAN)
+        return M.CapReply(cap=cap, cap_ttl=ttl)
+
     async def rpc_register(self, ctx: ConnContext, req: M.Register) -> M.RegisterReply:
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "register: only a data server (cluster key or server "

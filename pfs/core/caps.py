@@ -4,10 +4,12 @@ A capability is ``body || signature``: ``body`` is a msgpack array
 ``[1, ino, stripes, rights, expiry, gen, sid]`` and ``signature`` is the 64-byte
 Ed25519 signature of ``body`` by the metaserver's private key.
 
-- ``ino``: the inode; ``0`` (admin capabilities only) means every inode.
+- ``ino``: the inode; ``0`` (admin and scan capabilities only) means every inode.
 - ``stripes``: list of stripe indexes the holder may touch, or nil for all of the inode's.
 - ``rights``: bits READ (1), WRITE (2), ADMIN (4: truncate and delete objects; only the
-  metaserver asks for these, and fences the inode while doing so).
+  metaserver asks for these, and fences the inode while doing so), SCAN (8: list a data
+  server's objects; the metaserver issues it to root for ``pfs fsck``, with READ and
+  ``ino`` 0, so the checker can read and verify every object and change none).
 - ``expiry``: unix seconds (metaserver clock) after which the capability is refused.
 - ``gen``: the generation at issue. A data server keeps a *fence* per inode (raised by the
   metaserver's truncate and delete) and a *floor* (the generation at its registration);
@@ -38,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 READ = 1
 WRITE = 2
 ADMIN = 4
+SCAN = 8
 SIG_LEN = 64
 MAX_CAP = 16 << 10  # bytes; a capability naming many stripes stays well below
 KEY_FILE = "capability.key"
@@ -58,7 +61,7 @@ class Capability:
     sid: str
 
     def covers(self, ino: int, stripe: int) -> bool:
-        return (self.ino == ino or (self.ino == 0 and self.rights & ADMIN != 0)) and (
+        return (self.ino == ino or (self.ino == 0 and self.rights & (ADMIN | SCAN) != 0)) and (
             self.stripes is None or stripe in self.stripes)
 
 

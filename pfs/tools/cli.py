@@ -355,6 +355,23 @@ def cmd_admin_migrate(args: argparse.Namespace) -> None:
             print(f"{what} {path}: format {before} -> {after}")
 
 
+def cmd_fsck(args: argparse.Namespace) -> None:
+    """Read-only check of a running cluster; exit 0 clean, 1 problems, 2 incomplete."""
+    import trio
+
+    from pfs.core.config import ConfigError
+    from pfs.tools.fsck import fsck, render
+
+    try:
+        report = trio.run(lambda: fsck(args.config, args.meta, verify=args.verify,
+                                       rate=args.rate, paths=args.paths))
+    except (OSError, ConfigError) as exc:
+        print(f"pfs fsck: could not check: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(render(report, args.json))
+    sys.exit(report.exit_code)
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from pfs.tools.demo import run_demo
 
@@ -456,7 +473,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("rest", nargs=argparse.REMAINDER)
         sp.set_defaults(fn=fn)
 
-    adm = sub.add_parser("admin", help="operate on stores of stopped servers").add_subparsers(
+    def fsck_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG); its key must "
+                                         "allow uid 0")
+        sp.add_argument("--meta", help="metaserver HOST:PORT")
+        sp.add_argument("--json", action="store_true", help="a JSON report for scripts")
+        sp.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="do not ask data servers to verify checksums")
+        sp.add_argument("--rate", type=parse_size, default=0,
+                        help="bytes a second verified at most (e.g. 200M; default: no limit)")
+        sp.add_argument("--no-paths", dest="paths", action="store_false",
+                        help="name files by inode (no walk of the namespace)")
+        sp.set_defaults(fn=cmd_fsck)
+
+    fsck_help = ("read-only check: orphan, missing and short objects, checksums, unreachable "
+                 "servers; exit 0 clean, 1 problems, 2 incomplete")
+    fsck_args(sub.add_parser("fsck", help=fsck_help))
+    adm = sub.add_parser("admin", help="operate on stores and clusters").add_subparsers(
         dest="admcmd", required=True)
     sp = adm.add_parser("migrate", help="upgrade metadata stores and data directories in "
                                         "place to this pfs's formats (stop the server first)")
@@ -465,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", action="append", default=[], metavar="DIR",
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
+    fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")

@@ -10,6 +10,7 @@ from typing import Any
 
 from pfs.core.messages.base import (
     Anything,
+    Bool,
     Empty,
     Int,
     List,
@@ -128,3 +129,40 @@ class Statfs(DataRequest, method="statfs", reply=DataStatfsReply):
 class OpenFd(DataRequest, method="open_fd", reply=FdReply):
     obj: ObjId = Obj()
     cap: Any = _cap("bytes, read")
+
+
+# ------------------------------------------------------------------ checking (pfs fsck)
+MAX_LIST = 16384  # objects in one list_objects reply
+
+
+def _after() -> Any:
+    return ObjIdField(default=None, doc="object id, or absent: from the start")
+
+
+class ListObjectsReply(ReplyMessage):
+    objects: list[Any] = List(doc="[[ino, stripe, size, allocated], ...] in object id "
+                                  "order (`allocated`: bytes of disk the file holds)")
+    end: bool = Bool(doc="bool, no object after these")
+
+
+class ListObjects(DataRequest, method="list_objects", reply=ListObjectsReply):
+    note = ("the objects held here after `after`, a page at a time; a capability with "
+            "SCAN (or ADMIN) for inode 0 (`pfs fsck`)")
+    after: ObjId | None = _after()
+    limit: int = Int(default=4096, lo=1, hi=MAX_LIST, doc=f"at most {MAX_LIST}")
+    cap: Any = _cap("bytes, scan")
+
+
+class VerifyReply(ReplyMessage):
+    blocks: int = Int(doc="blocks checked")
+    bad: list[int] = List(Int(), doc="object offsets of blocks whose checksum fails")
+    unchecked: bool = Bool(doc="the object has no checksums (written before them)")
+
+
+class Verify(RequestMessage, method="verify", reply=VerifyReply):
+    """Re-read ``obj`` and check every block's checksum. Sent by ``pfs fsck``; not in
+    ``REGISTRY`` until a data server serves it (one without it answers ``ENOSYS``):
+    the data server that checks checksums defines it there, with these fields."""
+
+    obj: ObjId = Obj()
+    cap: Any = _cap()

@@ -346,3 +346,40 @@ class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
     total: int = Int()
     free: int = Int()
     dirs: list[Any] | None = Volumes()
+
+
+# ------------------------------------------------------------------ admin scans (pfs fsck)
+MAX_SCAN = 4096  # records one scan request reads
+
+
+class ScanInodesReply(ReplyMessage):
+    inodes: list[Any] = List(doc="[[ino, size, layout-or-nil], ...]: the regular files "
+                                 "among the inodes read, in inode order")
+    next: int = Int(doc="int, the `after` of the next page")
+    end: bool = Bool(doc="bool, no inode after these")
+
+
+class ScanDeletingReply(ReplyMessage):
+    entries: list[Any] = List(doc="[[seq, ino, layout], ...] in queue order")
+    next: int = Int(doc="int, the `after` of the next page")
+    end: bool = Bool(doc="bool")
+
+
+class ScanInodes(MetaRequest, method="scan_inodes", reply=ScanInodesReply):
+    note = "root only (`EPERM`): every inode after `after`, a page at a time (pfs fsck)"
+    after: int = Int(default=0, lo=0, hi=(1 << 63) - 1, doc="int, 0 = from the start")
+    limit: int = Int(default=1024, lo=1, hi=MAX_SCAN, doc=f"inodes read, at most {MAX_SCAN}")
+    cred: WireCred = Cred()
+
+
+class ScanDeleting(MetaRequest, method="scan_deleting", reply=ScanDeletingReply):
+    note = "root only (`EPERM`): the deletion queue after sequence number `after`"
+    after: int = Int(default=0, lo=0, hi=(1 << 63) - 1, doc="int, 0 = from the start")
+    limit: int = Int(default=1024, lo=1, hi=MAX_SCAN, doc=f"entries, at most {MAX_SCAN}")
+    cred: WireCred = Cred()
+
+
+class ScanCap(MetaRequest, method="scan_cap", reply=CapReply):
+    note = ("root only (`EPERM`): a read-only capability for every object on every data "
+            "server (rights READ and SCAN, inode 0): what `list_objects` and `verify` take")
+    cred: WireCred = Cred()

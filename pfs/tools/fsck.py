@@ -1,0 +1,264 @@
+"""``pfs fsck``: a read-only check of a running cluster (docs/architecture.md, "Checking:
+pfs fsck").
+
+It pages through the metaserver's files (``scan_inodes``, root only) and each data
+server's objects (``list_objects``, with the read-only capability of ``scan_cap``),
+merges them by inode (:mod:`pfs.tools.fsck_check`), asks each data server to ``verify``
+the checksums of the objects files reference (at ``rate`` bytes/s at most), drops
+orphans that are queued for deletion, and finds the paths of the files with problems
+with a walk of the namespace. Nothing is changed anywhere.
+
+Exit status: 0 clean, 1 problems found, 2 the check was incomplete (a data server
+unreachable or an error; problems found in the part checked are listed too).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from pfs.client.aio import AsyncClient
+from pfs.client.types import Cred
+from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
+from pfs.core.messages.base import RequestMessage, parse_reply
+from pfs.tools.fsck_check import PROBLEMS, FileRec, ObjRec, Peek, Problem, Tally, merge
+
+log = logging.getLogger(__name__)
+
+ROOT = Cred(0, 0, ())
+PAGE = 1024  # inodes / objects per request
+VERIFY_AT_ONCE = 4  # verify requests in flight
+NO_VERIFY = "checksums not verified (server does not support verify)"
+
+
+@dataclass(slots=True)
+class Report:
+    files: int = 0
+    objects: int = 0
+    verified: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)  # sid -> why
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def counted(self) -> list[Problem]:
+        return [p for p in self.problems if p.kind in PROBLEMS]
+
+    @property
+    def exit_code(self) -> int:
+        if self.unreachable or self.errors:
+            return 2
+        return 1 if self.counted else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"exit": self.exit_code, "files": self.files, "objects": self.objects,
+                "verified": self.verified, "problems": [p.to_json() for p in self.problems],
+                "unreachable": self.unreachable, "errors": self.errors, "notes": self.notes}
+
+    def text(self) -> str:
+        lines = []
+        for p in sorted(self.problems, key=lambda p: (p.kind, p.ino, p.stripe, p.sid)):
+            where = p.path or f"inode {p.ino}"
+            lines.append(f"{p.kind:<9} {where} stripe {p.stripe} on {p.sid}: {p.detail}")
+        for sid, why in sorted(self.unreachable.items()):
+            lines.append(f"unreachable data server {sid}: {why}")
+        lines += [f"error: {e}" for e in self.errors]
+        lines += [f"note: {n}" for n in self.notes]
+        verdict = {0: "clean", 1: f"{len(self.counted)} problem(s)",
+                   2: "INCOMPLETE (could not check everything)"}[self.exit_code]
+        lines.append(f"{self.files} files, {self.objects} objects, {self.verified} verified: "
+                     f"{verdict}")
+        return "\n".join(lines)
+
+
+class Rate:
+    """At most ``rate`` bytes a second (0: no limit), over the whole run."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.t0 = time.monotonic()
+        self.done = 0
+
+    async def take(self, n: int) -> None:
+        self.done += n
+        if self.rate > 0:
+            await trio.sleep(max(0.0, self.t0 + self.done / self.rate - time.monotonic()))
+
+
+class Fsck:
+    def __init__(self, client: AsyncClient, *, verify: bool = True, rate: float = 0,
+                 paths: bool = True) -> None:
+        self.client = client
+        self.verify, self.paths = verify, paths
+        self.rate = Rate(rate)
+        self.report = Report()
+        self.down: set[str] = set()
+        self.no_verify: set[str] = set()
+        self._cap: tuple[bytes, float] = (b"", 0.0)
+        self._wire = (0, 0, ())
+
+    async def cap(self) -> bytes:
+        cap, renew_at = self._cap
+        if time.monotonic() >= renew_at:
+            r: M.CapReply = await self.client.meta.request(M.ScanCap(cred=self._wire))
+            self._cap = (r.cap, time.monotonic() + float(r.cap_ttl) / 2)
+            cap = r.cap
+        return cap
+
+    async def data(self, sid: str, msg: RequestMessage) -> Any:
+        return parse_reply(msg, (await self.client.data.send(sid, msg)).fields)
+
+    # -- the two sides ---------------------------------------------------------
+    async def files(self) -> AsyncIterator[FileRec]:
+        after = 0
+        while True:
+            r: M.ScanInodesReply = await self.client.meta.request(
+                M.ScanInodes(after=after, limit=PAGE, cred=self._wire))
+            for ino, size, layout in r.inodes:
+                yield FileRec(ino, size, layout)
+            if r.end:
+                return
+            after = r.next
+
+    async def objects(self, sid: str) -> AsyncIterator[ObjRec]:
+        after: tuple[int, int] | None = None
+        while True:
+            try:
+                r: D.ListObjectsReply = await self.data(
+                    sid, D.ListObjects(after=after, limit=PAGE, cap=await self.cap()))
+            except OSError as exc:
+                self.report.unreachable[sid] = f"listing its objects failed: {exc}"
+                self.down.add(sid)
+                return
+            for ino, stripe, size, allocated in r.objects:
+                yield ObjRec(ino, stripe, size, allocated)
+            if r.end or not r.objects:
+                return
+            after = (r.objects[-1][0], r.objects[-1][1])
+
+    # -- checks ----------------------------------------------------------------
+    async def verify_one(self, sid: str, obj: ObjRec, limiter: trio.Semaphore) -> None:
+        try:
+            if sid in self.no_verify:
+                return
+            await self.rate.take(obj.size)
+            try:
+                r: D.VerifyReply = await self.data(
+                    sid, D.Verify(obj=(obj.ino, obj.stripe), cap=await self.cap()))
+            except OSError as exc:
+                if exc.errno == errno.ENOSYS:
+                    if sid not in self.no_verify:
+                        self.no_verify.add(sid)
+                        self.report.notes.append(f"data server {sid}: {NO_VERIFY}")
+                    return
+                self.report.errors.append(f"verify of object {[obj.ino, obj.stripe]} on "
+                                          f"data server {sid}: {exc}")
+                return
+            self.report.verified += 1
+            if r.bad:
+                self.report.problems.append(Problem(
+                    "checksum", obj.ino, obj.stripe, sid,
+                    f"{len(r.bad)} of {r.blocks} blocks fail their checksum", bad=r.bad))
+            elif r.unchecked:
+                self.report.problems.append(Problem(
+                    "unchecked", obj.ino, obj.stripe, sid,
+                    "no checksums (written before checksums)"))
+        finally:
+            limiter.release()
+
+    async def run(self) -> Report:
+        rep = self.report
+        servers = await self.client.meta.servers()
+        streams: dict[str, Peek] = {}
+        for sid, srv in sorted(servers.items()):
+            if not srv.get("alive"):
+                rep.unreachable[sid] = f"down ({srv.get('host')}:{srv.get('port')}, no heartbeat)"
+                self.down.add(sid)
+            else:
+                streams[sid] = Peek(self.objects(sid))
+        tally = Tally()
+        limiter = trio.Semaphore(VERIFY_AT_ONCE)
+        async with trio.open_nursery() as nursery:
+            async for f, referenced in merge(self.files(), streams, self.down, tally):
+                for sid in {s for ss in (f.layout or {}).get("servers", []) for s in ss}:
+                    if sid not in servers and sid not in rep.unreachable:
+                        rep.unreachable[sid] = "named by a layout but not registered"
+                        self.down.add(sid)
+                if not self.verify:
+                    continue
+                for sid, obj in referenced:
+                    await limiter.acquire()
+                    nursery.start_soon(self.verify_one, sid, obj, limiter)
+        rep.files, rep.objects = tally.files, tally.objects
+        rep.problems.extend(tally.problems)
+        if not self.verify:
+            rep.notes.append("checksums not verified (--no-verify)")
+        await self._drop_queued()
+        if self.paths:
+            await self._find_paths()
+        return rep
+
+    async def _drop_queued(self) -> None:
+        """Orphans whose deletion is queued are on their way out: not problems."""
+        orphans = {(p.ino, p.stripe, p.sid) for p in self.report.problems if p.kind == "orphan"}
+        if not orphans:
+            return
+        queued: set[tuple[int, int, str]] = set()
+        after = 0
+        while True:
+            r: M.ScanDeletingReply = await self.client.meta.request(
+                M.ScanDeleting(after=after, limit=PAGE, cred=self._wire))
+            for _seq, ino, layout in r.entries:
+                for stripe, sids in enumerate(layout.get("servers") or []):
+                    queued.update((ino, stripe, sid) for sid in sids
+                                  if (ino, stripe, sid) in orphans)
+            if r.end:
+                break
+            after = r.next
+        self.report.problems = [p for p in self.report.problems
+                                if p.kind != "orphan" or (p.ino, p.stripe, p.sid) not in queued]
+
+    async def _find_paths(self) -> None:
+        """Name the files with problems: a walk of the namespace (as root), only when
+        there is something to name, until each is found."""
+        want = {p.ino for p in self.report.problems}
+        if not want:
+            return
+        paths: dict[int, str] = {}
+        todo = [(1, "")]
+        meta = self.client.meta
+        while todo and len(paths) < len(want):
+            ino, path = todo.pop()
+            cookie, eof = 0, False
+            while not eof:
+                entries, eof = await meta.readdir(ino, cookie, PAGE, cred=ROOT)
+                for e in entries:
+                    cookie = e.cookie
+                    full = f"{path}/{e.name}"
+                    if e.is_dir():
+                        todo.append((e.inode_number, full))
+                    elif e.inode_number in want:
+                        paths.setdefault(e.inode_number, full)
+                if not entries:
+                    break
+        for p in self.report.problems:
+            p.path = paths.get(p.ino)
+
+
+async def fsck(config: Any = None, meta: str | None = None, *, verify: bool = True,
+               rate: float = 0, paths: bool = True) -> Report:
+    """Check the cluster of ``config`` (a client config, as ``pfs.connect``)."""
+    async with AsyncClient.connect(config, meta, cred=ROOT) as client:
+        return await Fsck(client, verify=verify, rate=rate, paths=paths).run()
+
+
+def render(report: Report, as_json: bool) -> str:
+    return json.dumps(report.to_json(), indent=2) if as_json else report.text()
