@@ -28,13 +28,27 @@ from pfs.client.types import Cred
 from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage, parse_reply
-from pfs.tools.fsck_check import PROBLEMS, FileRec, ObjRec, Peek, Problem, Tally, merge
+from pfs.tools.fsck_check import (
+    PROBLEMS,
+    FileRec,
+    ObjRec,
+    Peek,
+    Problem,
+    Tally,
+    classify,
+    merge,
+    orphan,
+)
 
 log = logging.getLogger(__name__)
 
 ROOT = Cred(0, 0, ())
 PAGE = 1024  # inodes / objects per request
 VERIFY_AT_ONCE = 4  # verify requests in flight
+RECHECK = ("orphan", "missing", "short", "hole?")  # looked at again before reporting
+MAX_RECHECK = 10000  # inodes looked at again, at most
+RECHECK_PAGE = 4096  # objects of one inode on one server, at most (256 stripes x replicas)
+MAX_STRIPE = (1 << 63) - 1
 NO_VERIFY = "checksums not verified (server does not support verify)"
 
 
@@ -104,6 +118,7 @@ class Fsck:
         self.no_verify: set[str] = set()
         self._cap: tuple[bytes, float] = (b"", 0.0)
         self._wire = (0, 0, ())
+        self.servers: dict[str, Any] = {}
 
     async def cap(self) -> bytes:
         cap, renew_at = self._cap
@@ -176,7 +191,7 @@ class Fsck:
 
     async def run(self) -> Report:
         rep = self.report
-        servers = await self.client.meta.servers()
+        self.servers = servers = await self.client.meta.servers()
         streams: dict[str, Peek] = {}
         for sid, srv in sorted(servers.items()):
             if not srv.get("alive"):
@@ -201,10 +216,45 @@ class Fsck:
         rep.problems.extend(tally.problems)
         if not self.verify:
             rep.notes.append("checksums not verified (--no-verify)")
+        await self._confirm()
         await self._drop_queued()
         if self.paths:
             await self._find_paths()
         return rep
+
+    async def _confirm(self) -> None:
+        """Look again at each inode with damage, now: a file created or deleted while
+        the scan ran was seen by one side only. What is not found again is dropped."""
+        suspects = sorted({p.ino for p in self.report.problems if p.kind in RECHECK})
+        if len(suspects) > MAX_RECHECK:
+            self.report.notes.append(f"{len(suspects)} inodes with damage: the first "
+                                     f"{MAX_RECHECK} were checked twice, the rest once")
+        for ino in suspects[:MAX_RECHECK]:
+            fresh = await self._recheck(ino)
+            if fresh is None:
+                continue  # could not look again: keep what the scan found
+            again = {(p.kind, p.stripe, p.sid) for p in fresh}
+            self.report.problems = [
+                p for p in self.report.problems
+                if p.ino != ino or p.kind not in RECHECK or (p.kind, p.stripe, p.sid) in again]
+
+    async def _recheck(self, ino: int) -> list[Problem] | None:
+        r: M.ScanInodesReply = await self.client.meta.request(
+            M.ScanInodes(after=ino - 1, limit=1, cred=self._wire))
+        f = next((FileRec(*row) for row in r.inodes if row[0] == ino), None)
+        objs: dict[str, dict[int, ObjRec]] = {}
+        for sid in (s for s in self.servers if s not in self.down):
+            try:
+                lr: D.ListObjectsReply = await self.data(sid, D.ListObjects(
+                    after=(ino - 1, MAX_STRIPE), limit=RECHECK_PAGE, cap=await self.cap()))
+            except OSError:
+                return None
+            for i, stripe, size, allocated in lr.objects:
+                if i == ino:
+                    objs.setdefault(sid, {})[stripe] = ObjRec(i, stripe, size, allocated)
+        if f is None:
+            return [orphan(sid, o) for sid, by in objs.items() for o in by.values()]
+        return classify(f, objs, self.down)[0]
 
     async def _drop_queued(self) -> None:
         """Orphans whose deletion is queued are on their way out: not problems."""

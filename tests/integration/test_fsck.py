@@ -153,3 +153,35 @@ def test_fsck_needs_root(fs: tuple[Path, Path, int]) -> None:
             c._run(meta.request, M.ScanCap(cred=(1000, 1000, ())))
         r = c._run(meta.request, M.ScanInodes(after=0, limit=10, cred=(0, 0, ())))
         assert r.end and {i[0] for i in r.inodes} >= {c.stat("/d/dense").st_ino}
+
+
+def test_the_scan_capability_lists_and_changes_nothing(fs: tuple[Path, Path, int]) -> None:
+    """fsck's capability lists objects and cannot cut or delete one; a file's own
+    capability cannot list."""
+    import errno
+
+    from pfs.core.messages import data as D
+    from pfs.core.messages import meta as M
+
+    d, toml, ino = fs
+    with pfs.connect(config=toml) as c:
+        aio = c.aio
+        scan = c._run(aio.meta.request, M.ScanCap(cred=(0, 0, ()))).cap
+        sid = (d / "data" / "ds0" / "server.id").read_text().strip()
+
+        async def send(msg: Any) -> Any:
+            return (await aio.data.send(sid, msg)).fields
+
+        listed = c._run(send, D.ListObjects(cap=scan))
+        assert ino in {o[0] for o in listed["objects"]}  # count 2 on 2 servers: one each
+        for msg in (D.Truncate(obj=(ino, 0), size=0, cap=scan),
+                    D.Delete(objs=[(ino, 0)], cap=scan)):
+            with pytest.raises(PermissionError):
+                c._run(send, msg)
+        opened = c._run(aio.meta.open, ino, os.O_RDONLY)
+        with pytest.raises(OSError) as err:
+            c._run(send, D.ListObjects(cap=opened.cap))
+        assert err.value.errno == errno.EACCES
+        c._run(aio.meta.close, opened.fh)
+    rc, _rep = fsck(toml)
+    assert rc == 0

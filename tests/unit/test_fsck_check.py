@@ -2,12 +2,15 @@
 of sparse files, replicas as evidence, servers that could not be listed."""
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
 
-from pfs.tools.fsck import Report
+from pfs.core.messages import data as D
+from pfs.core.messages.base import RequestMessage
+from pfs.tools.fsck import Fsck, Rate, Report
 from pfs.tools.fsck_check import FileRec, ObjRec, Peek, Problem, Tally, classify, merge
 
 U = 65536
@@ -107,3 +110,79 @@ def test_with_a_server_of_the_file_down_an_absent_object_may_be_a_hole() -> None
     problems, _ = classify(f, {}, {"b"})
     assert kinds(problems) == [("hole?", 5, 0, "a")]
     assert "could not be listed" in problems[0].detail
+
+
+class _FakeFsck(Fsck):
+    """Fsck whose data servers answer ``verify`` from a table: a reply or an errno."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        super().__init__(client=None, rate=0)  # type: ignore[arg-type]
+        self.answers = answers
+        self.asked: list[str] = []
+
+    async def cap(self) -> bytes:
+        return b"cap"
+
+    async def data(self, sid: str, msg: RequestMessage) -> Any:
+        assert isinstance(msg, D.Verify)
+        self.asked.append(sid)
+        a = self.answers[sid]
+        if isinstance(a, int):
+            raise OSError(a, f"{sid}: refused")
+        return a
+
+
+def _verify_all(fk: Fsck, objs: list[tuple[str, ObjRec]]) -> None:
+    async def main() -> None:
+        limiter = trio.Semaphore(1)
+        async with trio.open_nursery() as n:
+            for sid, o in objs:
+                await limiter.acquire()
+                n.start_soon(fk.verify_one, sid, o, limiter)
+
+    trio.run(main)
+
+
+def test_verify_results_become_checksum_problems_notes_and_errors() -> None:
+    fk = _FakeFsck({"old": errno.ENOSYS, "good": D.VerifyReply(blocks=2, bad=[], unchecked=False),
+                    "bad": D.VerifyReply(blocks=4, bad=[65536], unchecked=False),
+                    "legacy": D.VerifyReply(blocks=0, bad=[], unchecked=True),
+                    "broken": errno.EACCES})
+    o = dense(5, 0, 4 * U)
+    _verify_all(fk, [("old", o), ("old", o), ("good", o), ("bad", o), ("legacy", o),
+                     ("broken", o)])
+    rep = fk.report
+    assert fk.asked.count("old") == 1  # ENOSYS once: that server is not asked again
+    assert rep.notes == ["data server old: checksums not verified (server does not "
+                         "support verify)"]
+    assert kinds(rep.problems) == [("checksum", 5, 0, "bad"), ("unchecked", 5, 0, "legacy")]
+    assert next(p.bad for p in rep.problems if p.kind == "checksum") == [65536]
+    assert len(rep.errors) == 1 and "broken" in rep.errors[0]
+    assert rep.verified == 3 and rep.exit_code == 2
+
+
+def test_rate_limits_the_bytes_verified() -> None:
+    async def main() -> float:
+        r = Rate(10 << 20)
+        t0 = trio.current_time()
+        for _ in range(3):
+            await r.take(1 << 20)
+        return trio.current_time() - t0
+
+    assert trio.run(main) >= 0.25
+
+
+def test_damage_not_found_again_is_dropped() -> None:
+    """A file created (or deleted) while the scan ran looks damaged once; fsck looks
+    at each damaged inode again and keeps only what it finds twice."""
+    class Again(_FakeFsck):
+        async def _recheck(self, ino: int) -> list[Problem] | None:
+            return {7: [], 5: [Problem("missing", 5, 1, "b", "")], 9: None}[ino]
+
+    fk = Again({})
+    fk.report.problems = [Problem("orphan", 7, 0, "a", ""), Problem("missing", 5, 1, "b", ""),
+                          Problem("short", 9, 0, "a", ""),
+                          Problem("checksum", 7, 0, "a", "", bad=[0])]
+    trio.run(fk._confirm)
+    assert kinds(fk.report.problems) == [("checksum", 7, 0, "a"), ("missing", 5, 1, "b"),
+                                         ("short", 9, 0, "a")]
