@@ -304,12 +304,10 @@ class DataService(RpcService):
                                ) -> D.ListObjectsReply:
         """A page of the objects held here, in id order: what ``pfs fsck`` compares with
         the metaserver's files. Needs a capability with SCAN (or ADMIN) for inode 0."""
-        if self.verify_caps:
-            self._cap(ctx, req, caps.SCAN | caps.ADMIN, (0, 0))
-            cache: CapCache = ctx.state["caps"]
-            if cache.get(req.cap).ino != 0:
-                raise OSError(errno.EACCES, "capability refused: list_objects needs one for "
-                                            "every inode")
+        cap = self._cap(ctx, req, caps.SCAN | caps.ADMIN, (0, 0))
+        if cap is not None and (cap.ino != 0 or cap.stripes is not None):
+            raise OSError(errno.EACCES, "capability refused: list_objects needs one for "
+                                        "every object")
         objs, end = await trio.to_thread.run_sync(self.store.list_objects, req.after,
                                                   req.limit)
         return D.ListObjectsReply(objects=[list(o) for o in objs], end=end)

@@ -306,8 +306,25 @@ class Fsck:
 async def fsck(config: Any = None, meta: str | None = None, *, verify: bool = True,
                rate: float = 0, paths: bool = True) -> Report:
     """Check the cluster of ``config`` (a client config, as ``pfs.connect``)."""
-    async with AsyncClient.connect(config, meta, cred=ROOT) as client:
-        return await Fsck(client, verify=verify, rate=rate, paths=paths).run()
+    try:
+        async with AsyncClient.connect(config, meta, cred=ROOT) as client:
+            return await Fsck(client, verify=verify, rate=rate, paths=paths).run()
+    except BaseExceptionGroup as group:  # a nursery's: the OSError inside is the news
+        first = _first_oserror(group)
+        if first is None:
+            raise
+        raise first from group
+
+
+def _first_oserror(group: BaseExceptionGroup[Any]) -> OSError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, OSError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            inner = _first_oserror(exc)
+            if inner is not None:
+                return inner
+    return None
 
 
 def render(report: Report, as_json: bool) -> str:

@@ -185,3 +185,9 @@ def test_the_scan_capability_lists_and_changes_nothing(fs: tuple[Path, Path, int
         c._run(aio.meta.close, opened.fh)
     rc, _rep = fsck(toml)
     assert rc == 0
+
+
+def test_no_metaserver_exits_2() -> None:
+    r = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "fsck", "--meta",
+                        "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "could not check" in r.stderr and "127.0.0.1:1" in r.stderr
