@@ -138,6 +138,11 @@ class Fsck:
             r: M.ScanInodesReply = await self.client.meta.request(
                 M.ScanInodes(after=after, limit=PAGE, cred=self._wire))
             for ino, size, layout in r.inodes:
+                for sid in {s for ss in (layout or {}).get("servers", []) for s in ss}:
+                    if sid not in self.servers and sid not in self.down:
+                        # before the file is judged: not its objects' absence, the server's
+                        self.report.unreachable[sid] = "named by a layout but not registered"
+                        self.down.add(sid)
                 yield FileRec(ino, size, layout)
             if r.end:
                 return
@@ -202,11 +207,7 @@ class Fsck:
         tally = Tally()
         limiter = trio.Semaphore(VERIFY_AT_ONCE)
         async with trio.open_nursery() as nursery:
-            async for f, referenced in merge(self.files(), streams, self.down, tally):
-                for sid in {s for ss in (f.layout or {}).get("servers", []) for s in ss}:
-                    if sid not in servers and sid not in rep.unreachable:
-                        rep.unreachable[sid] = "named by a layout but not registered"
-                        self.down.add(sid)
+            async for _f, referenced in merge(self.files(), streams, self.down, tally):
                 if not self.verify:
                     continue
                 for sid, obj in referenced:

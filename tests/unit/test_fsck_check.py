@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import trio
 
 from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage
 from pfs.tools.fsck import Fsck, Rate, Report
 from pfs.tools.fsck_check import FileRec, ObjRec, Peek, Problem, Tally, classify, merge
@@ -186,3 +188,47 @@ def test_damage_not_found_again_is_dropped() -> None:
     trio.run(fk._confirm)
     assert kinds(fk.report.problems) == [("checksum", 7, 0, "a"), ("missing", 5, 1, "b"),
                                          ("short", 9, 0, "a")]
+
+
+class _Meta:
+    """A metaserver of one file, inode 5, striped over "a" and "ghost" (unregistered)."""
+
+    layout = {"unit": U, "count": 2, "replicas": 1, "servers": [["a"], ["ghost"]]}
+
+    async def servers(self) -> dict[str, Any]:
+        return {"a": {"alive": True, "host": "h", "port": 1}}
+
+    async def request(self, msg: RequestMessage) -> Any:
+        if isinstance(msg, M.ScanCap):
+            return M.CapReply(cap=b"c", cap_ttl=300)
+        if isinstance(msg, M.ScanInodes):
+            rows = [[5, 4 * U, self.layout]] if msg.after < 5 else []
+            return M.ScanInodesReply(inodes=rows, next=5, end=True)
+        assert isinstance(msg, M.ScanDeleting)
+        return M.ScanDeletingReply(entries=[], next=0, end=True)
+
+    async def readdir(self, ino: int, cookie: int, limit: int, cred: Any = None
+                      ) -> tuple[list[Any], bool]:
+        return [], True
+
+
+class _Data:
+    async def send(self, sid: str, msg: RequestMessage) -> Any:
+        assert sid == "a"
+        if isinstance(msg, D.Verify):
+            raise OSError(errno.ENOSYS, "dataserver: unknown method 'verify'")
+        assert isinstance(msg, D.ListObjects)
+        objs = [[5, 0, 2 * U, 2 * U], [8, 0, 10, 4096]]
+        return SimpleNamespace(fields={"objects": [o for o in objs if msg.after is None
+                                                   or tuple(o[:2]) > msg.after], "end": True})
+
+
+def test_a_run_over_fake_servers() -> None:
+    client = SimpleNamespace(meta=_Meta(), data=_Data())
+    rep = trio.run(Fsck(client).run)  # type: ignore[arg-type]
+    # stripe 1 lives on a server nobody registered: unreachable, not "missing"
+    assert rep.unreachable == {"ghost": "named by a layout but not registered"}
+    assert kinds(rep.problems) == [("orphan", 8, 0, "a")]
+    assert rep.notes == ["data server a: checksums not verified (server does not support "
+                         "verify)"]
+    assert (rep.files, rep.objects, rep.exit_code) == (1, 2, 2)
