@@ -1167,12 +1167,13 @@ class Namespace:
                 files.append([last, rec["size"], rec.get("layout") or None])
         return files, last, len(rows) <= limit
 
-    def scan_deleting(self, txn: Txn, after: int, limit: int
+    def scan_deleting(self, txn: Txn, start: int, limit: int
                       ) -> tuple[list[list[Any]], int, bool]:
-        """Queued deletions after sequence number ``after``: ``[seq, ino, layout]``."""
-        rows = self.delq_entries(txn, limit + 1, after + 1)
+        """Queued deletions from sequence number ``start``: ``[seq, ino, layout]``, the
+        ``start`` of the next page, and whether none follows."""
+        rows = self.delq_entries(txn, limit + 1, start)
         out = [[seq, e["ino"], e["layout"]] for seq, e in rows[:limit]]
-        return out, out[-1][0] if out else after, len(rows) <= limit
+        return out, out[-1][0] + 1 if out else start, len(rows) <= limit
 
     @staticmethod
     def delq_done(txn: Txn, seq: int) -> None:

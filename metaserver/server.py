@@ -468,8 +468,8 @@ class MetaService(RpcService):
                                 ) -> M.ScanDeletingReply:
         self._root_only(ctx, req)
         with self.store.read() as txn:
-            entries, last, end = self.ns.scan_deleting(txn, req.after, req.limit)
-        return M.ScanDeletingReply(entries=entries, next=last, end=end)
+            entries, nxt, end = self.ns.scan_deleting(txn, req.start, req.limit)
+        return M.ScanDeletingReply(entries=entries, next=nxt, end=end)
 
     async def rpc_scan_cap(self, ctx: ConnContext, req: M.ScanCap) -> M.CapReply:
         self._root_only(ctx, req)

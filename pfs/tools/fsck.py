@@ -263,17 +263,17 @@ class Fsck:
         if not orphans:
             return
         queued: set[tuple[int, int, str]] = set()
-        after = 0
+        start = 0
         while True:
             r: M.ScanDeletingReply = await self.client.meta.request(
-                M.ScanDeleting(after=after, limit=PAGE, cred=self._wire))
+                M.ScanDeleting(start=start, limit=PAGE, cred=self._wire))
             for _seq, ino, layout in r.entries:
                 for stripe, sids in enumerate(layout.get("servers") or []):
                     queued.update((ino, stripe, sid) for sid in sids
                                   if (ino, stripe, sid) in orphans)
             if r.end:
                 break
-            after = r.next
+            start = r.next
         self.report.problems = [p for p in self.report.problems
                                 if p.kind != "orphan" or (p.ino, p.stripe, p.sid) not in queued]
 

@@ -232,3 +232,16 @@ def test_a_run_over_fake_servers() -> None:
     assert rep.notes == ["data server a: checksums not verified (server does not support "
                          "verify)"]
     assert (rep.files, rep.objects, rep.exit_code) == (1, 2, 2)
+
+
+def test_objects_queued_for_deletion_are_not_orphans() -> None:
+    class Queued(_Meta):
+        async def request(self, msg: RequestMessage) -> Any:
+            if isinstance(msg, M.ScanDeleting):
+                # the first queue entry has sequence number 0
+                layout = {"unit": U, "count": 1, "replicas": 1, "servers": [["a"]]}
+                return M.ScanDeletingReply(entries=[[0, 8, layout]], next=1, end=True)
+            return await super().request(msg)
+
+    rep = trio.run(Fsck(SimpleNamespace(meta=Queued(), data=_Data())).run)  # type: ignore[arg-type]
+    assert rep.problems == []

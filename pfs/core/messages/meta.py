@@ -361,7 +361,7 @@ class ScanInodesReply(ReplyMessage):
 
 class ScanDeletingReply(ReplyMessage):
     entries: list[Any] = List(doc="[[seq, ino, layout], ...] in queue order")
-    next: int = Int(doc="int, the `after` of the next page")
+    next: int = Int(doc="int, the `start` of the next page")
     end: bool = Bool(doc="bool")
 
 
@@ -373,8 +373,8 @@ class ScanInodes(MetaRequest, method="scan_inodes", reply=ScanInodesReply):
 
 
 class ScanDeleting(MetaRequest, method="scan_deleting", reply=ScanDeletingReply):
-    note = "root only (`EPERM`): the deletion queue after sequence number `after`"
-    after: int = Int(default=0, lo=0, hi=(1 << 63) - 1, doc="int, 0 = from the start")
+    note = "root only (`EPERM`): the deletion queue from sequence number `start`"
+    start: int = Int(default=0, lo=0, hi=(1 << 63) - 1, doc="int, 0 = from the start")
     limit: int = Int(default=1024, lo=1, hi=MAX_SCAN, doc=f"entries, at most {MAX_SCAN}")
     cred: WireCred = Cred()
 
