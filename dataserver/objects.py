@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from pfs.core.messages.records import ObjId  # checked off the wire by its message
 from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
+from pfs.dataserver import checksums as ck
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,14 @@ def _mix(ino: int, stripe: int) -> int:
 @dataclass(slots=True)
 class _Open:
     fd: int
+    cfd: int | None = None  # the checksum sidecar (None: an unchecked object)
     pins: int = 0
     dropped: bool = False  # evicted or deleted: close when the last pin goes
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.cfd is not None:
+            os.close(self.cfd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +158,8 @@ class Capacity:
 class ObjectStore:
     """Objects under ``dirs`` (one per drive); synchronous, owned by one event loop."""
 
-    def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN) -> None:
+    def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN,
+                 checksums: bool = True) -> None:
         if not dirs:
             raise OSError(errno.EINVAL, "a data server needs at least one data directory")
         if max_open < 1:
@@ -160,6 +168,8 @@ class ObjectStore:
         if len(set(self.dirs)) != len(self.dirs):
             raise OSError(errno.EINVAL, f"data directories listed twice: {dirs}")
         self.max_open = max_open
+        # keep block checksums (dataserver/checksums.py); off only to measure their cost
+        self.checksums = checksums
         self._open: OrderedDict[ObjId, _Open] = OrderedDict()
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
@@ -184,7 +194,8 @@ class ObjectStore:
                     if fan.is_dir(follow_symlinks=False):
                         self._made.add(fan.path)
                         with os.scandir(fan.path) as entries:
-                            n += sum(1 for e in entries if e.is_file(follow_symlinks=False))
+                            n += sum(1 for e in entries if e.is_file(follow_symlinks=False)
+                                     and not e.name.endswith(ck.SUFFIX))
         return n
 
     # -- descriptors ---------------------------------------------------------
@@ -208,10 +219,35 @@ class ObjectStore:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
             self.objects += 1
             self._unsynced.add(parent)
-        entry = _Open(fd)
+        entry = _Open(fd, self._sidecar(path, fd))
         self._open[obj] = entry
         self._evict()
         return entry
+
+    def _sidecar(self, path: str, fd: int) -> int | None:
+        """The object's sidecar descriptor: made for a new (empty) object, computed for
+        one from before checksums once it is written to; None when checksums are off
+        (then a stale sidecar is removed: the object reads unchecked)."""
+        cpath = path + ck.SUFFIX
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if not self.checksums:
+            try:
+                os.unlink(cpath)
+            except FileNotFoundError:
+                pass
+            return None
+        try:
+            return os.open(cpath, flags)
+        except FileNotFoundError:
+            pass
+        cfd = os.open(cpath, flags | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size:
+                ck.compute(fd, cfd)
+        except BaseException:
+            os.close(cfd)
+            raise
+        return cfd
 
     def _evict(self) -> None:
         while len(self._open) > self.max_open:
@@ -223,11 +259,18 @@ class ObjectStore:
         if entry.pins:
             entry.dropped = True
         else:
-            os.close(entry.fd)
+            entry.close()
 
     def acquire(self, obj: ObjId, create: bool = False) -> tuple[int, Callable[[], None]] | None:
         """A pinned descriptor of ``obj`` (read-write) and the callable that unpins it;
         None when the object is absent and ``create`` is false."""
+        got = self.acquire_checked(obj, create)
+        return None if got is None else (got[0], got[2])
+
+    def acquire_checked(self, obj: ObjId, create: bool = False
+                        ) -> tuple[int, int | None, Callable[[], None]] | None:
+        """As :meth:`acquire`, with the descriptor of the object's checksum sidecar
+        (None: an unchecked object)."""
         entry = self._fd(obj, create)
         if entry is None:
             return None
@@ -241,9 +284,9 @@ class ObjectStore:
             released = True
             entry.pins -= 1
             if entry.dropped and not entry.pins:
-                os.close(entry.fd)
+                entry.close()
 
-        return entry.fd, release
+        return entry.fd, entry.cfd, release
 
     # -- operations ----------------------------------------------------------
     def size(self, obj: ObjId) -> int:
@@ -254,8 +297,19 @@ class ObjectStore:
         if size < 0:
             raise OSError(errno.EINVAL, f"negative size {size}")
         entry = self._fd(obj, size > 0)
-        if entry is not None:
-            os.ftruncate(entry.fd, size)
+        if entry is None:
+            return
+        if entry.cfd is not None:  # the new last block rehashed, blocks past the end dropped
+            keep = ck.n_blocks(size)
+            os.ftruncate(entry.cfd, keep * ck.RECORD)
+            last = keep - 1
+            if size % ck.BLOCK and last >= 0:
+                (_crc, end), = ck.read_records(entry.cfd, last, 1)
+                if end:
+                    data = ck.read_block(entry.fd, last)[:size - last * ck.BLOCK]
+                    write = min(end, size - last * ck.BLOCK)
+                    ck.write_records(entry.cfd, last, [(ck.crc_padded(data), write)])
+        os.ftruncate(entry.fd, size)
 
     def take_unsynced_dirs(self, obj: ObjId) -> list[str]:
         """Directories on ``obj``'s path that gained entries since they were last synced
@@ -270,8 +324,13 @@ class ObjectStore:
         entry = self._open.pop(obj, None)
         if entry is not None:
             self._drop(entry)
+        path = self.path(obj)
         try:
-            os.unlink(self.path(obj))
+            os.unlink(path + ck.SUFFIX)
+        except FileNotFoundError:
+            pass
+        try:
+            os.unlink(path)
         except FileNotFoundError:
             return False
         self.objects -= 1

@@ -10,6 +10,7 @@ from typing import Any
 
 from pfs.core.messages.base import (
     Anything,
+    Bool,
     Empty,
     Int,
     List,
@@ -73,6 +74,16 @@ class DataStatfsReply(ReplyMessage):
     total: int = Int()
     free: int = Int()
     objects: int = Int()
+    scrubbed: int = Int(default=0, doc="bytes the scrubber verified since the server started")
+    scrub_errors: int = Int(default=0, doc="bad blocks the scrubber found since the server "
+                                           "started")
+
+
+class VerifyReply(ReplyMessage):
+    blocks: int = Int(doc="blocks checked")
+    bad: list[int] = List(Int(), doc="offsets of the blocks whose checksum does not match "
+                                     "(or that the object is too short for)")
+    unchecked: bool = Bool(doc="the object has no checksums (written before them)")
 
 
 # ------------------------------------------------------------------ requests
@@ -123,6 +134,13 @@ class StatObj(DataRequest, method="stat_obj", reply=SizeReply):
 
 class Statfs(DataRequest, method="statfs", reply=DataStatfsReply):
     pass
+
+
+class Verify(DataRequest, method="verify", reply=VerifyReply):
+    note = ("re-read every block of the object and check it against its checksum "
+            "(`pfs fsck`); an absent object checks 0 blocks")
+    obj: ObjId = Obj()
+    cap: Any = _cap("bytes, read or admin")
 
 
 class OpenFd(DataRequest, method="open_fd", reply=FdReply):
