@@ -1,120 +1,33 @@
-"""Block checksums of stripe objects: a sidecar file beside each object.
-
-An object is cut into blocks of ``BLOCK`` bytes. Its sidecar ``<object>.crc`` holds one
-record of ``RECORD`` bytes per block: the CRC32C of the block's bytes *zero-padded to a
-full block*, and ``end``, how far into the block data was ever written (1..BLOCK); a
-record of zeros (``end`` 0, also what a sparse or short sidecar reads as) is a block
-never written, a *hole*. So:
-
-- a hole reads as zeros because the map says so, whatever the object file holds there;
-- a written block whose data the object file no longer reaches (``start + end`` past
-  the object's size) is a *short* object: an error, never zeros;
-- extending an object never changes an earlier block's checksum (the zero padding is
-  what a file reads past its end), and truncating one rehashes only the new last block.
-
-Why 64 KiB: a read smaller than a block still reads (and hashes) the whole block to
-verify it, so the block must be small next to a typical read, and big enough that one
-record per block and one hash call per block cost nothing next to the data (CRC32C of
-64 KiB with SSE4.2 is ~3 µs here, ~20 GB/s; the sidecar is 1/8192 of the data). It is
-MooseFS's choice too. IO500's 47,008-byte writes straddle at most two blocks, each
-merged under its block's lock (:class:`RangeLocks`).
-
-Objects without a sidecar (written before data directory format 2) are *unchecked*:
-read as before, reported by ``verify`` as such, given one by ``pfs admin migrate --data``
-(:func:`compute`).
-"""
+"""The data server's side of block checksums (format: :mod:`pfs.core.checksums`): the
+checksums a write leaves, whole-object verification (``verify``, the scrubber), the
+sidecar of an object from before checksums (``pfs admin migrate --data``), and the
+block-range locks writes and reads take."""
 from __future__ import annotations
 
-import errno
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import crc32c
 import trio
 
-BLOCK = 64 << 10
-RECORD = 8
-SUFFIX = ".crc"
-_REC = struct.Struct("<II")  # crc32c, end (0: never written)
-_ZEROS = bytes(BLOCK)
+from pfs.core.checksums import (
+    BLOCK,
+    RECORD,
+    SUFFIX,
+    ChecksumError,
+    blocks,
+    check,
+    crc_padded,
+    n_blocks,
+    read_block,
+    read_records,
+    write_records,
+)
 
-
-def crc_padded(data: memoryview | bytes, crc: int = 0) -> int:
-    """CRC32C of ``data`` zero-padded to a full block."""
-    crc = crc32c.crc32c(data, crc)
-    pad = BLOCK - len(data)
-    return crc32c.crc32c(_ZEROS[:pad], crc) if pad > 0 else crc
-
-
-HOLE_CRC = crc_padded(b"")
-
-
-def blocks(off: int, length: int) -> range:
-    """The blocks covering ``[off, off+length)`` (empty for length 0)."""
-    if length <= 0:
-        return range(0)
-    return range(off // BLOCK, (off + length - 1) // BLOCK + 1)
-
-
-def read_records(cfd: int, first: int, count: int) -> list[tuple[int, int]]:
-    """Records of blocks ``first .. first+count-1``; past the sidecar's end: holes."""
-    raw = os.pread(cfd, count * RECORD, first * RECORD)
-    raw += bytes(count * RECORD - len(raw))
-    return [_REC.unpack_from(raw, i * RECORD) for i in range(count)]
-
-
-def write_records(cfd: int, first: int, recs: list[tuple[int, int]]) -> None:
-    buf = bytearray(len(recs) * RECORD)
-    for i, (crc, end) in enumerate(recs):
-        _REC.pack_into(buf, i * RECORD, crc, end)
-    os.pwrite(cfd, buf, first * RECORD)
-
-
-def read_block(fd: int, blk: int) -> bytes:
-    """Block ``blk`` of the object as the file holds it (short at its end)."""
-    return os.pread(fd, BLOCK, blk * BLOCK)
-
-
-class ChecksumError(OSError):
-    """A block that does not match its checksum, or that the object is too short for."""
-
-    def __init__(self, obj: tuple[int, int], off: int, what: str) -> None:
-        super().__init__(errno.EIO, f"object [{obj[0]}, {obj[1]}] (inode {obj[0]}, stripe "
-                                    f"{obj[1]}) at offset {off}: {what}")
-        self.obj = obj
-        self.off = off
-
-
-def check(obj: tuple[int, int], blk: int, data: memoryview | bytes, rec: tuple[int, int],
-          size: int) -> bool:
-    """Raise ChecksumError when block ``blk`` (``data``: its bytes the file holds, short
-    at the object's end) does not match ``rec``; False for a hole (read it as zeros)."""
-    crc, end = rec
-    if end == 0:
-        return False
-    start = blk * BLOCK
-    if start + end > size:
-        raise ChecksumError(obj, start, f"short object: the block map says data was "
-                                        f"written up to {start + end}, the object ends at "
-                                        f"{size}")
-    if crc_padded(data) != crc:
-        raise ChecksumError(obj, start, "checksum mismatch")
-    return True
-
-
-def verify_fd(obj: tuple[int, int], fd: int, cfd: int, first: int, count: int,
-              size: int) -> list[int]:
-    """Offsets of the bad blocks among ``first .. first+count-1`` (read here)."""
-    bad: list[int] = []
-    for blk, rec in zip(range(first, first + count), read_records(cfd, first, count),
-                        strict=True):
-        try:
-            check(obj, blk, read_block(fd, blk) if rec[1] else b"", rec, size)
-        except ChecksumError:
-            bad.append(blk * BLOCK)
-    return bad
+__all__ = ["BLOCK", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check",
+           "compute", "crc_padded", "iter_objects", "n_blocks", "read_block", "read_records",
+           "update", "verify_fd", "write_records"]
 
 
 def update(fd: int, cfd: int, off: int, data: memoryview) -> None:
@@ -138,8 +51,17 @@ def update(fd: int, cfd: int, off: int, data: memoryview) -> None:
     write_records(cfd, bl.start, out)
 
 
-def n_blocks(size: int) -> int:
-    return (size + BLOCK - 1) // BLOCK
+def verify_fd(obj: tuple[int, int], fd: int, cfd: int, first: int, count: int,
+              size: int) -> list[int]:
+    """Offsets of the bad blocks among ``first .. first+count-1`` (read here)."""
+    bad: list[int] = []
+    for blk, rec in zip(range(first, first + count), read_records(cfd, first, count),
+                        strict=True):
+        try:
+            check(obj, blk, read_block(fd, blk) if rec[1] else b"", rec, size)
+        except ChecksumError:
+            bad.append(blk * BLOCK)
+    return bad
 
 
 def compute(fd: int, cfd: int) -> int:

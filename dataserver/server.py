@@ -177,8 +177,11 @@ class DataService(RpcService):
             return
         try:
             bl = ck.blocks(off, length)
-            for blk, (_crc, end) in zip(bl, ck.read_records(cfd, bl.start, len(bl)),
-                                        strict=True):
+            count = min(len(bl), os.fstat(cfd).st_size // ck.RECORD - bl.start)
+            if count <= 0:
+                return
+            for blk, (_crc, end) in zip(bl, ck.read_records(cfd, bl.start, count),
+                                        strict=False):
                 if end:
                     raise ck.ChecksumError(obj, blk * ck.BLOCK, "missing object: its block "
                                                                 "map says data was written")
@@ -241,20 +244,30 @@ class DataService(RpcService):
                                        "data server's local socket")
         obj = req.obj
         self._cap(ctx, req, caps.READ, obj)
-        got = self.store.acquire(obj)
+        got = self.store.acquire_checked(obj)
         if got is None:
+            if self.store.checksums:
+                self._check_missing(obj, 0, MAX_ID - 1)
             raise OSError(errno.ENOENT, f"object {list(obj)} holds no data here")
-        fd, release = got
-        try:  # a new open file description, read-only: the client cannot write through it
-            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        fd, cfd, release = got
+        fds: list[int] = []
+        try:  # new open file descriptions, read-only: the client cannot write through them
+            for f in (fd, cfd):
+                if f is not None:
+                    fds.append(os.open(f"/proc/self/fd/{f}", os.O_RDONLY | os.O_CLOEXEC))
+            size = os.fstat(fds[0]).st_size
+        except OSError:
+            for f in fds:
+                os.close(f)
+            raise
         finally:
             release()
-        try:
-            size = os.fstat(ro).st_size
-        except OSError:
-            os.close(ro)
-            raise
-        return Reply(D.FdReply(size=size), fds=[ro], release=lambda: os.close(ro))
+
+        def close() -> None:
+            for f in fds:
+                os.close(f)
+
+        return Reply(D.FdReply(size=size), fds=fds, release=close)
 
     async def serve_local(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:

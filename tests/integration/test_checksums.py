@@ -63,8 +63,10 @@ def _expect_eio(c, path: str, off: int, n: int) -> OSError:
     return ei.value
 
 
-def test_flipped_byte_is_eio_naming_the_file(client_toml, cluster_dir, workdir) -> None:
-    with _client(client_toml) as c:
+@pytest.mark.parametrize("short_circuit", [False, True], ids=["network", "local"])
+def test_flipped_byte_is_eio_naming_the_file(client_toml, cluster_dir, workdir,
+                                             short_circuit: bool) -> None:
+    with _client(client_toml, short_circuit) as c:
         c.set_layout(workdir, count=1, unit=UNIT)
         path = f"{workdir}/f"
         data = random.Random(1).randbytes(5 * BLOCK + 100)
@@ -81,10 +83,14 @@ def test_flipped_byte_is_eio_naming_the_file(client_toml, cluster_dir, workdir) 
             assert f.pread(BLOCK, 0) == data[:BLOCK]
             assert f.pread(100, 5 * BLOCK) == data[5 * BLOCK:]
         assert _verify(c, path)["bad"] == [2 * BLOCK]
+        if short_circuit:
+            assert c.aio.local is not None and c.aio.local.stats["local_bytes"] > 0
 
 
-def test_short_object_is_eio_not_zeros(client_toml, cluster_dir, workdir) -> None:
-    with _client(client_toml) as c:
+@pytest.mark.parametrize("short_circuit", [False, True], ids=["network", "local"])
+def test_short_object_is_eio_not_zeros(client_toml, cluster_dir, workdir,
+                                       short_circuit: bool) -> None:
+    with _client(client_toml, short_circuit) as c:
         c.set_layout(workdir, count=1, unit=UNIT)
         path = f"{workdir}/short"
         data = random.Random(2).randbytes(4 * BLOCK)
@@ -97,8 +103,9 @@ def test_short_object_is_eio_not_zeros(client_toml, cluster_dir, workdir) -> Non
             assert f.pread(BLOCK, 0) == data[:BLOCK]
 
 
-def test_holes_and_sparse_files_read_right(client_toml, workdir) -> None:
-    with _client(client_toml) as c:
+@pytest.mark.parametrize("short_circuit", [False, True], ids=["network", "local"])
+def test_holes_and_sparse_files_read_right(client_toml, workdir, short_circuit: bool) -> None:
+    with _client(client_toml, short_circuit) as c:
         c.set_layout(workdir, count=2, unit=4 * BLOCK)
         path = f"{workdir}/sparse"
         with c.open(path, "wb") as f:

@@ -56,8 +56,11 @@ class SizeReply(ReplyMessage):
 
 class FdReply(ReplyMessage):
     payload_doc = ("as SCM_RIGHTS ancillary data on the reply's first byte, a read-only "
-                   "descriptor of the object file; only over the server's local socket "
-                   "(`EPERM` over TCP), `ENOENT` when the object holds no data")
+                   "descriptor of the object file, then one of its checksum sidecar when "
+                   "it has one (the client verifies what it reads); only over the "
+                   "server's local socket (`EPERM` over TCP), `ENOENT` when the object "
+                   "holds no data, `EIO` when it is missing but its block map says data "
+                   "was written")
     size: int = Int()
 
 
