@@ -30,9 +30,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pfs.core import checksums as ck
 from pfs.core.messages.records import ObjId  # checked off the wire by its message
 from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
-from pfs.dataserver import checksums as ck
+from pfs.dataserver import checksums as dck
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,15 @@ def _to_1(d: str) -> None:
     _write_format(d, 1)  # format 1 is format 0 plus the FORMAT file
 
 
+def _to_2(d: str) -> None:
+    _write_format(d, 2)  # format 2 adds checksum sidecars, written as objects are
+
+
 # step f brings a directory from format f to f + 1
-_STEPS: dict[int, Callable[[str], None]] = {0: _to_1}
+_STEPS: dict[int, Callable[[str], None]] = {0: _to_1, 1: _to_2}
 # steps a server takes when it opens a directory (each only adds what older servers
 # ignore); any other needs ``pfs admin migrate --data``, run on a stopped server
-_AT_OPEN = frozenset({0})
+_AT_OPEN = frozenset({0, 1})
 
 
 def _upgrade_dir(d: str, at_open: bool) -> int | None:
@@ -123,7 +128,37 @@ def migrate_dir(d: str) -> tuple[int, int]:
                                     f"{SID_FILE} or {FORMAT_FILE})")
     found = _upgrade_dir(d, at_open=False)
     assert found is not None
+    made = add_sidecars(d)
+    if made:
+        log.info("data directory %s: checksums computed for %d objects", d, made)
     return found, OBJECT_FORMAT
+
+
+def add_sidecars(d: str) -> int:
+    """A checksum sidecar for every object of ``d`` without one (written before
+    checksums); the number made. For a stopped server: a write meanwhile would race."""
+    root = os.path.join(d, _OBJ_DIR)
+    if not os.path.isdir(root):
+        return 0
+    made = 0
+    for path, _obj in dck.iter_objects(root):
+        cpath = path + ck.SUFFIX
+        if os.path.exists(cpath):
+            continue
+        tmp = cpath + ".tmp"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                dck.compute(fd, cfd)
+                os.fsync(cfd)
+            finally:
+                os.close(cfd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, cpath)  # a crash leaves no half sidecar under the real name
+        made += 1
+    return made
 
 
 def _mix(ino: int, stripe: int) -> int:
@@ -243,7 +278,7 @@ class ObjectStore:
         cfd = os.open(cpath, flags | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size:
-                ck.compute(fd, cfd)
+                dck.compute(fd, cfd)
         except BaseException:
             os.close(cfd)
             raise
