@@ -235,9 +235,13 @@ class ObjectStore:
 
     # -- descriptors ---------------------------------------------------------
     def _fd(self, obj: ObjId, create: bool) -> _Open | None:
+        """The cached open object; ``create``: it is about to be written (made when
+        absent; its checksums kept, or dropped when checksums are off)."""
         entry = self._open.get(obj)
         if entry is not None:
             self._open.move_to_end(obj)
+            if create and (entry.cfd is None) == self.checksums:
+                self._writable_sidecar(obj, entry)
             return entry
         path = self.path(obj)
         flags = os.O_RDWR | os.O_CLOEXEC
@@ -254,35 +258,40 @@ class ObjectStore:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
             self.objects += 1
             self._unsynced.add(parent)
-        entry = _Open(fd, self._sidecar(path, fd))
+        entry = _Open(fd)
+        if self.checksums:
+            try:
+                entry.cfd = os.open(path + ck.SUFFIX, flags)
+            except FileNotFoundError:
+                pass  # new, or from before checksums: unchecked until written
         self._open[obj] = entry
         self._evict()
+        if create and (entry.cfd is None) == self.checksums:
+            self._writable_sidecar(obj, entry)
         return entry
 
-    def _sidecar(self, path: str, fd: int) -> int | None:
-        """The object's sidecar descriptor: made for a new (empty) object, computed for
-        one from before checksums once it is written to; None when checksums are off
-        (then a stale sidecar is removed: the object reads unchecked)."""
-        cpath = path + ck.SUFFIX
-        flags = os.O_RDWR | os.O_CLOEXEC
+    def _writable_sidecar(self, obj: ObjId, entry: _Open) -> None:
+        """Before a write: an object without a sidecar gets one (an object from before
+        checksums is hashed whole, once); with checksums off a sidecar is removed (it
+        would go stale: the object reads unchecked)."""
+        cpath = self.path(obj) + ck.SUFFIX
         if not self.checksums:
             try:
                 os.unlink(cpath)
             except FileNotFoundError:
                 pass
-            return None
+            if entry.cfd is not None and not entry.pins:
+                os.close(entry.cfd)
+                entry.cfd = None
+            return
+        cfd = os.open(cpath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            return os.open(cpath, flags)
-        except FileNotFoundError:
-            pass
-        cfd = os.open(cpath, flags | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size:
-                dck.compute(fd, cfd)
+            if os.fstat(entry.fd).st_size:
+                dck.compute(entry.fd, cfd)
         except BaseException:
             os.close(cfd)
             raise
-        return cfd
+        entry.cfd = cfd
 
     def _evict(self) -> None:
         while len(self._open) > self.max_open:

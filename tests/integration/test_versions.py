@@ -490,6 +490,12 @@ def test_format_1_opens_as_2_and_migrate_computes_checksums(tmp_path: Path) -> N
     ObjectStore([d]).close()
     assert dir_format(d) == OBJECT_FORMAT == 2
     assert list(Path(d, "objects").glob("*/*.crc")) == []  # unchecked until migrated
+    store = ObjectStore([d])
+    got = store.acquire_checked((5, 0))  # a read leaves it unchecked
+    assert got is not None and got[1] is None
+    got[2]()
+    store.close()
+    assert list(Path(d, "objects").glob("*/*.crc")) == []
     Path(d, FORMAT_FILE).write_text("1\n")
     assert migrate_dir(d) == (1, 2)
     (side,) = Path(d, "objects").glob("*/*.crc")
@@ -503,3 +509,9 @@ def test_format_1_opens_as_2_and_migrate_computes_checksums(tmp_path: Path) -> N
         os.close(ofd)
         os.close(cfd)
     assert migrate_dir(d) == (2, 2)
+    side.unlink()
+    store = ObjectStore([d])
+    got = store.acquire_checked((5, 0), create=True)  # a write: hashed whole first
+    assert got is not None and got[1] is not None and side.exists()
+    got[2]()
+    store.close()
