@@ -226,3 +226,20 @@ def test_missing_object_is_eio_and_scrubber_finds_a_flip(private_cluster: Path) 
             assert time.monotonic() < deadline, "the scrubber found nothing"
             time.sleep(0.2)
         assert c._run(statfs)["scrub_errors"] == 1
+
+
+def test_checksums_off_reads_unchecked(private_cluster: Path) -> None:
+    """The measurement knob: a data server with ``--no-checksums`` keeps none (a flipped
+    byte then reads as it is: what the checksums are for), ``verify`` says unchecked."""
+    toml = cluster.up(private_cluster, data_servers=1, data_args=["--no-checksums"])
+    with _client(toml) as c:
+        c.makedirs("/d")
+        c.set_layout("/d", count=1, unit=UNIT)
+        data = random.Random(6).randbytes(2 * BLOCK)
+        c.write_file("/d/f", data)
+        assert _verify(c, "/d/f") == {"blocks": 0, "bad": [], "unchecked": True}
+        (obj,) = _objects(private_cluster, c.stat("/d/f").st_ino)
+        assert not obj.with_name(obj.name + ".crc").exists()
+        _flip(obj, 10)
+        with c.open("/d/f", "rb") as f:
+            assert f.pread(20, 0) != data[:20]
