@@ -13,21 +13,24 @@ import trio
 
 from pfs.core.checksums import (
     BLOCK,
+    HOLE_CRC,
     RECORD,
     SUFFIX,
     ChecksumError,
     blocks,
     check,
+    check_map,
     crc_padded,
     n_blocks,
     read_block,
     read_records,
+    whole_blocks,
     write_records,
 )
 
-__all__ = ["BLOCK", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check",
+__all__ = ["BLOCK", "HOLE_CRC", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check", "check_map",
            "compute", "crc_padded", "iter_objects", "n_blocks", "read_block", "read_records",
-           "update", "verify_fd", "write_records"]
+           "update", "verify_fd", "whole_blocks", "write_records"]
 
 
 def update(fd: int, cfd: int, off: int, data: memoryview) -> None:

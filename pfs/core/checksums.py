@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+from typing import Any
 
 import crc32c
 
@@ -84,11 +85,10 @@ class ChecksumError(OSError):
         self.off = off
 
 
-def check(obj: tuple[int, int], blk: int, data: memoryview | bytes, rec: tuple[int, int],
-          size: int) -> bool:
-    """Raise ChecksumError when block ``blk`` (``data``: its bytes the file holds, short
-    at the object's end) does not match ``rec``; False for a hole (read it as zeros)."""
-    crc, end = rec
+def check_map(obj: tuple[int, int], blk: int, rec: tuple[int, int], size: int) -> bool:
+    """What the block map alone says of block ``blk``: False for a hole, ChecksumError
+    for a short object, True for data to verify."""
+    end = rec[1]
     if end == 0:
         return False
     start = blk * BLOCK
@@ -96,8 +96,17 @@ def check(obj: tuple[int, int], blk: int, data: memoryview | bytes, rec: tuple[i
         raise ChecksumError(obj, start, f"short object: the block map says data was "
                                         f"written up to {start + end}, the object ends at "
                                         f"{size}")
-    if crc_padded(data) != crc:
-        raise ChecksumError(obj, start, "checksum mismatch")
+    return True
+
+
+def check(obj: tuple[int, int], blk: int, data: memoryview | bytes, rec: tuple[int, int],
+          size: int) -> bool:
+    """Raise ChecksumError when block ``blk`` (``data``: its bytes the file holds, short
+    at the object's end) does not match ``rec``; False for a hole (read it as zeros)."""
+    if not check_map(obj, blk, rec, size):
+        return False
+    if crc_padded(data) != rec[0]:
+        raise ChecksumError(obj, blk * BLOCK, "checksum mismatch")
     return True
 
 
@@ -139,3 +148,44 @@ def read_verified(obj: tuple[int, int], fd: int, cfd: int, off: int,
         left -= k
         counts.append(k)
     return counts
+
+
+def whole_blocks(off: int, n: int) -> range:
+    """The blocks lying wholly inside ``[off, off+n)``: those a network reply carries
+    checksums for (the server verifies the partial ones at its edges itself)."""
+    return range(-(-off // BLOCK), (off + n) // BLOCK)
+
+
+def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
+                 crcs: list[int]) -> None:
+    """Check the whole blocks of a read reply of ``n`` bytes at ``off`` (received into
+    ``into``: a buffer or a list of buffers filled in order) against ``crcs``;
+    ChecksumError (EIO) on a mismatch."""
+    bl = whole_blocks(off, n)
+    if len(crcs) != len(bl):
+        raise ChecksumError(obj, off, f"the reply carries {len(crcs)} checksums for "
+                                      f"{len(bl)} blocks")
+    if not crcs:
+        return
+    views = into if isinstance(into, list) else [into]
+    pos = bl.start * BLOCK - off  # the first whole block's place in the reply
+    vi, base = 0, 0  # the view holding ``pos`` and its place in the reply
+    for blk, want in zip(bl, crcs, strict=True):
+        crc, need, at = 0, BLOCK, pos
+        while need:
+            while at >= base + len(views[vi]):
+                base += len(views[vi])
+                vi += 1
+            v = views[vi]
+            k = min(need, base + len(v) - at)
+            crc = crc32c.crc32c(v[at - base:at - base + k], crc)
+            at += k
+            need -= k
+        if crc != want:
+            raise ChecksumError(obj, blk * BLOCK, "checksum mismatch in the bytes received")
+        pos += BLOCK
+
+
+def verify_read(msg: Any, n: int, into: Any, crcs: list[int]) -> None:
+    """:func:`verify_reply` for the reply to read request ``msg`` (the drivers)."""
+    verify_reply(tuple(msg.obj), msg.off, n, into, crcs)

@@ -116,3 +116,20 @@ def test_a_local_read_that_does_not_verify_goes_to_the_servers(step: bool) -> No
     with pytest.raises(OSError) as ei:
         _read(cl, 0, 100, local=_Local({0: 0}))
     assert ei.value.errno == errno.EIO
+
+
+def test_a_network_reply_is_verified_across_scattered_buffers() -> None:
+    data = bytearray(os.urandom(3 * BLOCK + 500))
+    off = 100  # the reply starts inside block 0: blocks 1 and 2 lie wholly inside
+    reply = data[off:]
+    crcs = [ck.crc_padded(bytes(data[b * BLOCK:(b + 1) * BLOCK])) for b in (1, 2)]
+    assert list(ck.whole_blocks(off, len(reply))) == [1, 2]
+    views = _views(reply, [7, BLOCK, BLOCK + 3000])
+    ck.verify_reply((3, 1), off, len(reply), views, crcs)
+    ck.verify_reply((3, 1), off, len(reply), reply, crcs)
+    reply[2 * BLOCK - off + 9] ^= 1  # a byte of block 2 changed on the way
+    with pytest.raises(ck.ChecksumError) as ei:
+        ck.verify_reply((3, 1), off, len(reply), _views(reply, [5000]), crcs)
+    assert ei.value.errno == errno.EIO and ei.value.off == 2 * BLOCK
+    with pytest.raises(ck.ChecksumError, match="carries 1 checksums for 2 blocks"):
+        ck.verify_reply((3, 1), off, len(reply), reply, crcs[:1])
