@@ -47,7 +47,7 @@ class ReadReply(ReplyMessage):
     payload_doc = ("payload of `n <= len` bytes (short past the object's end: the "
                    "reader fills zeros up to the file size)")
     n: int = Int()
-    crcs: list[int] = List(Int(), default=None,
+    crcs: list[int] | None = List(Int(), default=None,
                            doc="the checksums of the whole blocks inside the payload, "
                                "from the first block boundary at or after `off`: the "
                                "reader verifies them (`pfs/core/checksums.py`); absent "
