@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import sys
+from typing import Any
 
 import trio
 
@@ -39,14 +40,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                    help="write the bound port to fd N when ready, then close it")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
     p.add_argument("--key-file", help="the cluster key (docs/security.md)")
+    p.add_argument("--scrub-rate", type=int, metavar="BYTES",
+                   help="bytes/s the scrubber verifies (0: off)")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="MEASUREMENT ONLY: keep no block checksums (objects written so "
+                        "read unchecked)")
     p.add_argument("--insecure-skip-caps", action="store_true",
                    help="TEST ONLY: do not check capabilities (the benchmark's off switch)")
     args = p.parse_args(argv)
     cfg = load(DataConfig, args.config) if args.config else DataConfig()
-    overrides = {k: v for k, v in (("dirs", args.dirs), ("host", args.host),
+    overrides: dict[str, Any] = {k: v for k, v in (("dirs", args.dirs), ("host", args.host),
                                    ("port", args.port), ("meta", args.meta),
                                    ("engine", args.engine), ("heartbeat", args.heartbeat),
-                                   ("key_file", args.key_file))
+                                   ("key_file", args.key_file),
+                                   ("scrub_rate", args.scrub_rate),
+                                   ("checksums", False if args.no_checksums else None))
                  if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)
     if cfg.meta:

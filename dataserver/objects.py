@@ -31,8 +31,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pfs.core import checksums as ck
 from pfs.core.messages.records import ObjId  # checked off the wire by its message
 from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
+from pfs.dataserver import checksums as dck
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +89,15 @@ def _to_1(d: str) -> None:
     _write_format(d, 1)  # format 1 is format 0 plus the FORMAT file
 
 
+def _to_2(d: str) -> None:
+    _write_format(d, 2)  # format 2 adds checksum sidecars, written as objects are
+
+
 # step f brings a directory from format f to f + 1
-_STEPS: dict[int, Callable[[str], None]] = {0: _to_1}
+_STEPS: dict[int, Callable[[str], None]] = {0: _to_1, 1: _to_2}
 # steps a server takes when it opens a directory (each only adds what older servers
 # ignore); any other needs ``pfs admin migrate --data``, run on a stopped server
-_AT_OPEN = frozenset({0})
+_AT_OPEN = frozenset({0, 1})
 
 
 def _upgrade_dir(d: str, at_open: bool) -> int | None:
@@ -123,7 +129,37 @@ def migrate_dir(d: str) -> tuple[int, int]:
                                     f"{SID_FILE} or {FORMAT_FILE})")
     found = _upgrade_dir(d, at_open=False)
     assert found is not None
+    made = add_sidecars(d)
+    if made:
+        log.info("data directory %s: checksums computed for %d objects", d, made)
     return found, OBJECT_FORMAT
+
+
+def add_sidecars(d: str) -> int:
+    """A checksum sidecar for every object of ``d`` without one (written before
+    checksums); the number made. For a stopped server: a write meanwhile would race."""
+    root = os.path.join(d, _OBJ_DIR)
+    if not os.path.isdir(root):
+        return 0
+    made = 0
+    for path, _obj in dck.iter_objects(root):
+        cpath = path + ck.SUFFIX
+        if os.path.exists(cpath):
+            continue
+        tmp = cpath + ".tmp"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                dck.compute(fd, cfd)
+                os.fsync(cfd)
+            finally:
+                os.close(cfd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, cpath)  # a crash leaves no half sidecar under the real name
+        made += 1
+    return made
 
 
 def _mix(ino: int, stripe: int) -> int:
@@ -146,8 +182,14 @@ def _parse_obj(name: str) -> ObjId | None:
 @dataclass(slots=True)
 class _Open:
     fd: int
+    cfd: int | None = None  # the checksum sidecar (None: an unchecked object)
     pins: int = 0
     dropped: bool = False  # evicted or deleted: close when the last pin goes
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.cfd is not None:
+            os.close(self.cfd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +202,8 @@ class Capacity:
 class ObjectStore:
     """Objects under ``dirs`` (one per drive); synchronous, owned by one event loop."""
 
-    def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN) -> None:
+    def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN,
+                 checksums: bool = True) -> None:
         if not dirs:
             raise OSError(errno.EINVAL, "a data server needs at least one data directory")
         if max_open < 1:
@@ -169,6 +212,8 @@ class ObjectStore:
         if len(set(self.dirs)) != len(self.dirs):
             raise OSError(errno.EINVAL, f"data directories listed twice: {dirs}")
         self.max_open = max_open
+        # keep block checksums (dataserver/checksums.py); off only to measure their cost
+        self.checksums = checksums
         self._open: OrderedDict[ObjId, _Open] = OrderedDict()
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
@@ -193,14 +238,19 @@ class ObjectStore:
                     if fan.is_dir(follow_symlinks=False):
                         self._made.add(fan.path)
                         with os.scandir(fan.path) as entries:
-                            n += sum(1 for e in entries if e.is_file(follow_symlinks=False))
+                            n += sum(1 for e in entries if e.is_file(follow_symlinks=False)
+                                     and not e.name.endswith(ck.SUFFIX))
         return n
 
     # -- descriptors ---------------------------------------------------------
     def _fd(self, obj: ObjId, create: bool) -> _Open | None:
+        """The cached open object; ``create``: it is about to be written (made when
+        absent; its checksums kept, or dropped when checksums are off)."""
         entry = self._open.get(obj)
         if entry is not None:
             self._open.move_to_end(obj)
+            if create and (entry.cfd is None) == self.checksums:
+                self._writable_sidecar(obj, entry)
             return entry
         path = self.path(obj)
         flags = os.O_RDWR | os.O_CLOEXEC
@@ -218,9 +268,39 @@ class ObjectStore:
             self.objects += 1
             self._unsynced.add(parent)
         entry = _Open(fd)
+        if self.checksums:
+            try:
+                entry.cfd = os.open(path + ck.SUFFIX, flags)
+            except FileNotFoundError:
+                pass  # new, or from before checksums: unchecked until written
         self._open[obj] = entry
         self._evict()
+        if create and (entry.cfd is None) == self.checksums:
+            self._writable_sidecar(obj, entry)
         return entry
+
+    def _writable_sidecar(self, obj: ObjId, entry: _Open) -> None:
+        """Before a write: an object without a sidecar gets one (an object from before
+        checksums is hashed whole, once); with checksums off a sidecar is removed (it
+        would go stale: the object reads unchecked)."""
+        cpath = self.path(obj) + ck.SUFFIX
+        if not self.checksums:
+            try:
+                os.unlink(cpath)
+            except FileNotFoundError:
+                pass
+            if entry.cfd is not None and not entry.pins:
+                os.close(entry.cfd)
+                entry.cfd = None
+            return
+        cfd = os.open(cpath, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(entry.fd).st_size:
+                dck.compute(entry.fd, cfd)
+        except BaseException:
+            os.close(cfd)
+            raise
+        entry.cfd = cfd
 
     def _evict(self) -> None:
         while len(self._open) > self.max_open:
@@ -232,11 +312,18 @@ class ObjectStore:
         if entry.pins:
             entry.dropped = True
         else:
-            os.close(entry.fd)
+            entry.close()
 
     def acquire(self, obj: ObjId, create: bool = False) -> tuple[int, Callable[[], None]] | None:
         """A pinned descriptor of ``obj`` (read-write) and the callable that unpins it;
         None when the object is absent and ``create`` is false."""
+        got = self.acquire_checked(obj, create)
+        return None if got is None else (got[0], got[2])
+
+    def acquire_checked(self, obj: ObjId, create: bool = False
+                        ) -> tuple[int, int | None, Callable[[], None]] | None:
+        """As :meth:`acquire`, with the descriptor of the object's checksum sidecar
+        (None: an unchecked object)."""
         entry = self._fd(obj, create)
         if entry is None:
             return None
@@ -250,9 +337,9 @@ class ObjectStore:
             released = True
             entry.pins -= 1
             if entry.dropped and not entry.pins:
-                os.close(entry.fd)
+                entry.close()
 
-        return entry.fd, release
+        return entry.fd, entry.cfd, release
 
     # -- operations ----------------------------------------------------------
     def size(self, obj: ObjId) -> int:
@@ -263,8 +350,19 @@ class ObjectStore:
         if size < 0:
             raise OSError(errno.EINVAL, f"negative size {size}")
         entry = self._fd(obj, size > 0)
-        if entry is not None:
-            os.ftruncate(entry.fd, size)
+        if entry is None:
+            return
+        if entry.cfd is not None:  # the new last block rehashed, blocks past the end dropped
+            keep = ck.n_blocks(size)
+            os.ftruncate(entry.cfd, keep * ck.RECORD)
+            last = keep - 1
+            if size % ck.BLOCK and last >= 0:
+                (_crc, end), = ck.read_records(entry.cfd, last, 1)
+                if end:
+                    data = ck.read_block(entry.fd, last)[:size - last * ck.BLOCK]
+                    write = min(end, size - last * ck.BLOCK)
+                    ck.write_records(entry.cfd, last, [(ck.crc_padded(data), write)])
+        os.ftruncate(entry.fd, size)
 
     def take_unsynced_dirs(self, obj: ObjId) -> list[str]:
         """Directories on ``obj``'s path that gained entries since they were last synced
@@ -279,8 +377,13 @@ class ObjectStore:
         entry = self._open.pop(obj, None)
         if entry is not None:
             self._drop(entry)
+        path = self.path(obj)
         try:
-            os.unlink(self.path(obj))
+            os.unlink(path + ck.SUFFIX)
+        except FileNotFoundError:
+            pass
+        try:
+            os.unlink(path)
         except FileNotFoundError:
             return False
         self.objects -= 1

@@ -29,7 +29,9 @@ from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
+from pfs.dataserver import checksums as ck
 from pfs.dataserver.objects import ObjectStore
+from pfs.dataserver.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +75,15 @@ class DataService(RpcService):
         self.report_now = trio.Event()
         # objects written (or cut) since their last sync here: what a Sync reply counts
         self.unsynced: set[tuple[int, int]] = set()
+        # block-range locks: a write merges and hashes its blocks under them (checksums)
+        self.locks = ck.RangeLocks()
+        self.scrubber = Scrubber(store, self.locks)
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
-        # one connection go out one after another anyway: no task of its own
-        return self.use_sendfile and req.method == "read"
+        # one connection go out one after another anyway: no task of its own (a
+        # checked read reads and verifies its blocks first)
+        return self.use_sendfile and req.method == "read" and not self.store.checksums
 
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
@@ -136,10 +142,17 @@ class DataService(RpcService):
         if length > self.limits.max_payload:
             raise OSError(errno.EINVAL, f"read: len {length} out of range "
                                         f"[0, {self.limits.max_payload}]")
-        got = self.store.acquire(obj)
+        got = self.store.acquire_checked(obj)
         if got is None:
+            if self.store.checksums:
+                self._check_missing(obj, off, length)
             return Reply(D.ReadReply(n=0))
-        fd, release = got
+        fd, cfd, release = got
+        if cfd is not None:
+            try:
+                return await self._read_checked(obj, fd, cfd, off, length)
+            finally:
+                release()
         try:
             size = os.fstat(fd).st_size
             n = max(0, min(length, size - off))
@@ -156,6 +169,81 @@ class DataService(RpcService):
         release()
         return Reply(D.ReadReply(n=n), payload=memoryview(buf)[:n])
 
+    def _check_missing(self, obj: tuple[int, int], off: int, length: int) -> None:
+        """An absent object whose sidecar remains says data was written: EIO."""
+        try:
+            cfd = os.open(self.store.path(obj) + ck.SUFFIX, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            bl = ck.blocks(off, length)
+            count = min(len(bl), os.fstat(cfd).st_size // ck.RECORD - bl.start)
+            if count <= 0:
+                return
+            for blk, (_crc, end) in zip(bl, ck.read_records(cfd, bl.start, count),
+                                        strict=False):
+                if end:
+                    raise ck.ChecksumError(obj, blk * ck.BLOCK, "missing object: its block "
+                                                                "map says data was written")
+        finally:
+            os.close(cfd)
+
+    async def _read_checked(self, obj: tuple[int, int], fd: int, cfd: int, off: int,
+                            length: int) -> Reply:
+        """Read the whole blocks covering the range, verify each against its checksum
+        (EIO naming the object and offset), read holes as zeros, reply with the range."""
+        bl = ck.blocks(off, length)
+        if not bl:
+            return Reply(D.ReadReply(n=0))
+        async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=False):
+            size = os.fstat(fd).st_size
+            ws = bl.start * ck.BLOCK
+            we = min(bl.stop * ck.BLOCK, size)
+            buf = bytearray(max(0, we - ws))
+            view = memoryview(buf)
+            if buf:
+                got = await self.engine.read_into(fd, ws, view)
+                we = ws + got
+                view = view[:got]
+            recs = ck.read_records(cfd, bl.start, len(bl))
+        n = max(0, min(length, size - off))
+        whole = ck.whole_blocks(off, n)  # the reader verifies these: their checksums go
+        crcs: list[int] = []
+        for blk, rec in zip(bl, recs, strict=True):
+            lo = blk * ck.BLOCK - ws
+            part = view[lo:max(lo, min(lo + ck.BLOCK, we - ws))]
+            if blk in whole:
+                if not ck.check_map(obj, blk, rec, size):  # short or hole, no hashing
+                    part[:] = bytes(len(part))
+                    crcs.append(ck.HOLE_CRC)
+                else:
+                    crcs.append(rec[0])
+            elif not ck.check(obj, blk, part, rec, size) and part:
+                part[:] = bytes(len(part))  # a hole: zeros, whatever the file holds
+        return Reply(D.ReadReply(n=n, crcs=crcs or None), payload=view[off - ws:off - ws + n])
+
+    async def rpc_verify(self, ctx: ConnContext, req: D.Verify) -> D.VerifyReply:
+        obj = req.obj
+        self._cap(ctx, req, caps.READ | caps.ADMIN, obj)
+        got = self.store.acquire_checked(obj)
+        if got is None:
+            return D.VerifyReply(blocks=0, bad=[], unchecked=False)
+        fd, cfd, release = got
+        try:
+            if cfd is None:
+                return D.VerifyReply(blocks=0, bad=[], unchecked=True)
+            async with self.locks.hold(obj, 0, MAX_ID, exclusive=False):
+                count = max(ck.n_blocks(os.fstat(fd).st_size),
+                            os.fstat(cfd).st_size // ck.RECORD)
+                bad = await trio.to_thread.run_sync(ck.verify_fd, obj, fd, cfd, 0, count,
+                                                    os.fstat(fd).st_size)
+        finally:
+            release()
+        if bad:
+            log.error("verify: object %s has %d bad blocks, first at offset %d", list(obj),
+                      len(bad), bad[0])
+        return D.VerifyReply(blocks=count, bad=bad, unchecked=False)
+
     async def rpc_open_fd(self, ctx: ConnContext, req: D.OpenFd) -> Reply:
         """Short-circuit reads: a read-only descriptor of the object, passed to a client
         on this host over the local socket after the same capability check as a read."""
@@ -164,20 +252,30 @@ class DataService(RpcService):
                                        "data server's local socket")
         obj = req.obj
         self._cap(ctx, req, caps.READ, obj)
-        got = self.store.acquire(obj)
+        got = self.store.acquire_checked(obj)
         if got is None:
+            if self.store.checksums:
+                self._check_missing(obj, 0, MAX_ID - 1)
             raise OSError(errno.ENOENT, f"object {list(obj)} holds no data here")
-        fd, release = got
-        try:  # a new open file description, read-only: the client cannot write through it
-            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        fd, cfd, release = got
+        fds: list[int] = []
+        try:  # new open file descriptions, read-only: the client cannot write through them
+            for f in (fd, cfd):
+                if f is not None:
+                    fds.append(os.open(f"/proc/self/fd/{f}", os.O_RDONLY | os.O_CLOEXEC))
+            size = os.fstat(fds[0]).st_size
+        except OSError:
+            for f in fds:
+                os.close(f)
+            raise
         finally:
             release()
-        try:
-            size = os.fstat(ro).st_size
-        except OSError:
-            os.close(ro)
-            raise
-        return Reply(D.FdReply(size=size), fds=[ro], release=lambda: os.close(ro))
+
+        def close() -> None:
+            for f in fds:
+                os.close(f)
+
+        return Reply(D.FdReply(size=size), fds=fds, release=close)
 
     async def serve_local(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
@@ -199,11 +297,17 @@ class DataService(RpcService):
             return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
             raise OSError(errno.EFBIG, f"write: {off}+{len(data)} beyond the largest object")
-        got = self.store.acquire(obj, create=True)
+        got = self.store.acquire_checked(obj, create=True)
         assert got is not None
-        fd, release = got
+        fd, cfd, release = got
         try:
-            n = await self.engine.write(fd, off, data)
+            if cfd is None:
+                n = await self.engine.write(fd, off, data)
+            else:
+                bl = ck.blocks(off, len(data))
+                async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
+                    n = await self.engine.write(fd, off, data)
+                    ck.update(fd, cfd, off, memoryview(data)[:n])
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -220,7 +324,8 @@ class DataService(RpcService):
         cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True)
         if cap is not None:
             self._fence(obj[0], cap.gen)
-        self.store.truncate(obj, size)
+        async with self.locks.hold(obj, 0, MAX_ID, exclusive=True):
+            self.store.truncate(obj, size)
         self.unsynced.add(obj)
         return Empty()
 
@@ -237,12 +342,14 @@ class DataService(RpcService):
     async def rpc_fsync(self, ctx: ConnContext, req: D.Fsync) -> Empty:
         obj = req.obj
         self._cap(ctx, req, caps.READ | caps.WRITE, obj)
-        got = self.store.acquire(obj)
+        got = self.store.acquire_checked(obj)
         if got is None:
             return Empty()
-        fd, release = got
+        fd, cfd, release = got
         try:
             await self.engine.fsync(fd)
+            if cfd is not None:
+                await trio.to_thread.run_sync(os.fsync, cfd)
         finally:
             release()
         for d in self.store.take_unsynced_dirs(obj):
@@ -264,12 +371,14 @@ class DataService(RpcService):
         errors: list[OSError] = []
 
         async def one(obj: tuple[int, int]) -> None:
-            got = self.store.acquire(obj)
+            got = self.store.acquire_checked(obj)
             if got is None:
                 return
-            fd, release = got
+            fd, cfd, release = got
             try:
                 await trio.to_thread.run_sync(os.fdatasync, fd)
+                if cfd is not None:
+                    await trio.to_thread.run_sync(os.fdatasync, cfd)
             except OSError as exc:
                 self.unsynced.add(obj)
                 errors.append(exc)
@@ -297,7 +406,9 @@ class DataService(RpcService):
 
     async def rpc_statfs(self, ctx: ConnContext, req: D.Statfs) -> D.DataStatfsReply:
         cap = self.store.capacity()
-        return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects)
+        return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects,
+                                 scrubbed=self.scrubber.scrubbed,
+                                 scrub_errors=self.scrubber.errors)
 
     # -- checking (pfs fsck) ---------------------------------------------------
     async def rpc_list_objects(self, ctx: ConnContext, req: D.ListObjects
@@ -441,7 +552,7 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                     "is trusted and no capability is checked (see docs/security.md)")
     if verify_caps is False:
         log.warning("data server: capability checks are OFF (a test-only switch)")
-    store = ObjectStore(config.dirs)
+    store = ObjectStore(config.dirs, checksums=config.checksums)
     try:
         engine = get_engine(config.engine)
     except BaseException:
@@ -457,6 +568,8 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                                     config.heartbeat)
             if config.local_socket:
                 await nursery.start(service.serve_local)
+            if config.checksums and config.scrub_rate > 0:
+                nursery.start_soon(service.scrubber.run, config.scrub_rate)
             task_status.started(port)
     finally:
         engine.close()

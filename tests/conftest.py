@@ -97,6 +97,7 @@ SLOW = {
     "test_bench_sweep.py::test_mount",
     "test_bench_sweep.py::test_quick_local_and_native",
     "test_cluster.py::test_a_dirty_close_outlasts_a_metaserver_outage",
+    "test_checksums.py::test_missing_object_is_eio_and_scrubber_finds_a_flip",
     "test_cluster.py::test_cli_round_trip",
     "test_cluster.py::test_kill_9_metaserver_keeps_every_acknowledged_change",
     "test_cluster.py::test_metaserver_down_is_an_error_then_recovers",

@@ -181,7 +181,10 @@ def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[Clu
     d = workdir / "cluster"
     t0 = time.perf_counter()
     try:
-        toml = cluster.up(d, data_servers=data_servers)
+        # ``--no-checksums``: measure what block checksums cost (data servers keep none)
+        toml = cluster.up(d, data_servers=data_servers,
+                          data_args=["--no-checksums"] if getattr(args, "no_checksums", False)
+                          else None)
         log(f"started a local cluster (1 metaserver, {data_servers} data servers) in {d} "
             f"in {time.perf_counter() - t0:.1f} s")
         yield ClusterUnderTest(toml, cluster_pids(d), True, d)

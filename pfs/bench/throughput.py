@@ -65,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-dir", help="where the local reference file (and the bench's own "
                                        "cluster) live; default: the temp dir")
     p.add_argument("--no-cold", action="store_true", help="skip the cold (cache-dropped) reads")
+    p.add_argument("--no-checksums", action="store_true",
+                   help="MEASUREMENT ONLY: the cluster this command starts keeps no block "
+                        "checksums (compare with a run without it)")
     p.add_argument("--quick", action="store_true", help="small and fast: 64M, 1 rep")
     p.add_argument("--json", help="write all results here")
 

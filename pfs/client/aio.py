@@ -188,8 +188,18 @@ class FileHandle:
         view = memoryview(buf).cast("B")
         n = max(0, min(len(view), self.state.known_size - off))
         if n:
-            await self.client.driver.run(self._read_plan(view[:n], off))
+            try:
+                await self.client.driver.run(self._read_plan(view[:n], off))
+            except OSError as exc:
+                raise self._named(exc) from exc
         return n
+
+    def _named(self, exc: OSError) -> OSError:
+        """A data error (EIO: a checksum mismatch, a missing or short object) naming
+        this file; other errors as they are."""
+        if exc.errno != errno.EIO:
+            return exc
+        return OSError(errno.EIO, f"{self.path or f'inode {self.ino}'}: {exc.strerror}")
 
     def _read_chunk(self, view: memoryview, off: int) -> Plan[int]:
         yield from self._read_plan(view, off)  # a fresh capability for each chunk
@@ -224,6 +234,8 @@ class FileHandle:
                                               self._read_plan, view, off)
         except HandOver:
             return None
+        except OSError as exc:
+            raise self._named(exc) from exc
         return n
 
     def pwrite_blocking(self, data: Any, off: int) -> int | None:

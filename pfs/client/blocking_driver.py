@@ -36,6 +36,7 @@ from pfs.client.plan import (
     ToDevice,
     resume,
 )
+from pfs.core.checksums import verify_read
 from pfs.core.messages.base import parse_reply
 
 T = TypeVar("T")
@@ -104,6 +105,9 @@ class BlockingDriver:
         msg = effect.msg
         fields, n = self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
         parse_reply(msg, fields)  # checked: EPROTO when it does not fit
+        crcs = fields.get("crcs")
+        if crcs is not None:  # a read of a checked object: verify what came
+            verify_read(msg, n, effect.into, crcs)
         return n
 
     def _meta_call(self, effect: MetaCall) -> Any:

@@ -357,8 +357,14 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
         fd = (local.known_fd(stripe) if local.tried(stripe)
               else (yield LocalFd(local, layout.servers[stripe], ino, stripe, cap)))
         if fd is not None:
-            zero_unread(dests, (yield LocalRead(local, fd, obj_off, dests)))
-            return
+            try:
+                zero_unread(dests, (yield LocalRead(local, fd, obj_off, dests)))
+                return
+            except OSError as exc:
+                # a block that did not verify (or a write landing meanwhile): the
+                # servers check again under their block locks, replica by replica
+                if exc.errno != errno.EIO:
+                    raise
     total = first.length if len(run) == 1 else sum(p.length for p in run)
     got = yield from from_replicas(layout.servers[stripe],
                                    read_request(ino, stripe, obj_off, total, cap),

@@ -29,6 +29,7 @@ from pfs.client.plan import (
     Sleep,
     ToDevice,
 )
+from pfs.core.checksums import verify_read
 from pfs.core.messages.base import parse_reply
 
 if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
@@ -69,6 +70,10 @@ class TrioDriver:
             msg = effect.msg
             r = await self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
             parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
+            crcs = r.fields.get("crcs")
+            if crcs is not None:  # a read of a checked object: verify what came
+                verify_read(msg, r.nbytes, effect.into if effect.into is not None
+                            else r.payload, crcs)
             return r.nbytes
         if isinstance(effect, Parallel):
             results: list[Any] = [None] * len(effect.plans)

@@ -162,6 +162,8 @@ class DataConfig:
     heartbeat: float = 2.0  # seconds between heartbeats
     local_socket: bool = True  # serve short-circuit reads to clients on this host
     free_override: int = -1  # TEST ONLY: report this many bytes free per directory
+    checksums: bool = True  # block checksums (off only to measure what they cost)
+    scrub_rate: int = 4 << 20  # bytes/s the scrubber re-reads and verifies (0: off)
     key_file: str = ""  # the cluster key (docs/security.md)
     tls_cert: str = ""
     tls_key: str = ""

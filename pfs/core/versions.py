@@ -39,7 +39,11 @@ METADATA_FORMAT = 1
 # -- a data server's data directory (dataserver/objects.py; its ``FORMAT`` file) --------
 # 0: no FORMAT file: directories made before formats were recorded (same layout as 1).
 # 1: objects/<fanout>/<ino>.<stripe>, plain files; server.id; FORMAT holding "1".
-OBJECT_FORMAT = 1
+# 2: format 1 plus a checksum sidecar <ino>.<stripe>.crc beside each object written since
+#    (block CRC32Cs and block map, pfs/core/checksums.py). A server opens a format-1
+#    directory and stamps it 2 (objects without a sidecar read unchecked until rewritten);
+#    ``pfs admin migrate --data`` also computes a sidecar for every object without one.
+OBJECT_FORMAT = 2
 
 MIGRATE_DB = "pfs admin migrate --db"
 MIGRATE_DATA = "pfs admin migrate --data"

@@ -190,7 +190,7 @@ def _objects_on_disk(cluster_dir: Path, ino: int) -> set[tuple[int, str]]:
     found = set()
     for ddir in (cluster_dir / "data").iterdir():
         sid = (ddir / "server.id").read_text().strip()
-        found |= {(int(f.name.split(".")[1]), sid) for f in ddir.glob(f"objects/*/{ino}.*")}
+        found |= {(int(f.name.split(".")[1]), sid) for f in ddir.glob(f"objects/*/{ino}.*[!c]")}
     return found
 
 

@@ -37,7 +37,7 @@ def _object_sizes(cluster_dir: Path, ino: int) -> dict[tuple[int, str], int]:
     out = {}
     for ddir in (cluster_dir / "data").iterdir():
         sid = (ddir / "server.id").read_text().strip()
-        for f in ddir.glob(f"objects/*/{ino}.*"):
+        for f in ddir.glob(f"objects/*/{ino}.*[!c]"):
             out[(int(f.name.split(".")[1]), sid)] = f.stat().st_size
     return out
 

@@ -164,7 +164,7 @@ def test_closing_during_a_read_keeps_its_descriptor_until_the_read_ends(tmp_path
             self.engine = Engine()
 
         async def open_fd(self, sid, ino, stripe, cap):
-            return os.open(obj, os.O_RDONLY)
+            return os.open(obj, os.O_RDONLY), None  # an object without checksums
 
     async def main() -> None:
         servers = Servers()

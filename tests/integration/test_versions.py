@@ -370,8 +370,8 @@ def test_migrate_is_idempotent_and_refuses_newer_formats(tmp_path: Path) -> None
 
 def test_a_format_that_needs_more_than_a_stamp_waits_for_migrate(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A later release's format 2 (simulated): a server refuses format 1 naming the
-    command, the command upgrades it (running every step from the format found)."""
+    """A later release's format (simulated: metadata 2, data 3): a server refuses the
+    format before naming the command, the command upgrades it (running every step from the format found)."""
     import pfs.dataserver.objects as objects
     import pfs.metaserver.store as store
 
@@ -388,21 +388,21 @@ def test_a_format_that_needs_more_than_a_stamp_waits_for_migrate(
         ran.append("meta")
         txn.put(K.FORMAT, K.u64(2))
 
-    def data_to_2(path: str) -> None:
+    def data_to_3(path: str) -> None:  # data directories are at 2 already: 2 -> 3
         ran.append("data")
-        objects._write_format(path, 2)
+        objects._write_format(path, 3)
 
     monkeypatch.setattr(store, "METADATA_FORMAT", 2)
     monkeypatch.setitem(store._STEPS, 1, meta_to_2)
-    monkeypatch.setattr(objects, "OBJECT_FORMAT", 2)
-    monkeypatch.setitem(objects._STEPS, 1, data_to_2)
+    monkeypatch.setattr(objects, "OBJECT_FORMAT", 3)
+    monkeypatch.setitem(objects._STEPS, 2, data_to_3)
     with pytest.raises(FormatError, match=f"older than this pfs's 2: stop the server and "
                                           f"run `pfs admin migrate --db {db}`"):
         LmdbStore(db)
     with pytest.raises(FormatError, match=f"run `pfs admin migrate --data {d}`"):
         ObjectStore([d])
-    assert _format_of(db) == 0 and dir_format(d) == 1  # nothing half-done at open
-    assert migrate(db) == (0, 2) and migrate_dir(d) == (1, 2) and ran == ["meta", "data"]
+    assert _format_of(db) == 0 and dir_format(d) == 2  # nothing half-done at open
+    assert migrate(db) == (0, 2) and migrate_dir(d) == (2, 3) and ran == ["meta", "data"]
     LmdbStore(db).close()
     ObjectStore([d]).close()
     monkeypatch.delitem(store._STEPS, 1)  # a pfs that cannot step from 1 to 2
@@ -461,11 +461,57 @@ def test_migrate_an_unversioned_cluster_then_it_serves_old_data(private_cluster:
     args = ["admin", "migrate", "--db", str(db), *[a for d in dirs for a in ("--data", d)]]
     out = _pfs(*args)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("format 0 -> 1") == 3, out.stdout
+    assert out.stdout.count(f"format 0 -> {METADATA_FORMAT}") == 1, out.stdout
+    assert out.stdout.count(f"format 0 -> {OBJECT_FORMAT}") == 2, out.stdout
     again = _pfs(*args)
     assert again.returncode == 0 and again.stdout.count("nothing to do") == 3, again.stdout
-    assert _format_of(db) == METADATA_FORMAT and {dir_format(d) for d in dirs} == {1}
+    assert _format_of(db) == METADATA_FORMAT
+    assert {dir_format(d) for d in dirs} == {OBJECT_FORMAT}
 
     toml = cluster.up(private_cluster)
     with pfs.connect(config=toml) as c:
         assert c.read_file("/old") == data
+
+
+def test_format_1_opens_as_2_and_migrate_computes_checksums(tmp_path: Path) -> None:
+    """A format-1 directory (objects without checksums) is stamped 2 at open; its old
+    objects read unchecked until ``pfs admin migrate --data`` gives each a sidecar."""
+    from pfs.core import checksums as ck
+
+    d = str(tmp_path / "data")
+    store = ObjectStore([d])
+    fd, release = store.acquire((5, 0), create=True)  # type: ignore[misc]
+    os.pwrite(fd, b"old" * 40_000, 0)
+    release()
+    store.close()
+    for p in Path(d, "objects").glob("*/*.crc"):
+        p.unlink()  # as format 1 wrote it
+    Path(d, FORMAT_FILE).write_text("1\n")
+    ObjectStore([d]).close()
+    assert dir_format(d) == OBJECT_FORMAT == 2
+    assert list(Path(d, "objects").glob("*/*.crc")) == []  # unchecked until migrated
+    store = ObjectStore([d])
+    got = store.acquire_checked((5, 0))  # a read leaves it unchecked
+    assert got is not None and got[1] is None
+    got[2]()
+    store.close()
+    assert list(Path(d, "objects").glob("*/*.crc")) == []
+    Path(d, FORMAT_FILE).write_text("1\n")
+    assert migrate_dir(d) == (1, 2)
+    (side,) = Path(d, "objects").glob("*/*.crc")
+    obj = side.with_suffix("")
+    ofd, cfd = os.open(obj, os.O_RDONLY), os.open(side, os.O_RDONLY)
+    try:
+        buf = bytearray(120_000)
+        assert ck.read_verified((5, 0), ofd, cfd, 0, [memoryview(buf)]) == [120_000]
+        assert buf == b"old" * 40_000
+    finally:
+        os.close(ofd)
+        os.close(cfd)
+    assert migrate_dir(d) == (2, 2)
+    side.unlink()
+    store = ObjectStore([d])
+    got = store.acquire_checked((5, 0), create=True)  # a write: hashed whole first
+    assert got is not None and got[1] is not None and side.exists()
+    got[2]()
+    store.close()

@@ -47,6 +47,11 @@ class ReadReply(ReplyMessage):
     payload_doc = ("payload of `n <= len` bytes (short past the object's end: the "
                    "reader fills zeros up to the file size)")
     n: int = Int()
+    crcs: list[int] | None = List(Int(), default=None,
+                           doc="the checksums of the whole blocks inside the payload, "
+                               "from the first block boundary at or after `off`: the "
+                               "reader verifies them (`pfs/core/checksums.py`); absent "
+                               "for an object without checksums")
 
 
 class SizeReply(ReplyMessage):
@@ -56,8 +61,11 @@ class SizeReply(ReplyMessage):
 
 class FdReply(ReplyMessage):
     payload_doc = ("as SCM_RIGHTS ancillary data on the reply's first byte, a read-only "
-                   "descriptor of the object file; only over the server's local socket "
-                   "(`EPERM` over TCP), `ENOENT` when the object holds no data")
+                   "descriptor of the object file, then one of its checksum sidecar when "
+                   "it has one (the client verifies what it reads); only over the "
+                   "server's local socket (`EPERM` over TCP), `ENOENT` when the object "
+                   "holds no data, `EIO` when it is missing but its block map says data "
+                   "was written")
     size: int = Int()
 
 
@@ -74,6 +82,16 @@ class DataStatfsReply(ReplyMessage):
     total: int = Int()
     free: int = Int()
     objects: int = Int()
+    scrubbed: int = Int(default=0, doc="bytes the scrubber verified since the server started")
+    scrub_errors: int = Int(default=0, doc="bad blocks the scrubber found since the server "
+                                           "started")
+
+
+class VerifyReply(ReplyMessage):
+    blocks: int = Int(doc="blocks checked")
+    bad: list[int] = List(Int(), doc="offsets of the blocks whose checksum does not match "
+                                     "(or that the object is too short for)")
+    unchecked: bool = Bool(doc="the object has no checksums (written before them)")
 
 
 # ------------------------------------------------------------------ requests
@@ -126,6 +144,13 @@ class Statfs(DataRequest, method="statfs", reply=DataStatfsReply):
     pass
 
 
+class Verify(DataRequest, method="verify", reply=VerifyReply):
+    note = ("re-read every block of the object and check it against its checksum "
+            "(`pfs fsck`); an absent object checks 0 blocks")
+    obj: ObjId = Obj()
+    cap: Any = _cap("bytes, read or admin")
+
+
 class OpenFd(DataRequest, method="open_fd", reply=FdReply):
     obj: ObjId = Obj()
     cap: Any = _cap("bytes, read")
@@ -151,18 +176,3 @@ class ListObjects(DataRequest, method="list_objects", reply=ListObjectsReply):
     after: ObjId | None = _after()
     limit: int = Int(default=4096, lo=1, hi=MAX_LIST, doc=f"at most {MAX_LIST}")
     cap: Any = _cap("bytes, scan")
-
-
-class VerifyReply(ReplyMessage):
-    blocks: int = Int(doc="blocks checked")
-    bad: list[int] = List(Int(), doc="object offsets of blocks whose checksum fails")
-    unchecked: bool = Bool(doc="the object has no checksums (written before them)")
-
-
-class Verify(RequestMessage, method="verify", reply=VerifyReply):
-    """Re-read ``obj`` and check every block's checksum. Sent by ``pfs fsck``; not in
-    ``REGISTRY`` until a data server serves it (one without it answers ``ENOSYS``):
-    the data server that checks checksums defines it there, with these fields."""
-
-    obj: ObjId = Obj()
-    cap: Any = _cap()

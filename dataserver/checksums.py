@@ -1,0 +1,156 @@
+"""The data server's side of block checksums (format: :mod:`pfs.core.checksums`): the
+checksums a write leaves, whole-object verification (``verify``, the scrubber), the
+sidecar of an object from before checksums (``pfs admin migrate --data``), and the
+block-range locks writes and reads take."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import crc32c
+import trio
+
+from pfs.core.checksums import (
+    BLOCK,
+    HOLE_CRC,
+    RECORD,
+    SUFFIX,
+    ChecksumError,
+    blocks,
+    check,
+    check_map,
+    crc_padded,
+    n_blocks,
+    read_block,
+    read_records,
+    whole_blocks,
+    write_records,
+)
+
+__all__ = ["BLOCK", "HOLE_CRC", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check", "check_map",
+           "compute", "crc_padded", "iter_objects", "n_blocks", "read_block", "read_records",
+           "update", "verify_fd", "whole_blocks", "write_records"]
+
+
+def update(fd: int, cfd: int, off: int, data: memoryview) -> None:
+    """The checksums of the blocks a write of ``data`` at ``off`` (already in the file)
+    touched: a full block hashed from ``data``, a partial one read back from the file
+    (merged with what it held), its ``end`` the furthest any write reached. The caller
+    holds these blocks' lock."""
+    bl = blocks(off, len(data))
+    stop = off + len(data)
+    out: list[tuple[int, int]] = []
+    old: list[tuple[int, int]] | None = None
+    for i, blk in enumerate(bl):
+        start = blk * BLOCK
+        lo, hi = max(off, start), min(stop, start + BLOCK)
+        if hi - lo == BLOCK:
+            out.append((crc32c.crc32c(data[lo - off:hi - off]), BLOCK))
+            continue
+        if old is None:
+            old = read_records(cfd, bl.start, len(bl))
+        out.append((crc_padded(read_block(fd, blk)), max(old[i][1], hi - start)))
+    write_records(cfd, bl.start, out)
+
+
+def verify_fd(obj: tuple[int, int], fd: int, cfd: int, first: int, count: int,
+              size: int) -> list[int]:
+    """Offsets of the bad blocks among ``first .. first+count-1`` (read here)."""
+    bad: list[int] = []
+    for blk, rec in zip(range(first, first + count), read_records(cfd, first, count),
+                        strict=True):
+        try:
+            check(obj, blk, read_block(fd, blk) if rec[1] else b"", rec, size)
+        except ChecksumError:
+            bad.append(blk * BLOCK)
+    return bad
+
+
+def compute(fd: int, cfd: int) -> int:
+    """Write a sidecar for an object that has none (``pfs admin migrate --data``): every
+    block up to the object's size counts as written. Returns the blocks hashed."""
+    size = os.fstat(fd).st_size
+    count = n_blocks(size)
+    recs = []
+    for blk in range(count):
+        data = read_block(fd, blk)
+        recs.append((crc_padded(data), len(data)))
+    os.ftruncate(cfd, 0)
+    if recs:
+        write_records(cfd, 0, recs)
+    return count
+
+
+# -- locks --------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Held:
+    first: int
+    last: int
+    exclusive: bool
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+class RangeLocks:
+    """Block-range locks per object: a write holds its blocks exclusively while it
+    writes the data and their checksums (so a partial block is merged, hashed and
+    stored as one step, and two writers sharing a block leave a matching checksum); a
+    read holds them shared (it never sees new data with an old checksum)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[int, int], list[_Held]] = {}
+
+    async def acquire(self, obj: tuple[int, int], first: int, last: int,
+                      exclusive: bool) -> _Held:
+        while True:
+            held = self._held.get(obj, [])
+            clash = next((h for h in held if h.first <= last and first <= h.last
+                          and (exclusive or h.exclusive)), None)
+            if clash is None:
+                break
+            await clash.done.wait()
+        me = _Held(first, last, exclusive)
+        self._held.setdefault(obj, []).append(me)
+        return me
+
+    def release(self, obj: tuple[int, int], me: _Held) -> None:
+        held = self._held[obj]
+        held.remove(me)
+        if not held:
+            del self._held[obj]
+        me.done.set()
+
+    def hold(self, obj: tuple[int, int], first: int, last: int,
+             exclusive: bool) -> _Hold:
+        return _Hold(self, obj, first, last, exclusive)
+
+
+class _Hold:
+    def __init__(self, locks: RangeLocks, obj: tuple[int, int], first: int, last: int,
+                 exclusive: bool) -> None:
+        self.args = (locks, obj, first, last, exclusive)
+        self.me: _Held | None = None
+
+    async def __aenter__(self) -> None:
+        locks, obj, first, last, exclusive = self.args
+        self.me = await locks.acquire(obj, first, last, exclusive)
+
+    async def __aexit__(self, *exc: object) -> None:
+        locks, obj = self.args[0], self.args[1]
+        assert self.me is not None
+        locks.release(obj, self.me)
+
+
+def iter_objects(root: str) -> Iterator[tuple[str, tuple[int, int]]]:
+    """``(path, id)`` of every object file under one data directory's ``objects/``."""
+    with os.scandir(root) as fanouts:
+        for fan in fanouts:
+            if not fan.is_dir(follow_symlinks=False):
+                continue
+            with os.scandir(fan.path) as entries:
+                for e in entries:
+                    if e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                        continue
+                    ino, _, stripe = e.name.partition(".")
+                    if ino.isdigit() and stripe.isdigit():
+                        yield e.path, (int(ino), int(stripe))

@@ -1,0 +1,135 @@
+"""Block checksums without servers: the sidecar format and the short-circuit reader's
+verification (pfs/core/checksums.py), and the planner's failure class for a block that
+does not verify (EIO: the next replica; a local read that fails: the network)."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pfs.client import plan
+from pfs.core import checksums as ck
+from tests.unit.test_plan import FakeCluster, _layout, _Local, _read, _read_step
+
+BLOCK = ck.BLOCK
+
+
+def _object(tmp_path: Path, data: bytes, holes: tuple[int, ...] = ()) -> tuple[int, int]:
+    """An object file holding ``data`` and its sidecar (blocks in ``holes`` never
+    written); their descriptors."""
+    fd = os.open(tmp_path / "obj", os.O_RDWR | os.O_CREAT)
+    cfd = os.open(tmp_path / "obj.crc", os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, data, 0)
+    recs = []
+    for blk in range(ck.n_blocks(len(data))):
+        part = data[blk * BLOCK:(blk + 1) * BLOCK]
+        recs.append((0, 0) if blk in holes else (ck.crc_padded(part), len(part)))
+    ck.write_records(cfd, 0, recs)
+    return fd, cfd
+
+
+def _views(buf: bytearray, cuts: list[int]) -> list[memoryview]:
+    out, pos, view = [], 0, memoryview(buf)
+    for c in [*cuts, len(buf)]:
+        out.append(view[pos:c])
+        pos = c
+    return out
+
+
+def test_unaligned_reads_verify_and_scatter(tmp_path: Path) -> None:
+    data = os.urandom(3 * BLOCK + 77)
+    fd, cfd = _object(tmp_path, data)
+    for off, n, cuts in [(0, len(data), []), (5, 100, []), (BLOCK - 3, BLOCK + 9, [4, 50]),
+                         (3 * BLOCK + 70, 100, [])]:
+        buf = bytearray(n)
+        counts = ck.read_verified((1, 0), fd, cfd, off, _views(buf, cuts))
+        got = min(n, len(data) - off)
+        assert sum(counts) == got and bytes(buf[:got]) == data[off:off + got]
+
+
+def test_a_flipped_byte_names_object_stripe_and_block(tmp_path: Path) -> None:
+    data = os.urandom(3 * BLOCK)
+    fd, cfd = _object(tmp_path, data)
+    os.pwrite(fd, bytes([data[BLOCK + 9] ^ 1]), BLOCK + 9)
+    with pytest.raises(ck.ChecksumError) as ei:
+        ck.read_verified((7, 2), fd, cfd, BLOCK + 100, [memoryview(bytearray(10))])
+    assert ei.value.errno == errno.EIO and ei.value.off == BLOCK
+    assert "stripe 2" in str(ei.value) and f"offset {BLOCK}" in str(ei.value)
+    buf = bytearray(BLOCK)  # the block before still reads
+    assert ck.read_verified((7, 2), fd, cfd, 0, [memoryview(buf)]) == [BLOCK]
+
+
+def test_holes_read_as_zeros_and_short_objects_fail(tmp_path: Path) -> None:
+    data = b"\x01" * (3 * BLOCK)
+    fd, cfd = _object(tmp_path, data, holes=(1,))
+    buf = bytearray(3 * BLOCK)
+    ck.read_verified((1, 0), fd, cfd, 0, [memoryview(buf)])
+    assert buf == b"\x01" * BLOCK + bytes(BLOCK) + b"\x01" * BLOCK  # the map says hole
+    os.ftruncate(fd, 2 * BLOCK + 10)
+    with pytest.raises(ck.ChecksumError, match="short object"):
+        ck.read_verified((1, 0), fd, cfd, 2 * BLOCK + 20, [memoryview(bytearray(5))])
+
+
+def test_a_partial_block_hashes_as_zero_padded() -> None:
+    assert ck.crc_padded(b"ab") == ck.crc_padded(b"ab" + bytes(100))
+    assert ck.HOLE_CRC == ck.crc_padded(bytes(BLOCK))
+
+
+class _Failing(FakeCluster):
+    """Local reads of the listed stripes fail with EIO (a block that did not verify)."""
+
+    def __init__(self, *a: Any, bad_local: set[int]) -> None:
+        super().__init__(*a)
+        self.bad_local = bad_local
+
+    def do(self, eff: Any) -> Any:
+        if isinstance(eff, plan.LocalRead) and eff.fd in self.bad_local:
+            self.local_reads.append(eff.fd)
+            raise OSError(errno.EIO, "checksum mismatch")
+        return super().do(eff)
+
+
+def test_a_checksum_error_is_tried_on_the_next_replica() -> None:
+    assert plan.classify(OSError(errno.EIO, "x")) is plan.Failure.ELSEWHERE
+    cl = FakeCluster(_layout(count=1, replicas=2))
+    cl.store(b"z" * 100)
+    cl.fail[("s0r0", "read")] = [errno.EIO]
+    assert _read(cl, 0, 100) == b"z" * 100
+    assert [s for s, _, _ in cl.log] == ["s0r0", "s0r1"]
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_a_local_read_that_does_not_verify_goes_to_the_servers(step: bool) -> None:
+    cl = _Failing(_layout(count=1, replicas=2), bad_local={0})
+    cl.store(b"q" * 100)
+    local = _Local({0: 0})
+    got = _read_step(cl, 0, 100, local=local) if step else _read(cl, 0, 100, local=local)
+    assert got == b"q" * 100
+    assert cl.local_reads == [0] and [s for s, _, _ in cl.log] == ["s0r0"]
+    # a server that finds it bad too: EIO from every replica is EIO
+    cl = _Failing(_layout(count=1, replicas=1), bad_local={0})
+    cl.store(b"q" * 100)
+    cl.fail[("s0r0", "read")] = [errno.EIO]
+    with pytest.raises(OSError) as ei:
+        _read(cl, 0, 100, local=_Local({0: 0}))
+    assert ei.value.errno == errno.EIO
+
+
+def test_a_network_reply_is_verified_across_scattered_buffers() -> None:
+    data = bytearray(os.urandom(3 * BLOCK + 500))
+    off = 100  # the reply starts inside block 0: blocks 1 and 2 lie wholly inside
+    reply = data[off:]
+    crcs = [ck.crc_padded(bytes(data[b * BLOCK:(b + 1) * BLOCK])) for b in (1, 2)]
+    assert list(ck.whole_blocks(off, len(reply))) == [1, 2]
+    views = _views(reply, [7, BLOCK, BLOCK + 3000])
+    ck.verify_reply((3, 1), off, len(reply), views, crcs)
+    ck.verify_reply((3, 1), off, len(reply), reply, crcs)
+    reply[2 * BLOCK - off + 9] ^= 1  # a byte of block 2 changed on the way
+    with pytest.raises(ck.ChecksumError) as ei:
+        ck.verify_reply((3, 1), off, len(reply), _views(reply, [5000]), crcs)
+    assert ei.value.errno == errno.EIO and ei.value.off == 2 * BLOCK
+    with pytest.raises(ck.ChecksumError, match="carries 1 checksums for 2 blocks"):
+        ck.verify_reply((3, 1), off, len(reply), reply, crcs[:1])
