@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -82,7 +83,8 @@ class DataService(RpcService):
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
         # one connection go out one after another anyway: no task of its own (a
-        # checked read reads and verifies its blocks first)
+        # checked read may wait for its blocks' lock first, which must not stall the
+        # connection's reader: it runs in a task of its own, sendfile or not)
         return self.use_sendfile and req.method == "read" and not self.store.checksums
 
     # -- capabilities ----------------------------------------------------------
@@ -149,10 +151,7 @@ class DataService(RpcService):
             return Reply(D.ReadReply(n=0))
         fd, cfd, release = got
         if cfd is not None:
-            try:
-                return await self._read_checked(obj, fd, cfd, off, length)
-            finally:
-                release()
+            return await self._read_checked(obj, fd, cfd, off, length, release, req.copy)
         try:
             size = os.fstat(fd).st_size
             n = max(0, min(length, size - off))
@@ -189,13 +188,76 @@ class DataService(RpcService):
             os.close(cfd)
 
     async def _read_checked(self, obj: tuple[int, int], fd: int, cfd: int, off: int,
-                            length: int) -> Reply:
-        """Read the whole blocks covering the range, verify each against its checksum
-        (EIO naming the object and offset), read holes as zeros, reply with the range."""
+                            length: int, release: Callable[[], None],
+                            copy: bool = False) -> Reply:
+        """A read of a checksummed object under its blocks' shared lock (a writer cannot
+        change a block between its checksum and its bytes). Owns ``release`` (the
+        object's descriptors): run once the reply no longer needs them."""
         bl = ck.blocks(off, length)
         if not bl:
+            release()
             return Reply(D.ReadReply(n=0))
-        async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=False):
+        try:
+            held = await self.locks.acquire(obj, bl.start, bl.stop - 1, exclusive=False)
+        except BaseException:
+            release()
+            raise
+
+        let_go = False
+
+        def done() -> None:  # once: by the buffered path, after sendfile, or on error
+            nonlocal let_go
+            if not let_go:
+                let_go = True
+                self.locks.release(obj, held)
+                release()
+
+        try:
+            reply = None if copy else self._read_sendfile(obj, fd, cfd, off, length)
+            if reply is not None:  # the lock stays held until the file was sent
+                reply.release = done
+                return reply
+            return await self._read_buffered(obj, fd, cfd, off, length, done)
+        except BaseException:
+            done()
+            raise
+
+    def _read_sendfile(self, obj: tuple[int, int], fd: int, cfd: int, off: int,
+                       length: int) -> Reply | None:
+        """The reply of a read sent straight from the file: one covering whole blocks
+        only (or ending at the object's end), every one written and within the object;
+        the reader verifies the whole blocks with the checksums the reply carries, the
+        server a partial last block. None: the buffered path decides. The blocks' lock
+        is held until sendfile returned, yet sendfile does not copy: a block still queued
+        in the socket may change under a later write, so the reader re-reads a mismatch
+        once with ``copy`` (the buffered path) before calling it EIO."""
+        if not self.use_sendfile or off % ck.BLOCK:
+            return None
+        size = os.fstat(fd).st_size
+        n = max(0, min(length, size - off))
+        if n == 0 or ((off + n) % ck.BLOCK and off + n != size):
+            return None
+        bl = ck.blocks(off, n)
+        recs = ck.read_records(cfd, bl.start, len(bl))
+        whole = ck.whole_blocks(off, n)
+        crcs: list[int] = []
+        for blk, rec in zip(bl, recs, strict=True):
+            if not ck.check_map(obj, blk, rec, size):
+                return None  # a hole reads as zeros, whatever the file holds
+            if blk in whole:
+                crcs.append(rec[0])
+            else:  # the object's partial last block: nobody else verifies it
+                ck.check(obj, blk, ck.read_block(fd, blk), rec, size)
+        return Reply(D.ReadReply(n=n, crcs=crcs or None), file=(fd, off, n))
+
+    async def _read_buffered(self, obj: tuple[int, int], fd: int, cfd: int, off: int,
+                             length: int, done: Callable[[], None]) -> Reply:
+        """Read the whole blocks covering the range (their lock held; ``done`` lets go
+        of it and of the descriptors once read), verify the partial edge blocks against
+        their checksums (EIO naming the object and offset), read holes as zeros, reply
+        with the range and the checksums of the whole blocks."""
+        bl = ck.blocks(off, length)
+        try:
             size = os.fstat(fd).st_size
             ws = bl.start * ck.BLOCK
             we = min(bl.stop * ck.BLOCK, size)
@@ -206,6 +268,8 @@ class DataService(RpcService):
                 we = ws + got
                 view = view[:got]
             recs = ck.read_records(cfd, bl.start, len(bl))
+        finally:
+            done()
         n = max(0, min(length, size - off))
         whole = ck.whole_blocks(off, n)  # the reader verifies these: their checksums go
         crcs: list[int] = []

@@ -36,7 +36,7 @@ from pfs.client.plan import (
     ToDevice,
     resume,
 )
-from pfs.core.checksums import verify_read
+from pfs.core.checksums import ChecksumError, copied, verify_read
 from pfs.core.messages.base import parse_reply
 
 T = TypeVar("T")
@@ -103,12 +103,20 @@ class BlockingDriver:
         if self.data is None or type(effect.into) is list or type(effect.payload) is list:
             raise HandOver("scattered requests are the trio driver's")
         msg = effect.msg
-        fields, n = self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
-        parse_reply(msg, fields)  # checked: EPROTO when it does not fit
-        crcs = fields.get("crcs")
-        if crcs is not None:  # a read of a checked object: verify what came
-            verify_read(msg, n, effect.into, crcs)
-        return n
+        while True:
+            fields, n = self.data.send(effect.sid, msg, payload=effect.payload,
+                                       into=effect.into)
+            parse_reply(msg, fields)  # checked: EPROTO when it does not fit
+            crcs = fields.get("crcs")
+            if crcs is None:
+                return n
+            try:  # a read of a checked object: verify what came
+                verify_read(msg, n, effect.into, crcs)
+                return n
+            except ChecksumError:
+                msg = copied(msg)  # a write raced the sendfile? re-read once, copied
+                if msg is None:
+                    raise
 
     def _meta_call(self, effect: MetaCall) -> Any:
         return self.meta.request_blocking(effect.msg)

@@ -29,7 +29,7 @@ from pfs.client.plan import (
     Sleep,
     ToDevice,
 )
-from pfs.core.checksums import verify_read
+from pfs.core.checksums import ChecksumError, copied, verify_read
 from pfs.core.messages.base import parse_reply
 
 if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
@@ -68,13 +68,21 @@ class TrioDriver:
         if isinstance(effect, Send):
             assert self.data is not None
             msg = effect.msg
-            r = await self.data.send(effect.sid, msg, payload=effect.payload, into=effect.into)
-            parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
-            crcs = r.fields.get("crcs")
-            if crcs is not None:  # a read of a checked object: verify what came
-                verify_read(msg, r.nbytes, effect.into if effect.into is not None
-                            else r.payload, crcs)
-            return r.nbytes
+            while True:
+                r = await self.data.send(effect.sid, msg, payload=effect.payload,
+                                         into=effect.into)
+                parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
+                crcs = r.fields.get("crcs")
+                if crcs is None:
+                    return r.nbytes
+                try:  # a read of a checked object: verify what came
+                    verify_read(msg, r.nbytes, effect.into if effect.into is not None
+                                else r.payload, crcs)
+                    return r.nbytes
+                except ChecksumError:
+                    msg = copied(msg)  # a write raced the sendfile? re-read once, copied
+                    if msg is None:
+                        raise
         if isinstance(effect, Parallel):
             results: list[Any] = [None] * len(effect.plans)
 

@@ -186,6 +186,15 @@ def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
         pos += BLOCK
 
 
+def copied(msg: Any) -> Any:
+    """The re-read of read request ``msg`` whose reply did not match its checksums:
+    copied under the blocks' lock by the server (a block it sent from the file with
+    sendfile may have been rewritten before it left); None when ``msg`` was one."""
+    if msg.copy:
+        return None
+    return type(msg)(obj=msg.obj, off=msg.off, len=msg.len, cap=msg.cap, copy=True)
+
+
 def verify_read(msg: Any, n: int, into: Any, crcs: list[int]) -> None:
     """:func:`verify_reply` for the reply to read request ``msg`` (the drivers)."""
     verify_reply(tuple(msg.obj), msg.off, n, into, crcs)

@@ -127,6 +127,54 @@ def test_holes_and_sparse_files_read_right(client_toml, workdir, short_circuit: 
         assert _verify(c, path)["bad"] == []
 
 
+def test_aligned_network_read_of_a_flip_is_eio(client_toml, cluster_dir, workdir) -> None:
+    """A read of whole blocks is sent from the file (sendfile) with their checksums:
+    the reader verifies them, so a flipped byte is still EIO."""
+    with _client(client_toml) as c:
+        c.set_layout(workdir, count=1, unit=UNIT)
+        path = f"{workdir}/aligned"
+        data = random.Random(3).randbytes(6 * BLOCK + 300)
+        c.write_file(path, data)
+        (obj,) = _objects(cluster_dir, c.stat(path).st_ino)
+        _flip(obj, 3 * BLOCK + 1000)
+        _expect_eio(c, path, 3 * BLOCK, BLOCK)  # the one block
+        _expect_eio(c, path, 2 * BLOCK, 2 * BLOCK)  # blocks around it
+        _expect_eio(c, path, 0, 6 * BLOCK)
+        with c.open(path, "rb") as f:  # aligned reads of the good blocks still work
+            assert f.pread(2 * BLOCK, 0) == data[:2 * BLOCK]
+            assert f.pread(BLOCK + 300, 5 * BLOCK) == data[5 * BLOCK:]  # to the end
+        _flip(obj, 6 * BLOCK + 10)  # the partial last block: the server checks it
+        _expect_eio(c, path, 5 * BLOCK, BLOCK + 300)
+
+
+def test_concurrent_writes_and_aligned_reads_never_eio(client_toml, workdir) -> None:
+    """Readers sending blocks from the file hold them until sent: a writer of the same
+    blocks never makes a checksum and the bytes sent disagree."""
+    n = 8 * BLOCK
+    with _client(client_toml) as c0, _client(client_toml) as c1:
+        c0.set_layout(workdir, count=1, unit=UNIT)
+        path = f"{workdir}/race"
+        c0.write_file(path, b"\0" * n)
+        deadline = time.monotonic() + 3
+
+        def work(i: int) -> None:
+            if i == 0:
+                with c0.open(path, "r+b") as f:
+                    k = 0
+                    while time.monotonic() < deadline:
+                        k += 1
+                        f.pwrite(bytes([k % 251]) * n, 0)
+            else:
+                with c1.open(path, "rb") as f:
+                    while time.monotonic() < deadline:
+                        got = f.pread(n, 0)
+                        assert len(got) == n
+                        for b in range(0, n, BLOCK):  # each block one write's bytes
+                            assert got[b:b + BLOCK] == got[b:b + 1] * BLOCK
+
+        assert run_threads(work, 2) == []
+
+
 def test_concurrent_partial_writes_to_one_block(client_toml, workdir) -> None:
     with _client(client_toml) as c0, _client(client_toml) as c1:
         c0.set_layout(workdir, count=1, unit=UNIT)

@@ -100,6 +100,10 @@ class Read(DataRequest, method="read", reply=ReadReply):
     off: int = _offset()
     len: int = Int(lo=0, doc="at most Limits.max_payload")
     cap: Any = _cap()
+    copy: bool = Bool(default=False, sparse=True,
+                      doc="copy the bytes under the blocks' lock, never sendfile: the "
+                          "re-read after a checksum mismatch (a block sent from the file "
+                          "can change until the peer received it)")
 
 
 class Write(DataRequest, method="write", reply=CountReply):
