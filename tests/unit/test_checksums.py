@@ -170,3 +170,17 @@ def test_an_object_shrinking_under_an_aligned_read_is_eio(tmp_path: Path) -> Non
     vr.got = 3 * BLOCK  # what a read racing a truncate gets
     with pytest.raises(ck.ChecksumError, match="short object"):
         vr.finish()
+
+
+def test_reads_inside_one_block_keep_holes_and_ends(tmp_path: Path) -> None:
+    data = b"\x02" * (2 * BLOCK + 50)
+    fd, cfd = _object(tmp_path, data, holes=(1,))
+    buf = bytearray(b"\xee" * 100)
+    assert ck.read_verified((1, 0), fd, cfd, BLOCK + 10, [memoryview(buf)]) == [100]
+    assert buf == bytes(100)  # the map says hole
+    assert ck.read_verified((1, 0), fd, cfd, 2 * BLOCK + 40, [memoryview(buf)]) == [10]
+    assert buf[:10] == b"\x02" * 10
+    assert ck.read_verified((1, 0), fd, cfd, 3 * BLOCK, [memoryview(buf)]) == [0]
+    os.ftruncate(fd, BLOCK - 5)  # written past the object's end: short, never zeros
+    with pytest.raises(ck.ChecksumError, match="short object"):
+        ck.read_verified((1, 0), fd, cfd, BLOCK - 20, [memoryview(bytearray(10))])
