@@ -25,7 +25,7 @@ from typing import Any
 import trio
 
 from pfs.client.plan import open_fd_request
-from pfs.core.checksums import read_verified
+from pfs.core.checksums import VerifiedRead, read_verified
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.wire.protocol import Kind
 from pfs.core.wire.transport import Connection, local_socket_name, open_unix_connection
@@ -250,10 +250,18 @@ class HandleObjects:
         from pfs.core.engine import Op
 
         checked = self._crcs.get(fd)
-        if checked is not None:  # verified in this thread: page-cache reads of <= 8 MiB
+        if checked is not None:  # whole blocks with the engine, verified in place after
             self._enter()
             try:
-                counts = read_verified(checked[1], fd, checked[0], obj_off, dests)
+                vr = VerifiedRead(checked[1], fd, checked[0], obj_off, dests)
+                if vr.direct:
+                    off = vr.direct_off
+                    dops = []
+                    for d in vr.direct:
+                        dops.append(Op(fd, off, len(d), d))
+                        off += len(d)
+                    vr.got = sum(await self.servers.engine.submit(dops))
+                counts = vr.finish()
             finally:
                 self._leave()
             self._count(sum(counts))

@@ -246,6 +246,38 @@ def test_replica_with_a_flipped_byte_reads_the_other(client_toml, cluster_dir,
         assert _verify(c, path, 0, 1)["bad"] == []
 
 
+@pytest.mark.parametrize("route", ["sync", "trio"])
+def test_aligned_local_read_of_a_flipped_byte_reads_the_other(client_toml, cluster_dir,
+                                                               workdir, route: str) -> None:
+    """A short-circuit read of whole blocks (straight into the caller's buffer, verified
+    there) that meets a flipped byte goes to the network, which reads the good replica:
+    the bad byte never comes back."""
+    with _client(client_toml, short_circuit=True) as c:
+        c.set_layout(workdir, count=1, unit=UNIT, replicas=2)
+        path = f"{workdir}/al-{route}"
+        data = random.Random(4).randbytes(4 * BLOCK)
+        c.write_file(path, data)
+        ino = c.stat(path).st_ino
+        for obj in _objects(cluster_dir, ino):  # every local descriptor is bad
+            _flip(obj, 2 * BLOCK + 9)
+        with c.open(path, "rb") as f:
+            with pytest.raises(OSError) as ei:  # no good replica: EIO, never the byte
+                f.pread(len(data), 0)
+            assert ei.value.errno == errno.EIO
+        _flip(_objects(cluster_dir, ino)[0], 2 * BLOCK + 9)  # one replica good again
+        buf = bytearray(len(data))
+        with c.open(path, "rb") as f:
+            if route == "sync":  # the blocking driver, in this thread: whole blocks
+                assert f.preadinto(memoryview(buf)[:BLOCK], 0) == BLOCK  # gets the fd
+                for b in range(1, 4):
+                    assert f.handle.pread_blocking(memoryview(buf)[b * BLOCK:(b + 1) * BLOCK],
+                                                   b * BLOCK) == BLOCK
+            else:
+                assert f._run(f.handle.pread_into, memoryview(buf), 0) == len(data)
+        assert buf == data
+        assert c.aio.local is not None and c.aio.local.stats["fds"] > 0  # tried locally
+
+
 def test_missing_object_is_eio_and_scrubber_finds_a_flip(private_cluster: Path) -> None:
     """A cluster of its own: the scrubber on at a high rate, and a restart so that the
     servers hold no descriptor of a deleted object."""

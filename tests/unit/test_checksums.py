@@ -133,3 +133,54 @@ def test_a_network_reply_is_verified_across_scattered_buffers() -> None:
     assert ei.value.errno == errno.EIO and ei.value.off == 2 * BLOCK
     with pytest.raises(ck.ChecksumError, match="carries 1 checksums for 2 blocks"):
         ck.verify_reply((3, 1), off, len(reply), reply, crcs[:1])
+
+
+def test_aligned_reads_land_in_place_verified(tmp_path: Path) -> None:
+    """Whole blocks go straight into the destinations (split anywhere), the edges
+    through scratch; holes in the middle read as zeros."""
+    data = os.urandom(5 * BLOCK + 300)
+    fd, cfd = _object(tmp_path, data, holes=(2,))
+    want = data[:2 * BLOCK] + bytes(BLOCK) + data[3 * BLOCK:]
+    for off, n, cuts in [(0, 4 * BLOCK, []), (0, 4 * BLOCK, [BLOCK + 5, 3 * BLOCK - 1]),
+                         (BLOCK - 7, 3 * BLOCK + 20, [8, 2 * BLOCK]),
+                         (3 * BLOCK, 3 * BLOCK, [100]), (0, len(data) + 50, [])]:
+        vr = ck.VerifiedRead((1, 0), fd, cfd, off, _views(bytearray(n), cuts))
+        assert vr.direct and sum(len(d) for d in vr.direct) == len(vr.mid) * BLOCK
+        buf = bytearray(b"\xee" * n)
+        counts = ck.read_verified((1, 0), fd, cfd, off, _views(buf, cuts))
+        got = min(n, len(data) - off)
+        assert sum(counts) == got and bytes(buf[:got]) == want[off:off + got]
+
+
+def test_an_aligned_read_of_a_flipped_byte_never_leaves_it(tmp_path: Path) -> None:
+    data = b"\x05" * (4 * BLOCK)
+    fd, cfd = _object(tmp_path, data)
+    os.pwrite(fd, b"\x07", 2 * BLOCK + 11)
+    buf = bytearray(4 * BLOCK)
+    with pytest.raises(ck.ChecksumError) as ei:
+        ck.read_verified((3, 1), fd, cfd, 0, _views(buf, [2 * BLOCK + 5]))
+    assert ei.value.errno == errno.EIO and ei.value.off == 2 * BLOCK
+    assert b"\x07" not in buf  # the bad block was read in place, then wiped
+
+
+def test_an_object_shrinking_under_an_aligned_read_is_eio(tmp_path: Path) -> None:
+    data = os.urandom(4 * BLOCK)
+    fd, cfd = _object(tmp_path, data)
+    vr = ck.VerifiedRead((1, 0), fd, cfd, 0, [memoryview(bytearray(4 * BLOCK))])
+    vr.got = 3 * BLOCK  # what a read racing a truncate gets
+    with pytest.raises(ck.ChecksumError, match="short object"):
+        vr.finish()
+
+
+def test_reads_inside_one_block_keep_holes_and_ends(tmp_path: Path) -> None:
+    data = b"\x02" * (2 * BLOCK + 50)
+    fd, cfd = _object(tmp_path, data, holes=(1,))
+    buf = bytearray(b"\xee" * 100)
+    assert ck.read_verified((1, 0), fd, cfd, BLOCK + 10, [memoryview(buf)]) == [100]
+    assert buf == bytes(100)  # the map says hole
+    assert ck.read_verified((1, 0), fd, cfd, 2 * BLOCK + 40, [memoryview(buf)]) == [10]
+    assert buf[:10] == b"\x02" * 10
+    assert ck.read_verified((1, 0), fd, cfd, 3 * BLOCK, [memoryview(buf)]) == [0]
+    os.ftruncate(fd, BLOCK - 5)  # written past the object's end: short, never zeros
+    with pytest.raises(ck.ChecksumError, match="short object"):
+        ck.read_verified((1, 0), fd, cfd, BLOCK - 20, [memoryview(bytearray(10))])
