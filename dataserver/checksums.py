@@ -29,7 +29,7 @@ from pfs.core.checksums import (
 )
 
 __all__ = ["BLOCK", "HOLE_CRC", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check", "check_map",
-           "compute", "crc_padded", "iter_objects", "n_blocks", "read_block", "read_records",
+           "compute", "crc_padded", "iter_objects", "parse_obj_name", "n_blocks", "read_block", "read_records",
            "update", "verify_fd", "whole_blocks", "write_records"]
 
 
@@ -151,6 +151,14 @@ def iter_objects(root: str) -> Iterator[tuple[str, tuple[int, int]]]:
                 for e in entries:
                     if e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
                         continue
-                    ino, _, stripe = e.name.partition(".")
-                    if ino.isdigit() and stripe.isdigit():
-                        yield e.path, (int(ino), int(stripe))
+                    obj = parse_obj_name(e.name)
+                    if obj is not None:
+                        yield e.path, obj
+
+
+def parse_obj_name(name: str) -> tuple[int, int] | None:
+    """The id of an object file name ``<ino>.<stripe>``, or None for any other name."""
+    ino, dot, stripe = name.partition(".")
+    if dot and ino.isascii() and stripe.isascii() and ino.isdigit() and stripe.isdigit():
+        return int(ino), int(stripe)
+    return None

@@ -171,14 +171,6 @@ def _mix(ino: int, stripe: int) -> int:
     return z ^ (z >> 31)
 
 
-def _parse_obj(name: str) -> ObjId | None:
-    """The id of an object file name ``<ino>.<stripe>``, or None for any other name."""
-    ino, dot, stripe = name.partition(".")
-    if dot and ino.isdigit() and stripe.isdigit() and ino.isascii() and stripe.isascii():
-        return int(ino), int(stripe)
-    return None
-
-
 @dataclass(slots=True)
 class _Open:
     fd: int
@@ -398,16 +390,9 @@ class ObjectStore:
         the objects) are skipped. Synchronous: run it in a thread."""
         ids: list[tuple[ObjId, str]] = []  # where each was found (a misplaced one too)
         for d in self.dirs:
-            top = os.path.join(d, _OBJ_DIR)
-            with os.scandir(top) as fanouts:
-                for fan in fanouts:
-                    if not fan.is_dir(follow_symlinks=False):
-                        continue
-                    with os.scandir(fan.path) as entries:
-                        for e in entries:
-                            obj = _parse_obj(e.name)
-                            if obj is not None and (after is None or obj > after):
-                                ids.append((obj, e.path))
+            for path, obj in dck.iter_objects(os.path.join(d, _OBJ_DIR)):
+                if after is None or obj > after:
+                    ids.append((obj, path))
                     if len(ids) > 2 * limit:  # bounded: keep the smallest as we go
                         ids = heapq.nsmallest(limit, ids)
         ids = heapq.nsmallest(limit, ids)
