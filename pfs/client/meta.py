@@ -3,9 +3,13 @@
 Each method runs the one plan of :mod:`pfs.client.ops` for its operation (``meta_*``:
 the typed request and how its reply is read, defined once for every caller) on the trio
 driver; the path API runs the same plans with a path ``At``. What is here is the
-connection: one multiplexed connection; when it breaks, the call in flight fails with the error and
-the next call reconnects, so a mount whose metaserver went away returns errors and
-recovers when it is back.
+connection: one multiplexed connection, opened again when it broke. A transient outage
+(``pfs.core.errors.transient``: refused, reset, a handshake cut, the metaserver starting)
+is retried within the client's ``timeout`` (a mount whose metaserver restarts waits for
+it, as an NFS hard mount would, up to that bound) and is ``ETIMEDOUT`` once it passes. A
+request that may have reached the metaserver before its connection broke is sent again
+only if it changes nothing (:data:`IDEMPOTENT`); the others fail with the connection's
+errno (a close with a size to commit has its own retries, in ``ops``).
 
 ``direct=True`` (the synchronous client): calls go over a blocking connection instead
 (``request_blocking``), one at a time, from whichever thread makes them: the blocking
@@ -19,6 +23,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from typing import Any, TypeVar
 
 import trio
@@ -27,7 +32,7 @@ from pfs.client import ops
 from pfs.client.plan import Plan
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult, fsname
-from pfs.core import auth
+from pfs.core import errors as E
 from pfs.core.auth import ClientAuth
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage, parse_reply
@@ -40,6 +45,42 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLOSE_DELAY = 0.2  # seconds a deferred close waits for a request to carry it
+
+# requests that change nothing: sent again after their connection broke mid-call
+IDEMPOTENT: tuple[type[RequestMessage], ...] = (
+    M.Hello, M.Resolve, M.Lookup, M.Getattr, M.Access, M.Renew, M.Readlink, M.Readdir,
+    M.Statfs, M.Getxattr, M.Listxattr, M.GetLayout, M.Servers, M.ScanInodes,
+    M.ScanDeleting, M.ScanCap)
+FIRST_DELAY, MAX_DELAY = 0.05, 1.0  # seconds between tries: doubling up to MAX_DELAY
+
+
+class Retry:
+    """The retries of one call: the pause before each next try, until ``timeout``
+    seconds from the first have passed (then :class:`pfs.core.errors.Final`
+    ``ETIMEDOUT`` naming the last error)."""
+
+    __slots__ = ("what", "timeout", "deadline", "delay")
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self.deadline = time.monotonic() + timeout
+        self.delay = FIRST_DELAY
+
+    def pause(self, exc: OSError, sent: bool, msg: RequestMessage) -> float:
+        """Seconds to wait before trying again after ``exc``; raise it (or ETIMEDOUT)
+        when it is not retried. ``sent``: the request may have reached the server."""
+        if not E.transient(exc) or (sent and exc.errno != errno.EAGAIN
+                                    and not isinstance(msg, IDEMPOTENT)):
+            raise exc
+        delay = self.delay
+        if time.monotonic() + delay > self.deadline:
+            raise E.Final(errno.ETIMEDOUT, f"{self.what}: no answer within {self.timeout:g} s "
+                                           f"({exc.strerror or exc})") from exc
+        if delay == FIRST_DELAY:
+            log.warning("%s: %s; retrying for up to %g s", self.what, exc.strerror or exc,
+                        self.timeout)
+        self.delay = min(delay * 2, MAX_DELAY)
+        return delay
 
 
 class MetaClient:
@@ -80,27 +121,33 @@ class MetaClient:
                 try:
                     self._rpc = await open_rpc(self._auth, self._nursery, self.host,
                                                self.port, timeout=self.timeout)
-                except auth.AuthError:
+                except E.Final:
                     raise
                 except OSError as exc:
                     raise self._unreachable(exc) from None
                 await self._rpc.request(M.Hello(client=f"pfs-{os.getpid()}"))
             return self._rpc
 
+    @property
+    def name(self) -> str:
+        return f"metaserver {self.host}:{self.port}"
+
     def _unreachable(self, exc: OSError) -> OSError:
-        return OSError(errno.ENOTCONN, f"metaserver {self.host}:{self.port} unreachable: "
-                                       f"{exc.strerror or exc}")
+        """A connection that could not be opened: its errno (refused, reset, timed out),
+        a message naming the metaserver."""
+        code = exc.errno if exc.errno in E.errnos(E.Action.RECONNECT) else errno.ENOTCONN
+        return OSError(code, f"{self.name} unreachable: {exc.strerror or exc}")
 
     def _blocking_client(self) -> BlockingRpcClient:
         with self._blocking_lock:
             if self._disconnected:
-                raise OSError(errno.ENOTCONN, "the client was closed")
+                raise E.Final(errno.ENOTCONN, "the client was closed")
             rpc = self._blocking
             if rpc is None or not rpc.alive:
                 self._blocking = None
                 try:
                     rpc = open_blocking(self._auth, self.host, self.port, timeout=self.timeout)
-                except auth.AuthError:
+                except E.Final:
                     raise
                 except OSError as exc:
                     raise self._unreachable(exc) from None
@@ -115,15 +162,25 @@ class MetaClient:
 
     def request_blocking(self, msg: RequestMessage) -> Any:
         """:meth:`request` over the blocking connection, in the caller's thread; the
-        handles whose close was deferred go with it (``closes``)."""
-        rpc = self._blocking_client()
-        closes = None
-        if self._closes:
-            with self._closes_lock:
-                closes, self._closes = self._closes, []
-                if self._closes_gen != self.generation:
-                    closes = None  # opened on a connection that is gone: released with it
-        return rpc.request(msg, closes=closes)
+        handles whose close was deferred go with it (``closes``). A transient outage is
+        retried within ``timeout`` (the module doc)."""
+        retry: Retry | None = None
+        while True:
+            sent = False
+            try:
+                rpc = self._blocking_client()
+                closes = None
+                if self._closes:
+                    with self._closes_lock:
+                        closes, self._closes = self._closes, []
+                        if self._closes_gen != self.generation:
+                            closes = None  # opened on a connection that is gone
+                sent = True
+                return rpc.request(msg, closes=closes)
+            except OSError as exc:
+                retry = retry or Retry(self.name, self.timeout)
+                pause = retry.pause(exc, sent, msg)
+            time.sleep(pause)
 
     def defer_close(self, fh: int, generation: int) -> bool:
         """Direct mode: release handle ``fh`` (opened on connection ``generation``, with
@@ -162,11 +219,21 @@ class MetaClient:
 
     async def request(self, msg: RequestMessage) -> Any:
         """A typed call: ``msg`` (a request of :mod:`pfs.core.messages.meta`) out, its typed
-        reply back (``EPROTO`` if the reply does not fit it)."""
+        reply back (``EPROTO`` if the reply does not fit it). A transient outage is
+        retried within ``timeout`` (the module doc)."""
         if self.direct:
             return self.request_blocking(msg)
-        rpc = await self._client()
-        return parse_reply(msg, (await rpc.send(msg)).fields)
+        retry: Retry | None = None
+        while True:
+            sent = False
+            try:
+                rpc = await self._client()
+                sent = True
+                return parse_reply(msg, (await rpc.send(msg)).fields)
+            except OSError as exc:
+                retry = retry or Retry(self.name, self.timeout)
+                pause = retry.pause(exc, sent, msg)
+            await trio.sleep(pause)
 
     def wire_cred(self, cred: Cred | None = None) -> WireCred:
         """A message's ``cred``: ``cred``, or the client's own (the last one's is kept:

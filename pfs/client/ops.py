@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pfs.client.plan import DeferClose, MetaCall, Plan, Sleep
 from pfs.client.plan import sync as sync_objects
 from pfs.client.types import Cred, DirEntry, StatResult, fsname
+from pfs.core import errors as E
 from pfs.core.messages import meta as M
 from pfs.core.messages.records import NOW, At, WireCred
 
@@ -33,10 +34,6 @@ if TYPE_CHECKING:  # types only: aio builds its methods on these plans
 log = logging.getLogger(__name__)
 
 READDIR_PAGE = 1024
-# a metaserver restarting or out of reach: a close with a size to commit retries these
-RETRY_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED,
-                          errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-                          errno.EHOSTUNREACH})
 
 
 def norm(path: str | bytes) -> str:
@@ -547,7 +544,8 @@ def _close_on_server(h: FileHandle, end: int | None) -> Plan[None]:
                     return  # nothing left to release there
                 lost = True
                 continue
-            if end is None or exc.errno not in RETRY_ERRNOS \
+            # a metaserver restarting or out of reach (pfs.core.errors.transient)
+            if end is None or not E.transient(exc) \
                     or time.monotonic() + delay > deadline:
                 raise
             if delay == 0.05:

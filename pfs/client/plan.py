@@ -36,6 +36,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pfs.core import errors as E
 from pfs.core.layout import Layout, Piece, stripe_extents
 from pfs.core.messages import data as D
 from pfs.core.messages.base import RequestMessage
@@ -59,12 +60,11 @@ class Failure(enum.Enum):
     FINAL = "final"  # the request itself is wrong or cannot fit: the caller's errno
 
 
-RENEW_ERRNOS = frozenset({errno.EACCES, errno.ESTALE})
-FINAL_ERRNOS = frozenset({errno.EINVAL, errno.ENOSPC})
+# derived from the one table of failures (pfs.core.errors.FAILURES, docs "Errors")
+RENEW_ERRNOS = E.errnos(E.Action.RENEW)
+FINAL_ERRNOS = E.errnos(E.Action.FAIL)
 # the server could not be reached, or the connection broke or timed out
-CONNECTION_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
-                               errno.ETIMEDOUT, errno.EPIPE, errno.EPROTO,
-                               errno.EHOSTUNREACH, errno.ECONNABORTED})
+CONNECTION_ERRNOS = E.errnos(E.Action.RECONNECT)
 
 
 def classify(exc: OSError) -> Failure:

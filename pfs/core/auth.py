@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from pfs.core.config import ConfigError
-from pfs.core.errors import ProtocolError
+from pfs.core.errors import Final, ProtocolError
 from pfs.core.versions import (
     LEGACY_RANGE,
     SUPPORTED,
@@ -82,7 +82,9 @@ UID_MAX = (1 << 32) - 1
 FULL = (0, UID_MAX)
 
 
-class AuthError(OSError):
+class AuthError(Final):
+    """Authentication refused: EACCES, never retried (pfs.core.errors.FAILURES)."""
+
     def __init__(self, msg: str) -> None:
         super().__init__(errno.EACCES, msg)
 
@@ -236,8 +238,9 @@ def _check_head(head: FrameHead | None, peer: str, kind: Kind, what: str,
                 ours: Range = SUPPORTED) -> tuple[int, dict[str, Any]]:
     """The id and fields of an expected handshake frame; AuthError/ProtocolError else
     (VersionError when the server refused our protocol versions)."""
-    if head is None:
-        raise AuthError(f"{peer} closed the connection during authentication")
+    if head is None:  # an outage, not a refusal (a refusal comes as an error frame)
+        raise ConnectionResetError(errno.ECONNRESET,
+                                   f"{peer} closed the connection during authentication")
     if head.payload_len:
         raise ProtocolError(f"{what} carries a payload")
     if head.kind == Kind.ERROR and kind == Kind.REPLY:
@@ -425,8 +428,11 @@ class ClientAuth:
         ns, proof = fields.get("nonce"), fields.get("proof")
         if (not isinstance(ns, bytes) or len(ns) != NONCE_BYTES or not isinstance(proof, bytes)
                 or not hmac.compare_digest(proof, _proof(key, b"server", self.name, nc, ns))):
-            raise AuthError(f"{peer} could not prove it holds key {self.name!r}; "
-                            "not a server of this cluster")
+            # the proofs differ: almost always this client's key file is not the one
+            # the cluster holds under that name (else the server is not of this cluster)
+            raise AuthError(f"this client's key {self.name!r} was refused: it does not "
+                            f"match the key {peer} holds under that name (a wrong key "
+                            f"file, or {peer} is not a server of this cluster)")
         return {"m": "auth_proof", "proof": _proof(key, b"client", self.name, nc, ns)}
 
     async def hello(self, conn: Connection) -> None:
