@@ -28,6 +28,7 @@ import pyfuse3
 
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
+from pfs.core import errors as E
 from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
 from pfs.fuse.options import MountTuning
 
@@ -43,6 +44,9 @@ NOW_SLACK_NS = 2_000_000_000
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
 CAPS_XATTR = b"security.capability"
 CACHE_MAX = 65536  # inodes in each of the daemon's small caches (then all forgotten at once)
+# a connection's errnos (what the client retried until its timeout) read as a dead mount
+# (ENOTCONN: "Transport endpoint is not connected"): the mount says EIO (docs "Errors")
+AS_EIO = E.errnos(E.Action.RECONNECT) - {errno.ETIMEDOUT}
 
 
 def _os_error_of(exc: BaseException) -> OSError | None:
@@ -59,7 +63,8 @@ def _os_error_of(exc: BaseException) -> OSError | None:
 
 @contextmanager
 def fs_errors() -> Iterator[None]:
-    """Turn the client's ``OSError`` into ``FUSEError`` with the same errno."""
+    """Turn the client's ``OSError`` into ``FUSEError`` with the same errno, except
+    those the kernel must not get (AS_EIO, ENOSYS): EIO."""
     try:
         yield
     except (OSError, BaseExceptionGroup) as exc:
@@ -67,8 +72,8 @@ def fs_errors() -> Iterator[None]:
         if err is None:
             raise
         code = err.errno if isinstance(err.errno, int) and err.errno > 0 else errno.EIO
-        if code == errno.ENOSYS:  # the kernel would stop sending this request for good
-            code = errno.EIO
+        if code == errno.ENOSYS or code in AS_EIO:
+            code = errno.EIO  # ENOSYS: the kernel would stop sending this request for good
         if code not in (errno.ENOENT, errno.EEXIST, errno.ENODATA):
             log.debug("-> %s: %s", errno.errorcode.get(code, code), err)
         raise pyfuse3.FUSEError(code) from None

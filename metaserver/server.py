@@ -23,6 +23,7 @@ import errno
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -85,7 +86,11 @@ class MetaService(RpcService):
         self.registry = Registry(cfg.heartbeat_timeout,
                                  reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent))
         self.handles = OpenFiles(store, self.commit, self._reclaim)
-        self.ns = Namespace(self.config.layout, servers=self.registry.free_space,
+        # data servers recorded by the previous run that have not reported since this
+        # start (filled at start-up): placement waits for them (see _placeable)
+        self._awaited: set[str] = set()
+        self._grace_end = 0.0
+        self.ns = Namespace(self.config.layout, servers=self._placeable,
                             opened=self.handles.opened, is_open=self.handles.is_open,
                             deleting=self._deleting_objects)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
@@ -115,11 +120,27 @@ class MetaService(RpcService):
     def _startup(self, txn: WriteTxn) -> None:
         if self.ns.format(txn):
             log.info("formatted a new metadata store")
+        self._awaited = set(self.ns.list_servers(txn))
+        self._grace_end = time.monotonic() + self.config.heartbeat_timeout
         orphans = self.ns.orphans(txn)
         for ino in orphans:
             self.ns.reclaim(txn, ino)
         if orphans:
             log.info("reclaimed %d orphaned inode(s) from the previous run", len(orphans))
+
+    def _placeable(self) -> dict[str, int]:
+        """Free bytes of each data server placement may choose. Right after a start, none
+        known yet while a server recorded by the previous run has not reported again is
+        EAGAIN (the client retries), not ENOSPC, for up to ``heartbeat_timeout``: the
+        servers re-register within a heartbeat or two."""
+        free = self.registry.free_space()
+        if free or not self._awaited or time.monotonic() >= self._grace_end:
+            return free
+        self._awaited = {sid for sid in self._awaited if self.registry.address(sid) is None}
+        if not self._awaited:
+            return free
+        raise OSError(errno.EAGAIN, f"metaserver starting: waiting for {len(self._awaited)} "
+                                    "data server(s) to report again; retry")
 
     def _batch_committed(self) -> None:
         self.handles.batch_committed()

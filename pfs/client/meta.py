@@ -77,8 +77,9 @@ class Retry:
             raise E.Final(errno.ETIMEDOUT, f"{self.what}: no answer within {self.timeout:g} s "
                                            f"({exc.strerror or exc})") from exc
         if delay == FIRST_DELAY:
-            log.warning("%s: %s; retrying for up to %g s", self.what, exc.strerror or exc,
-                        self.timeout)
+            text = exc.strerror or str(exc)
+            log.warning("%s; retrying for up to %g s",
+                        text if self.what in text else f"{self.what}: {text}", self.timeout)
         self.delay = min(delay * 2, MAX_DELAY)
         return delay
 

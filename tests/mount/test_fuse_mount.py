@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from pfs.fuse.options import MountError, parse_options
 from pfs.tools import cluster
 from tests.fuse_fixtures import *  # noqa: F403
 from tests.fuse_fixtures import PY, fuse_usable, mounted, pfs_cli
+from tests.integration.test_cluster import _kill
 
 
 def test_parse_options() -> None:
@@ -117,7 +119,8 @@ def test_metaserver_gone_and_back(private_cluster: Path) -> None:
             assert time.monotonic() - t0 < 20
         finally:
             os.kill(meta_pid, signal.SIGCONT)
-        # a metaserver that is gone: ENOTCONN (or EIO) at once
+        # a metaserver that is gone: retried for `timeout`, then ETIMEDOUT (or EIO);
+        # never ENOTCONN, which reads as a dead mount (docs "Errors")
         os.kill(meta_pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
         while cluster._pid_alive(meta_pid) and time.monotonic() < deadline:
@@ -126,8 +129,8 @@ def test_metaserver_gone_and_back(private_cluster: Path) -> None:
             except ChildProcessError:
                 pass
             time.sleep(0.02)
-        assert _errno_of(os.stat, m / "f") in (errno.ENOTCONN, errno.EIO)
-        assert _errno_of(os.listdir, m) in (errno.ENOTCONN, errno.EIO)
+        assert _errno_of(os.stat, m / "f") in (errno.ETIMEDOUT, errno.EIO)
+        assert _errno_of(os.listdir, m) in (errno.ETIMEDOUT, errno.EIO)
         # back on the same port: the mount answers again, data intact
         cluster.up(private_cluster)
         assert (m / "f").read_bytes() == b"before"
@@ -149,3 +152,21 @@ def test_metaserver_gone_and_back(private_cluster: Path) -> None:
         finally:
             codes.append(_errno_of(os.close, fd))
         assert any(codes), codes
+
+
+def test_a_metaserver_restart_is_waited_for_not_enotconn(private_cluster: Path) -> None:
+    """The mount retries while the metaserver restarts: calls made meanwhile succeed
+    once it is back (within the mount's timeout), none answers ENOTCONN."""
+    toml = cluster.up(private_cluster, data_servers=1)
+    with mounted(toml, "timeout=30,entry_timeout=0,attr_timeout=0") as m:
+        (m / "f").write_bytes(b"before")
+        _kill(private_cluster, "meta")
+        back = threading.Timer(1.0, cluster.up, args=(private_cluster,))
+        back.start()
+        try:
+            assert os.stat(m / "f").st_size == 6
+            (m / "g").write_bytes(b"during")  # a create right after the restart
+        finally:
+            back.join()
+        assert sorted(os.listdir(m)) == ["f", "g"]
+        assert (m / "g").read_bytes() == b"during"

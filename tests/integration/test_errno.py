@@ -1,0 +1,171 @@
+"""Errors a caller can act on (docs/architecture.md, "Errors"): transient outages are
+retried within the client's deadline, refusals say which side failed, bad arguments
+are refused where they enter."""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import pfs
+from pfs.tools import cluster
+from tests.integration.test_cluster import _kill
+
+pytestmark = pytest.mark.integration
+UNIT = 64 * 1024
+
+
+class CutProxy:
+    """A TCP proxy on loopback in front of ``target``: it passes bytes through, and
+    can drop every connection it carries (``drop``) or cut the next ``n`` new ones
+    after their first bytes, in the middle of the authentication handshake
+    (``cut_handshakes``)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        self.cut = 0
+        self.cuts_done = 0
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                cut = self.cut > 0
+                self.cut -= cut
+                t = threading.Thread(target=self._serve, args=(c, cut), daemon=True)
+                self.threads.append(t)
+            t.start()
+
+    def _serve(self, c: socket.socket, cut: bool) -> None:
+        with c, socket.create_connection(self.target) as u:
+            with self.lock:
+                self.conns += [c, u]
+            if cut:  # the client's auth request reaches the server, then the line is cut
+                u.sendall(c.recv(65536))
+                u.recv(65536)  # the server's auth reply is lost
+                with self.lock:
+                    self.cuts_done += 1
+                return
+            back = threading.Thread(target=self._pump, args=(u, c), daemon=True)
+            back.start()
+            self._pump(c, u)
+            back.join()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(1 << 20):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut_handshakes(self, n: int) -> None:
+        with self.lock:
+            self.cut = n
+
+    def drop(self) -> None:
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.lsock.shutdown(socket.SHUT_RDWR)
+        self.lsock.close()
+        self.drop()
+        for t in self.threads:
+            t.join(10)
+
+
+def _meta_addr(toml: Path) -> tuple[str, int]:
+    cfg = pfs.core.config.load(pfs.core.config.ClientConfig, toml)  # type: ignore[attr-defined]
+    host, port = cfg.meta.rsplit(":", 1)
+    return host, int(port)
+
+
+@contextmanager
+def _proxy(toml: Path) -> Iterator[CutProxy]:
+    p = CutProxy(_meta_addr(toml))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_handshake_cut_during_close_still_commits_the_size(cluster_dir: Path,
+                                                             direct: bool) -> None:
+    """An acknowledged 1 MiB write, then the metaserver connection drops and the next
+    handshakes are cut mid-way: close() retries (ECONNRESET, not EACCES) and commits."""
+    toml = cluster_dir / "client.toml"
+    data = os.urandom(1 << 20)
+    with _proxy(toml) as proxy:
+        with pfs.connect(config=toml, meta=f"127.0.0.1:{proxy.port}") as c:
+            c.aio.meta.direct = direct
+            name = f"/cut-{os.getpid()}-{direct}"
+            f = c.open(name, "wb")
+            f.write(data)
+            proxy.cut_handshakes(2)
+            proxy.drop()
+            f.close()
+            assert proxy.cuts_done == 2
+    with pfs.connect(config=toml) as c:
+        assert c.stat(name).st_size == len(data)
+        assert c.read_file(name) == data
+
+
+def test_a_create_right_after_a_metaserver_restart_succeeds(private_cluster: Path) -> None:
+    """The restarted metaserver knows its data servers from their records and answers
+    EAGAIN (retried) until they report again, not ENOSPC."""
+    toml = cluster.up(private_cluster, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.write_file("/before", b"x")
+    _kill(private_cluster, "meta")
+    cluster.up(private_cluster)
+    with pfs.connect(config=toml) as c:
+        c.write_file("/after", b"y" * 1000)
+        assert c.read_file("/after") == b"y" * 1000
+
+
+def test_a_metaserver_restart_is_waited_for_within_the_timeout(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=1)
+    with pfs.connect(config=toml) as c:
+        c.write_file("/m", b"abc")
+        _kill(private_cluster, "meta")
+        back = threading.Timer(1.0, cluster.up, args=(private_cluster,))
+        back.start()
+        try:
+            assert c.stat("/m").st_size == 3  # retried until it is back
+        finally:
+            back.join()
+        _kill(private_cluster, "meta")
+        c.aio.meta.timeout = 1.0
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as ei:
+            c.stat("/m")
+        assert ei.value.errno == errno.ETIMEDOUT, ei.value
+        assert time.monotonic() - t0 < 10
