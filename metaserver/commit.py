@@ -9,6 +9,7 @@ commit.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 from collections.abc import Callable
@@ -32,6 +33,11 @@ class _Op:
     done: trio.Event | None  # None: nobody waits (a background operation)
     result: Any = None
     error: BaseException | None = None
+    frees: bool = False  # it frees space: on ENOSPC, run again in the store's reserve
+
+
+def _is_full(exc: BaseException | None) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
 
 
 class _Undo(Exception):
@@ -65,9 +71,11 @@ class CommitQueue:
     def close(self) -> None:
         self._closed = True
 
-    async def mutate(self, fn: Callable[[WriteTxn], T]) -> T:
-        """Run ``fn`` in the next batch; its result once the batch is on disk."""
-        op = _Op(fn, trio.Event())
+    async def mutate(self, fn: Callable[[WriteTxn], T], frees: bool = False) -> T:
+        """Run ``fn`` in the next batch; its result once the batch is on disk.
+        ``frees``: ``fn`` frees space (unlink, rmdir): when the store is full it runs
+        again in the reserve kept for that (``Store.write(headroom=True)``)."""
+        op = _Op(fn, trio.Event(), frees=frees)
         self._send.send_nowait(op)
         assert op.done is not None
         await op.done.wait()
@@ -105,6 +113,11 @@ class CommitQueue:
             # worker thread costs more (~300 us here) than the loop loses by waiting for
             # the fsync, and requests arriving meanwhile simply join the next batch.
             self._run_batch(batch)
+            again = [op for op in batch if op.frees and _is_full(op.error)]
+            if again:
+                for op in again:
+                    op.error = None
+                self._run_batch(again, headroom=True)
             await trio.lowlevel.checkpoint()
             self._after_batch()
             for op in batch:
@@ -113,9 +126,9 @@ class CommitQueue:
                 elif op.error is not None:
                     log.warning("background metadata update failed: %s", op.error)
 
-    def _run_batch(self, batch: list[_Op]) -> None:
+    def _run_batch(self, batch: list[_Op], headroom: bool = False) -> None:
         try:
-            with self._store.write() as txn:
+            with (self._store.write(headroom=True) if headroom else self._store.write()) as txn:
                 for op in batch:
                     try:
                         with txn.nested() as sub:

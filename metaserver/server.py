@@ -267,7 +267,8 @@ class MetaService(RpcService):
         return Empty()
 
     async def _entry_change(self, req: M.EntryChange, parent: int,
-                            fn: Callable[[WriteTxn], Any]) -> M.EntryReply:
+                            fn: Callable[[WriteTxn], Any], frees: bool = False
+                            ) -> M.EntryReply:
         """Run ``fn`` (it makes or removes an entry of ``parent``; its result, if any, is
         the reply's ``attr``). With ``want_parent`` the reply also carries the parent's
         new attributes: the kernel asks for them next (its cached ones went stale), and
@@ -277,7 +278,7 @@ class MetaService(RpcService):
         def op(txn: WriteTxn) -> tuple[Any, Any]:
             return fn(txn), self.ns.getattr(txn, parent) if want else None
 
-        result, parent_attr = await self.commit.mutate(op)
+        result, parent_attr = await self.commit.mutate(op, frees)
         return M.EntryReply(attr=result, parent_attr=parent_attr)
 
     async def rpc_mkdir(self, ctx: ConnContext, req: M.Mkdir) -> M.EntryReply:
@@ -390,13 +391,15 @@ class MetaService(RpcService):
         cred = self._cred(ctx, req)
         parent, name = self._at(req.at, cred)
         return await self._entry_change(req, parent,
-                                        lambda t: self.ns.unlink(t, cred, parent, name))
+                                        lambda t: self.ns.unlink(t, cred, parent, name),
+                                        frees=True)
 
     async def rpc_rmdir(self, ctx: ConnContext, req: M.Rmdir) -> M.EntryReply:
         cred = self._cred(ctx, req)
         parent, name = self._at(req.at, cred)
         return await self._entry_change(req, parent,
-                                        lambda t: self.ns.rmdir(t, cred, parent, name))
+                                        lambda t: self.ns.rmdir(t, cred, parent, name),
+                                        frees=True)
 
     async def rpc_rename(self, ctx: ConnContext, req: M.Rename) -> Empty:
         cred = self._cred(ctx, req)
@@ -453,7 +456,8 @@ class MetaService(RpcService):
 
     async def rpc_removexattr(self, ctx: ConnContext, req: M.Removexattr) -> Empty:
         cred, ino, name = self._cred(ctx, req), req.ino, req.name
-        await self.commit.mutate(lambda t: self.ns.removexattr(t, cred, ino, name))
+        await self.commit.mutate(lambda t: self.ns.removexattr(t, cred, ino, name),
+                                 frees=True)
         return Empty()
 
     async def rpc_get_layout(self, ctx: ConnContext, req: M.GetLayout) -> M.LayoutReply:

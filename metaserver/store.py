@@ -7,6 +7,12 @@ transaction commits when its block ends normally and rolls back when it raises.
 only the child's changes are undone. The metaserver's group commit runs many requests in
 one write, each in its own child, and commits (one fsync) once for the whole batch.
 
+**Full.** A full map (LMDB ``MapFullError``) or disk is ``ENOSPC``, never ``EIO``. Beyond
+``map_size`` the store keeps a reserve (``RESERVE_FRACTION``, at least ``RESERVE_MIN``)
+that only ``write(headroom=True)`` may use: the commit queue runs an operation that frees
+space (unlink, rmdir, removexattr) again there when it failed full, so a full store can
+be emptied.
+
 Engines: :class:`LmdbStore` (durable: ``sync=True``, every commit is on disk when
 ``write()`` returns) and :class:`MemoryStore` (a sorted dict, for tests). The same
 metadata test suite runs against both.
@@ -62,7 +68,10 @@ class Store(Protocol):
 
     def read(self) -> AbstractContextManager[Txn]: ...
 
-    def write(self) -> AbstractContextManager[WriteTxn]: ...
+    def write(self, headroom: bool = False) -> AbstractContextManager[WriteTxn]:
+        """``headroom``: the write may use the reserve kept for operations that free
+        space (unlink, rmdir), so a full store can still be emptied."""
+        ...
 
     def close(self) -> None: ...
 
@@ -70,9 +79,20 @@ class Store(Protocol):
 # ---------------------------------------------------------------------------
 # LMDB
 # ---------------------------------------------------------------------------
+# Space kept back beyond map_size for writes that free space (``write(headroom=True)``):
+# an unlink writes too (the deletion queue, the parent's times), and must still run
+# when ordinary writes have filled the map.
+RESERVE_FRACTION = 1 / 64
+RESERVE_MIN = 1 << 20
+
+
 def _store_error(exc: lmdb.Error) -> OSError:
+    """ENOSPC for a full map or a full disk (pfs.core.errors.FAILURES), EIO else."""
     if isinstance(exc, lmdb.MapFullError):
-        return OSError(errno.ENOSPC, "metadata store is full (raise map_size)")
+        return OSError(errno.ENOSPC, "metadata store is full (raise map_size, or unlink "
+                                     "files to free space)")
+    if any(os.strerror(code) in str(exc) for code in (errno.ENOSPC, errno.EDQUOT)):
+        return OSError(errno.ENOSPC, f"metadata store: the disk is full ({exc})")
     return OSError(errno.EIO, f"metadata store error: {exc}")
 
 
@@ -130,6 +150,8 @@ class LmdbStore:
                  check_format: bool = True) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.fspath(path)
+        self.map_size = map_size
+        self.reserve = max(RESERVE_MIN, int(map_size * RESERVE_FRACTION))
         self.env = lmdb.open(self.path, map_size=map_size, subdir=True, sync=True,
                              metasync=True, max_dbs=0, readahead=False)
         if check_format:
@@ -148,17 +170,26 @@ class LmdbStore:
             txn.abort()
 
     @contextmanager
-    def write(self) -> Iterator[_LmdbTxn]:
-        txn = self.env.begin(write=True)
+    def write(self, headroom: bool = False) -> Iterator[_LmdbTxn]:
+        # headroom: the map grows by the reserve for this write, then is set back (LMDB
+        # keeps it at least as large as the pages in use); the writes run in one thread
+        # and no transaction is open meanwhile, as set_mapsize requires
+        if headroom:
+            self.env.set_mapsize(self.map_size + self.reserve)
         try:
-            yield _LmdbTxn(self.env, txn)
-        except BaseException:
-            txn.abort()
-            raise
-        try:
-            txn.commit()
-        except lmdb.Error as exc:
-            raise _store_error(exc) from exc
+            txn = self.env.begin(write=True)
+            try:
+                yield _LmdbTxn(self.env, txn)
+            except BaseException:
+                txn.abort()
+                raise
+            try:
+                txn.commit()
+            except lmdb.Error as exc:
+                raise _store_error(exc) from exc
+        finally:
+            if headroom:
+                self.env.set_mapsize(self.map_size)
 
     def close(self) -> None:
         self.env.close()
@@ -310,7 +341,7 @@ class MemoryStore:
         yield _MemTxn(self, writable=False)
 
     @contextmanager
-    def write(self) -> Iterator[_MemTxn]:
+    def write(self, headroom: bool = False) -> Iterator[_MemTxn]:
         txn = _MemTxn(self, writable=True)
         try:
             yield txn

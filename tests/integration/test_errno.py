@@ -4,6 +4,7 @@ are refused where they enter."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 import threading
@@ -11,15 +12,21 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
 
 import pfs
+from pfs.core.config import LayoutDefaults, MetaConfig
+from pfs.core.wire.rpc import RpcClient
+from pfs.metaserver.server import serve_meta
 from pfs.tools import cluster
 from tests.integration.test_cluster import _kill
 
 pytestmark = pytest.mark.integration
 UNIT = 64 * 1024
+ROOT = [0, 0, []]
 
 
 class CutProxy:
@@ -169,3 +176,35 @@ def test_a_metaserver_restart_is_waited_for_within_the_timeout(private_cluster: 
             c.stat("/m")
         assert ei.value.errno == errno.ETIMEDOUT, ei.value
         assert time.monotonic() - t0 < 10
+
+
+async def _full_metadata_store(tmp_path: Path) -> None:
+    cfg = MetaConfig(db=str(tmp_path / "db"), port=0, map_size=1 << 20,
+                     layout=LayoutDefaults(unit=4096, count=1, replicas=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_meta, cfg))
+        c = await RpcClient.open(nursery, "127.0.0.1", port)
+
+        async def call(method: str, **fields: Any) -> dict[str, Any]:
+            return (await c.call(method, fields)).fields
+
+        await call("register", sid="s0", host="127.0.0.1", port=1, total=1 << 30, free=1 << 29)
+        made = []
+        with pytest.raises(OSError) as full:
+            for i in range(10_000):
+                name = b"f%05d" % i
+                await call("mknod", parent=1, name=name, mode=0o100644, rdev=0, cred=ROOT)
+                made.append(name)
+                await call("setxattr", ino=i + 2, name=b"user.pad", value=os.urandom(2000),
+                           flags=0, cred=ROOT)
+        assert full.value.errno == errno.ENOSPC, full.value  # not EIO
+        assert len(made) > 50
+        for name in made:  # deletions still run: space can be freed
+            await call("unlink", parent=1, name=name, cred=ROOT)
+        await call("mkdir", parent=1, name=b"again", mode=0o755, cred=ROOT)
+        c.close()
+        nursery.cancel_scope.cancel()
+
+
+def test_a_full_metadata_store_is_enospc_and_unlink_frees_it(tmp_path: Path) -> None:
+    trio.run(_full_metadata_store, tmp_path)

@@ -231,10 +231,10 @@ async def test_group_commit_concurrent_creates(tmp_path: Path) -> None:
     commits = 0
 
     class Counting(LmdbStore):
-        def write(self):  # type: ignore[no-untyped-def]
+        def write(self, headroom: bool = False):  # type: ignore[no-untyped-def]
             nonlocal commits
             commits += 1
-            return super().write()
+            return super().write(headroom)
 
     store = Counting(tmp_path / "db", 1 << 28)
     n = 400
@@ -576,11 +576,11 @@ async def test_deleter_survives_a_failed_commit(tmp_path: Path) -> None:
     failing = [False]
 
     class Failing(LmdbStore):
-        def write(self):  # type: ignore[no-untyped-def]
+        def write(self, headroom: bool = False):  # type: ignore[no-untyped-def]
             if failing[0]:
                 failing[0] = False
                 raise OSError(errno.EIO, "disk trouble")
-            return super().write()
+            return super().write(headroom)
 
     class Tripping(FakeData):
         async def rpc_delete(self, ctx: ConnContext, req: Request) -> dict[str, Any]:

@@ -121,8 +121,8 @@ class CountingStore(MemoryStore):
         self.fail = False
 
     @contextmanager
-    def write(self) -> Iterator[Any]:
-        with super().write() as txn:
+    def write(self, headroom: bool = False) -> Iterator[Any]:
+        with super().write(headroom) as txn:
             yield txn
             if self.fail:
                 self.fail = False
