@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 
 from pfs.core.config import LayoutDefaults
+from pfs.core.errors import check_size
 from pfs.core.layout import check_geometry
 from pfs.core.messages.meta import (  # the flags, defined once with the messages
     RENAME_EXCHANGE,
@@ -611,8 +612,7 @@ class Namespace:
                 raise _err(errno.EISDIR)
             if ftype != stat.S_IFREG:
                 raise _err(errno.EINVAL, "size of a non-regular file")
-            if size < 0:
-                raise _err(errno.EINVAL, "negative size")
+            check_size(size, f"truncate of inode {ino}")
             self.check_perm(cred, rec, W_OK)
             rec["size"] = size
             rec["mtime"] = now
@@ -641,6 +641,7 @@ class Namespace:
                       ) -> tuple[dict[str, Any], int] | None:
         """Check that ``cred`` may set ``ino``'s size; if that shrinks a file with data
         objects, return (layout, old size) so the caller can cut the objects first."""
+        check_size(size, f"truncate of inode {ino}")  # before any data server sees it
         rec = self._rec(txn, ino)
         if stat.S_ISDIR(rec["mode"]):
             raise _err(errno.EISDIR)
@@ -656,6 +657,8 @@ class Namespace:
         """Record data a client wrote: size = max(size, written_end), its mtime; a write
         by anyone but root drops setuid (and setgid of a group-executable file), as the
         kernel does for local filesystems."""
+        if written_end is not None:
+            check_size(written_end, f"size commit of inode {ino}")
         rec = self._rec(txn, ino)
         changed = False
         if (written_end is not None or mtime is not None) and not writer_is_root:

@@ -67,7 +67,10 @@ def meta_getattr(ino: int) -> Plan[StatResult]:
 
 
 def meta_setattr(ino: int, cred: WireCred, **changes: Any) -> Plan[StatResult]:
-    """Change the attributes given (None: unchanged)."""
+    """Change the attributes given (None: unchanged); a bad size is refused here."""
+    size = changes.get("size")
+    if size is not None:
+        E.check_size(size, f"truncate of inode {ino}")
     r = yield MetaCall(M.Setattr(ino=ino, cred=cred, **changes))
     return StatResult.from_wire(r.attr)
 
@@ -323,6 +326,7 @@ def utime(c: AsyncClient, path: str | bytes, times: tuple[float, float] | None =
 
 
 def truncate(c: AsyncClient, path: str | bytes, size: int) -> Plan[None]:
+    E.check_size(size, f"truncate of {os.fsdecode(path)}")
     attr = yield from stat(c, path)
     yield from meta_setattr(attr.st_ino, _cred(c), size=size)
     c.truncated(attr.st_ino, size)
@@ -484,6 +488,7 @@ def commit(h: FileHandle) -> Plan[None]:
 
 def truncate_handle(h: FileHandle, size: int) -> Plan[None]:
     h._check(True)
+    E.check_size(size, f"truncate of {h.path or f'inode {h.ino}'}")
     yield from commit(h)
     attr = yield from set_attr(h.ino, h.client.cred, size=size)
     h.state.size = attr.st_size

@@ -89,7 +89,8 @@ FAILURES: tuple[Failure, ...] = (
     Failure("data server's disk full", errno.ENOSPC, Action.FAIL),
     Failure("invalid argument (negative size or offset), refused where it enters",
             errno.EINVAL, Action.FAIL),
-    Failure("size or offset beyond the layout's limit", errno.EFBIG, Action.FAIL),
+    Failure("size or write end past the largest file size (`MAX_FILE_SIZE`)",
+            errno.EFBIG, Action.FAIL),
     Failure("an outage outlasted the client's `timeout`", errno.ETIMEDOUT, Action.FAIL),
     Failure("a server's bug (an unexpected exception, logged there)", errno.EIO,
             Action.FAIL),
@@ -122,6 +123,21 @@ def action(exc: OSError) -> Action:
 def transient(exc: OSError) -> bool:
     """An outage the client retries within its deadline (reconnect, or wait)."""
     return action(exc) in (Action.RECONNECT, Action.WAIT)
+
+
+# The largest file size or end of a write: the largest off_t (a larger file could not be
+# stat'd; every layout's objects hold it, MAX_UNIT * 2**63 / MAX_UNIT per stripe).
+MAX_FILE_SIZE = (1 << 63) - 1
+
+
+def check_size(size: int, what: str) -> None:
+    """Refuse a size (or end of a write) where it enters: EINVAL when negative, EFBIG
+    past MAX_FILE_SIZE; ``what`` names the file and the operation."""
+    if size < 0:
+        raise OSError(errno.EINVAL, f"{what}: size {size} is negative")
+    if size > MAX_FILE_SIZE:
+        raise OSError(errno.EFBIG, f"{what}: size {size} is past the largest file size "
+                                   f"({MAX_FILE_SIZE})")
 
 
 def markdown() -> str:

@@ -208,3 +208,62 @@ async def _full_metadata_store(tmp_path: Path) -> None:
 
 def test_a_full_metadata_store_is_enospc_and_unlink_frees_it(tmp_path: Path) -> None:
     trio.run(_full_metadata_store, tmp_path)
+
+
+def test_bad_sizes_are_refused_where_they_enter(client: Any, workdir: str) -> None:
+    p = f"{workdir}/f"
+    client.write_file(p, b"x" * 100)
+    for size, code in ((-1, errno.EINVAL), (1 << 63, errno.EFBIG)):
+        with pytest.raises(OSError) as ei:
+            client.truncate(p, size)
+        assert ei.value.errno == code and p in str(ei.value), ei.value
+        with client.open(p, "r+b") as f, pytest.raises(OSError) as ei:
+            f.truncate(size)
+        assert ei.value.errno == code, ei.value
+    assert client.read_file(p) == b"x" * 100
+
+
+async def _bad_sizes_at_the_metaserver(tmp_path: Path) -> None:
+    """The metaserver refuses them too, before any data server is asked to cut."""
+    cfg = MetaConfig(db=str(tmp_path / "db"), port=0, map_size=1 << 24,
+                     layout=LayoutDefaults(unit=4096, count=1, replicas=1))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_meta, cfg))
+        c = await RpcClient.open(nursery, "127.0.0.1", port)
+        # a data server address nothing listens on: a truncate sent there would fail EIO
+        await c.call("register", {"sid": "s0", "host": "127.0.0.1", "port": 1,
+                                  "total": 1 << 30, "free": 1 << 29})
+        r = (await c.call("create", {"parent": 1, "name": b"f", "mode": 0o644,
+                                     "flags": os.O_CREAT | os.O_RDWR, "cred": ROOT})).fields
+        ino = r["attr"]["ino"]
+        await c.call("close", {"fh": r["fh"], "written_end": 100})
+        for size, code in ((-1, errno.EINVAL), (1 << 63, errno.EFBIG)):
+            with pytest.raises(OSError) as ei:
+                await c.call("setattr", {"ino": ino, "cred": ROOT, "size": size})
+            assert ei.value.errno == code, ei.value
+        r = (await c.call("open", {"ino": ino, "flags": os.O_RDWR, "cred": ROOT})).fields
+        with pytest.raises(OSError) as ei:
+            await c.call("commit_size", {"fh": r["fh"], "written_end": 1 << 63})
+        assert ei.value.errno == errno.EFBIG, ei.value
+        c.close()
+        nursery.cancel_scope.cancel()
+
+
+def test_bad_sizes_are_refused_by_the_metaserver(tmp_path: Path) -> None:
+    trio.run(_bad_sizes_at_the_metaserver, tmp_path)
+
+
+def test_a_wrong_client_key_says_the_clients_key_was_refused(cluster_dir: Path,
+                                                            tmp_path: Path) -> None:
+    toml = cluster_dir / "client.toml"
+    text = toml.read_text()
+    cfg = pfs.core.config.load(pfs.core.config.ClientConfig, toml)  # type: ignore[attr-defined]
+    wrong = tmp_path / "wrong.key"
+    wrong.write_bytes(os.urandom(32))
+    wrong.chmod(0o600)
+    bad = tmp_path / "client.toml"
+    bad.write_text(text.replace(cfg.key_file, str(wrong)))
+    with pytest.raises(OSError) as ei:
+        pfs.connect(config=bad)
+    assert ei.value.errno == errno.EACCES
+    assert "this client's key" in str(ei.value) and "refused" in str(ei.value), ei.value
