@@ -145,13 +145,16 @@ def test_a_handshake_cut_during_close_still_commits_the_size(cluster_dir: Path,
         assert c.read_file(name) == data
 
 
-def test_a_create_right_after_a_metaserver_restart_succeeds(private_cluster: Path) -> None:
+def test_a_create_right_after_a_metaserver_restart_succeeds(
+        private_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restarted metaserver knows its data servers from their records and answers
     EAGAIN (retried) until they report again, not ENOSPC."""
     toml = cluster.up(private_cluster, data_servers=2)
     with pfs.connect(config=toml) as c:
         c.write_file("/before", b"x")
     _kill(private_cluster, "meta")
+    # back, and a create at once: before the data servers' next heartbeat
+    monkeypatch.setattr(cluster, "_wait_registered", lambda toml, n: None)
     cluster.up(private_cluster)
     with pfs.connect(config=toml) as c:
         c.write_file("/after", b"y" * 1000)
