@@ -161,10 +161,10 @@ class MetaClient:
                 self.generation += 1
             return rpc
 
-    def request_blocking(self, msg: RequestMessage) -> Any:
+    def request_blocking(self, msg: RequestMessage, retry_outage: bool = True) -> Any:
         """:meth:`request` over the blocking connection, in the caller's thread; the
         handles whose close was deferred go with it (``closes``). A transient outage is
-        retried within ``timeout`` (the module doc)."""
+        retried within ``timeout`` (the module doc) unless ``retry_outage`` is False."""
         retry: Retry | None = None
         while True:
             sent = False
@@ -179,6 +179,8 @@ class MetaClient:
                 sent = True
                 return rpc.request(msg, closes=closes)
             except OSError as exc:
+                if not retry_outage:
+                    raise
                 retry = retry or Retry(self.name, self.timeout)
                 pause = retry.pause(exc, sent, msg)
             time.sleep(pause)
@@ -213,8 +215,8 @@ class MetaClient:
             self._flush_due = False
             due = bool(self._closes)
         if due:
-            try:
-                self.request_blocking(M.Release())
+            try:  # not retried: this is the trio thread, and a lost connection
+                self.request_blocking(M.Release(), retry_outage=False)  # released them
             except OSError as exc:  # the connection broke: the server released them
                 log.debug("releasing closed handles: %s", exc)
 

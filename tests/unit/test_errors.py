@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from pfs.client import plan
+from pfs.client.meta import FIRST_DELAY, MAX_DELAY, Retry
 from pfs.core import errors as E
 from pfs.core.auth import AuthError
+from pfs.core.messages import meta as M
+from pfs.core.messages.records import At
 
 pytestmark = pytest.mark.unit
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
@@ -45,3 +48,27 @@ def test_every_row_names_a_real_errno_once_per_failure() -> None:
     whats = [f.what for f in E.FAILURES]
     assert len(whats) == len(set(whats))
     assert all(f.errno in errno.errorcode for f in E.FAILURES)
+
+
+def test_the_metadata_clients_retry_policy() -> None:
+
+    r = Retry("metaserver x:1", 60.0)
+    down = OSError(errno.ECONNREFUSED, "refused")
+    pauses = [r.pause(down, False, M.Mkdir(at=At(1, b"d"), mode=0o755, cred=(0, 0, ())))
+              for _ in range(8)]
+    assert pauses[0] == FIRST_DELAY and pauses[-1] == MAX_DELAY  # backing off
+    # a change that may have reached the server is not sent again; a read is
+    mkdir = M.Mkdir(at=At(1, b"d"), mode=0o755, cred=(0, 0, ()))
+    reset = OSError(errno.ECONNRESET, "reset")
+    with pytest.raises(OSError) as ei:
+        r.pause(reset, True, mkdir)
+    assert ei.value is reset
+    assert r.pause(reset, True, M.Getattr(ino=1)) > 0
+    assert r.pause(OSError(errno.EAGAIN, "starting"), True, mkdir) > 0  # it did nothing
+    with pytest.raises(OSError) as ei:  # not an outage
+        r.pause(OSError(errno.ENOSPC, "full"), False, mkdir)
+    assert ei.value.errno == errno.ENOSPC
+    late = Retry("metaserver x:1", 0.0)
+    with pytest.raises(E.Final) as fin:
+        late.pause(down, False, mkdir)
+    assert fin.value.errno == errno.ETIMEDOUT and "x:1" in str(fin.value)
