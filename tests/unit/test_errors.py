@@ -72,3 +72,14 @@ def test_the_metadata_clients_retry_policy() -> None:
     with pytest.raises(E.Final) as fin:
         late.pause(down, False, mkdir)
     assert fin.value.errno == errno.ETIMEDOUT and "x:1" in str(fin.value)
+
+
+def test_the_mount_answers_eio_for_a_connection_errno_never_enotconn() -> None:
+    pyfuse3 = pytest.importorskip("pyfuse3")
+    fuse_ops = pytest.importorskip("pfs.fuse.ops")
+    for code, want in ((errno.ENOTCONN, errno.EIO), (errno.ECONNREFUSED, errno.EIO),
+                       (errno.ECONNRESET, errno.EIO), (errno.ETIMEDOUT, errno.ETIMEDOUT),
+                       (errno.ENOSPC, errno.ENOSPC)):
+        with pytest.raises(pyfuse3.FUSEError) as ei, fuse_ops.fs_errors():
+            raise OSError(code, "x")
+        assert ei.value.errno == want, errno.errorcode[code]
