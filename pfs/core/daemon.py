@@ -10,7 +10,8 @@ import resource
 import select
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -85,7 +86,7 @@ async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,
     supervisor, and stop it cleanly on the first SIGTERM or SIGINT."""
     nofile = harden_process()
     log.info("%s: umask %04o, open-file limit %d", what, UMASK, nofile)
-    try:
+    with logged_death(what):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(serve)
@@ -95,10 +96,19 @@ async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,
                     log.info("%s stopping on %s", what, signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     break
+
+
+@contextmanager
+def logged_death(what: str) -> Iterator[None]:
+    """Log what ends a server, unwrapped from trio's exception groups (not "Exceptions
+    from Trio nursery"), each with its traceback; re-raise it (the one exception itself
+    when there is one, so the entry point can name it)."""
+    try:
+        yield
     except BaseException as exc:  # logged, not handled: re-raised below
         real = [e for e in leaves(exc) if not isinstance(e, (trio.Cancelled, KeyboardInterrupt))]
         for e in real:
             log.critical("%s died: %s: %s", what, type(e).__name__, e, exc_info=e)
-        if len(real) == 1:  # the cause itself, not "Exceptions from Trio nursery"
+        if len(real) == 1 and real[0] is not exc:
             raise real[0] from None
         raise

@@ -368,6 +368,7 @@ class RpcService:
         self._budget: ByteBudget | None = None
         self._conn_slots: trio.Semaphore | None = None
         self._admission: Admission | None = None
+        self._accept_logged = -1e9  # when accept's failure was last logged (monotonic)
 
     def apply_limits(self, limits: ConnLimits, fd_budget: int | None = None) -> None:
         """The connection limits of a server's config; ``max_connections`` lowered to
@@ -489,7 +490,7 @@ class RpcService:
                         if exc.errno in ACCEPT_SHORT_ERRNOS:
                             # out of descriptors or memory: free one handshake's, wait
                             admission.evict_one()
-                            _log_accept_failure(self.name, exc, backoff)
+                            _log_accept_failure(self, exc, backoff)
                             await trio.sleep(backoff)
                             backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX)
                         continue  # or a peer gone before we accepted it: next
@@ -677,20 +678,16 @@ def _peer_of(addr: Any) -> str:
     return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
 
 
-_accept_logged = 0.0
-
-
-def _log_accept_failure(name: str, exc: OSError, backoff: float) -> None:
+def _log_accept_failure(svc: RpcService, exc: OSError, backoff: float) -> None:
     """One line per 10 s about accept failing (the cause, how many descriptors)."""
-    global _accept_logged
     now = time.monotonic()
-    if now - _accept_logged < 10.0:
+    if now - svc._accept_logged < 10.0:
         return
-    _accept_logged = now
+    svc._accept_logged = now
     try:
         used = len(os.listdir("/proc/self/fd"))
     except OSError:
         used = -1
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     log.warning("%s: accept failed: %s (%d of %d descriptors open); backing off %.2f s",
-                name, exc, used, soft, backoff)
+                svc.name, exc, used, soft, backoff)
