@@ -90,11 +90,18 @@ class DataService(RpcService):
 
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
-                     data_keys: dict[str, bytes] | None = None) -> None:
+                     data_keys: dict[str, bytes] | None = None,
+                     cap_format: int | None = caps.VERSION) -> None:
         """What registration taught: the metaserver's public key, the generation floor,
-        and the data-plane keys clients authenticate with."""
-        if self.verifier is None or self.verifier.public_bytes != cap_key:
-            self.verifier = CapVerifier(cap_key)
+        the data-plane keys clients authenticate with, and the capability format it signs
+        (None: an older metaserver's unbound version 1, accepted until it is upgraded)."""
+        legacy = cap_format is None
+        if (self.verifier is None or self.verifier.public_bytes != cap_key
+                or self.verifier.legacy != legacy):
+            if legacy:
+                log.warning("the metaserver signs unbound (version 1) capabilities: accepted "
+                            "until it is upgraded (docs/security.md)")
+            self.verifier = CapVerifier(cap_key, legacy)
         self.floor = max(self.floor, floor)
         self.cap_ttl = cap_ttl
         if data_keys is not None and self.auth is not None and self.auth.mode == "key":
@@ -560,7 +567,8 @@ class DataService(RpcService):
         if key is not None and gen is not None:
             self.set_security(key, gen, float(ttl) if isinstance(ttl, (int, float)) else 300.0,
                               {k: v for k, v in data_keys.items()
-                               if isinstance(k, str) and isinstance(v, bytes)})
+                               if isinstance(k, str) and isinstance(v, bytes)},
+                              res.cap_format)
         elif self.verify_caps:
             raise OSError(errno.EPROTO, "register: the metaserver sent no capability key")
         if sid != self.sid:

@@ -517,7 +517,7 @@ class MetaService(RpcService):
         # restarted and lost its fences) and the node keys' data-plane keys
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
-                               data_keys=self._data_keys)
+                               data_keys=self._data_keys, cap_format=caps.VERSION)
 
     async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
         if ctx.identity is None or not ctx.identity.may_serve:

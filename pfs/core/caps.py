@@ -27,7 +27,12 @@ the 64-byte Ed25519 signature of ``body`` by the metaserver's private key.
   (admin and scan capabilities only): every stripe, on the listed ``servers`` (none
   listed: on any server).
 
-Version 1 capabilities (no ``who``, no placement) are refused: they were bearer tokens.
+Version 1 capabilities (``[1, ino, stripes, rights, expiry, gen, sid]``: no ``who``, no
+placement, no limit) were bearer tokens. A data server refuses them, except while it is
+registered with a metaserver older than this (its registration reply names no
+``cap_format``), so a cluster is still upgraded one server at a time (data servers
+first); once the metaserver is upgraded it signs only version 2, and version 1
+capabilities are refused.
 
 The metaserver's private key lives in its db directory (``capability.key``, mode 0600);
 data servers only ever hold the public key, so no data server can mint access.
@@ -86,7 +91,7 @@ class Capability:
     rights: int
     expiry: float
     gen: int
-    who: str  # identity it was issued to; "": the metaserver's own
+    who: str | None  # identity it was issued to; "": the metaserver's own; None: v1
     max_off: int  # a write or truncation may reach this object offset, no further
     servers: frozenset[str]  # with ``placement`` None: the servers it is for (none: any)
     placement: dict[int, frozenset[str]] | None  # stripe -> servers that may hold it
@@ -121,7 +126,9 @@ class Capability:
             if sid not in holders:
                 raise _eacces(f"object {list(obj)} is not placed on data server {sid} by "
                               f"the file's layout")
-        if self.who:
+        if self.who is None:  # version 1, accepted from an older metaserver only
+            pass
+        elif self.who:
             if ident is None or ident.name != self.who:
                 raise _eacces(f"issued to {self.who!r}, presented on a connection of "
                               f"{'nobody' if ident is None else repr(ident.name)}")
@@ -199,10 +206,27 @@ class CapSigner:
         return body + self._key.sign(body), life
 
 
-def _parse(v: Any) -> Capability:
+def _parse_v1(v: list[Any]) -> Capability:
+    """A version 1 body (an older metaserver's): bound to nothing but its inode,
+    stripes and server."""
+    if (len(v) != 7 or not all(type(x) is int for x in (v[1], v[3], v[4], v[5]))
+            or not isinstance(v[6], str)
+            or not (v[2] is None or (isinstance(v[2], list)
+                                     and all(type(s) is int for s in v[2])))):
+        raise _eacces("malformed body")
+    servers = frozenset([v[6]]) if v[6] else frozenset()
+    placement = None if v[2] is None else {s: servers for s in v[2]}
+    if placement is not None and not servers:
+        raise _eacces("a version 1 capability naming stripes but no server")
+    return Capability(v[1], v[3], float(v[4]), v[5], None, UNBOUNDED, servers, placement)
+
+
+def _parse(v: Any, legacy: bool = False) -> Capability:
     """The fields of a verified body; EACCES if they are not a capability's."""
     if not isinstance(v, list) or not v or v[0] != VERSION:
         if isinstance(v, list) and v and v[0] == 1:
+            if legacy:
+                return _parse_v1(v)
             raise _eacces("an unbound (version 1) capability from an older metaserver")
         raise _eacces("malformed body")
     if (len(v) != 9 or not all(type(x) is int for x in (v[1], v[2], v[3], v[4], v[6]))
@@ -228,7 +252,8 @@ def _parse(v: Any) -> Capability:
 class CapVerifier:
     """The data server's side: parses and verifies; raises EACCES on anything wrong."""
 
-    def __init__(self, public_bytes: bytes) -> None:
+    def __init__(self, public_bytes: bytes, legacy: bool = False) -> None:
+        self.legacy = legacy  # accept version 1 (registered with an older metaserver)
         try:
             self._pub = Ed25519PublicKey.from_public_bytes(public_bytes)
         except ValueError as exc:
@@ -251,7 +276,7 @@ class CapVerifier:
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
                 TypeError) as exc:  # signed but unreadable: a newer or broken signer
             raise _eacces(f"unreadable body: {exc}") from None
-        return _parse(v)
+        return _parse(v, self.legacy)
 
 
 class CapCache:
