@@ -16,8 +16,10 @@ the 64-byte Ed25519 signature of ``body`` by the metaserver's private key.
   cannot write past a truncation or resurrect a deleted object; it asks for a new one.
 - ``who``: the authenticated identity (node key name, certificate common name) of the
   connection it was issued to; a data server refuses it on a connection of any other
-  identity, so a captured capability is useless to another key. ``""``: the
-  metaserver's own (admin capabilities), accepted only from a peer with the server role.
+  client identity, so a captured capability is useless to another key (a peer with the
+  server role, a data server forwarding a write down a chain, may carry it on). ``""``:
+  the metaserver's own (admin capabilities), accepted only from a peer with the server
+  role.
 - ``max_off``: the largest object offset a write (or a truncation) may reach: the
   layout's limit (``max_object_size``), so a capability cannot make a huge sparse object.
 - ``servers`` and ``placement``: the objects it covers and who may hold them, taken from
@@ -129,7 +131,10 @@ class Capability:
         if self.who is None:  # version 1, accepted from an older metaserver only
             pass
         elif self.who:
-            if ident is None or ident.name != self.who:
+            # a peer with the server role (the cluster key: a data server forwarding a
+            # write along a replication chain) may carry it on; it could authenticate as
+            # the client anyway (it holds the data-plane keys), and the placement binds it
+            if ident is None or (ident.name != self.who and not ident.may_serve):
                 raise _eacces(f"issued to {self.who!r}, presented on a connection of "
                               f"{'nobody' if ident is None else repr(ident.name)}")
         elif ident is None or not ident.may_serve:

@@ -39,6 +39,9 @@ def test_the_check_names_what_is_wrong() -> None:
     assert "issued to 'alice', presented on a connection of 'bob'" in refused(
         cap, "read", caps.READ, (5, 0), "s1", BOB)
     assert "of nobody" in refused(cap, "read", caps.READ, (5, 0), "s1", None)
+    # a data server forwarding a write along the stripe's chain carries the client's on
+    cap.check("write", caps.WRITE, (5, 0), "s2", SERVER, 10)
+    assert "not placed" in refused(cap, "write", caps.WRITE, (5, 1), "s2", SERVER)
     assert "beyond the file's limit" in refused(cap, "write", caps.WRITE, (5, 0), "s1", ALICE,
                                                 (1 << 20) + 1, code=errno.EFBIG)
     assert "for inode 5" in refused(cap, "read", caps.READ, (6, 0), "s1", ALICE)
