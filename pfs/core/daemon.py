@@ -16,8 +16,14 @@ from typing import Any
 
 import trio
 
+from pfs.core.config import ConfigError
+from pfs.core.versions import FormatError
+
 log = logging.getLogger(__name__)
 
+# refusals at start whose message is the whole story (a key file others can read, a
+# store in a newer format): the entry point logs them in one line, without a traceback
+EXPECTED = (ConfigError, FormatError)
 UMASK = 0o077  # what a server creates (database, keys, objects) is the service's alone
 FD_RESERVE = 128  # descriptors kept aside (logs, engine, store, registration, threads)
 
@@ -108,6 +114,8 @@ def logged_death(what: str) -> Iterator[None]:
     except BaseException as exc:  # logged, not handled: re-raised below
         real = [e for e in leaves(exc) if not isinstance(e, (trio.Cancelled, KeyboardInterrupt))]
         for e in real:
+            if isinstance(e, EXPECTED):  # its message says what to do; the entry point says it
+                continue
             log.critical("%s died: %s: %s", what, type(e).__name__, e, exc_info=e)
         if len(real) == 1 and real[0] is not exc:
             raise real[0] from None
