@@ -20,6 +20,7 @@ from pfs.core import auth, caps
 from pfs.core.auth import ClientAuth, ServerAuth
 from pfs.core.caps import Capability, CapCache, CapVerifier
 from pfs.core.config import DataConfig, parse_addr
+from pfs.core.daemon import FD_RESERVE, nofile_limit
 from pfs.core.engine import Engine, get_engine
 from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
@@ -31,7 +32,7 @@ from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
-from pfs.dataserver.objects import ObjectStore
+from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.scrub import Scrubber
 
 log = logging.getLogger(__name__)
@@ -89,22 +90,36 @@ class DataService(RpcService):
 
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
-                     data_keys: dict[str, bytes] | None = None) -> None:
+                     data_keys: dict[str, bytes] | None = None,
+                     cap_format: int | None = caps.VERSION) -> None:
         """What registration taught: the metaserver's public key, the generation floor,
-        and the data-plane keys clients authenticate with."""
-        if self.verifier is None or self.verifier.public_bytes != cap_key:
-            self.verifier = CapVerifier(cap_key)
+        the data-plane keys clients authenticate with, and the capability format it signs
+        (None: an older metaserver's unbound version 1, accepted until it is upgraded)."""
+        legacy = cap_format is None
+        if (self.verifier is None or self.verifier.public_bytes != cap_key
+                or self.verifier.legacy != legacy):
+            if legacy:
+                log.warning("the metaserver signs unbound (version 1) capabilities: accepted "
+                            "until it is upgraded (docs/security.md)")
+            self.verifier = CapVerifier(cap_key, legacy)
         self.floor = max(self.floor, floor)
         self.cap_ttl = cap_ttl
-        if data_keys and self.auth is not None and self.auth.mode == "key":
+        if data_keys is not None and self.auth is not None and self.auth.mode == "key":
+            # the metaserver's list is the whole list: a key it no longer names (revoked
+            # by ``pfs admin key revoke``) stops working here at the re-registration
+            for name in [n for n in self.auth.keys if n != auth.CLUSTER]:
+                if name not in data_keys:
+                    del self.auth.keys[name]
             for name, key in data_keys.items():
                 if name != auth.CLUSTER:
                     self.auth.keys[name] = (key, auth.Identity(name, "client"))
 
     def _cap(self, ctx: ConnContext, req: D.DataRequest, need: int, obj: tuple[int, int],
-             writes: bool = False) -> Capability | None:
-        """The request's verified capability for ``obj`` with one of the ``need`` rights;
-        EACCES if it has none, ESTALE if it is too old to write."""
+             writes: bool = False, end: int = 0) -> Capability | None:
+        """The request's verified capability for ``obj`` with one of the ``need`` rights,
+        naming this server for ``obj`` and issued to this connection's identity, reaching
+        object offset ``end`` at most (caps.Capability.check); EACCES if it has none,
+        ESTALE if it is too old to write."""
         if not self.verify_caps:
             return None
         cache: CapCache | None = ctx.state.get("caps")
@@ -114,14 +129,7 @@ class DataService(RpcService):
                                             "registered with a metaserver yet")
             cache = ctx.state["caps"] = CapCache(self.verifier)
         cap = cache.get(getattr(req, "cap", None))
-        if not cap.rights & need:
-            raise OSError(errno.EACCES, f"capability refused: it does not allow {req.method}")
-        if not cap.covers(*obj):
-            raise OSError(errno.EACCES, f"capability refused: not for object {list(obj)}")
-        if cap.expiry < time.time():
-            raise OSError(errno.EACCES, "capability refused: expired")
-        if cap.sid and cap.sid != self.sid:
-            raise OSError(errno.EACCES, "capability refused: meant for another data server")
+        cap.check(req.method, need, obj, self.sid, ctx.identity, end)
         if writes:
             fence = self.fences.get(obj[0])
             if cap.gen < self.floor or (fence is not None and cap.gen < fence[0]):
@@ -355,8 +363,8 @@ class DataService(RpcService):
 
     async def rpc_write(self, ctx: ConnContext, req: D.Write) -> D.CountReply:
         obj, off = req.obj, req.off
-        self._cap(ctx, req, caps.WRITE, obj, writes=True)
         data = req.payload
+        self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if not data:
             return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
@@ -385,7 +393,7 @@ class DataService(RpcService):
 
     async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
         obj, size = req.obj, req.size
-        cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True)
+        cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True, end=size)
         if cap is not None:
             self._fence(obj[0], cap.gen)
         async with self.locks.hold(obj, 0, MAX_ID, exclusive=True):
@@ -559,7 +567,8 @@ class DataService(RpcService):
         if key is not None and gen is not None:
             self.set_security(key, gen, float(ttl) if isinstance(ttl, (int, float)) else 300.0,
                               {k: v for k, v in data_keys.items()
-                               if isinstance(k, str) and isinstance(v, bytes)})
+                               if isinstance(k, str) and isinstance(v, bytes)},
+                              res.cap_format)
         elif self.verify_caps:
             raise OSError(errno.EPROTO, "register: the metaserver sent no capability key")
         if sid != self.sid:
@@ -586,6 +595,12 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fd_cache_size(nofile: int) -> int:
+    """Objects the descriptor cache keeps open, from the open-file limit: a quarter of
+    what is left after the reserve (each holds two), at most the store's default."""
+    return max(16, min(DEFAULT_MAX_OPEN, (nofile - FD_RESERVE) // 4))
 
 
 def data_security(config: DataConfig) -> tuple[ServerAuth, ClientAuth]:
@@ -616,7 +631,9 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                     "is trusted and no capability is checked (see docs/security.md)")
     if verify_caps is False:
         log.warning("data server: capability checks are OFF (a test-only switch)")
-    store = ObjectStore(config.dirs, checksums=config.checksums)
+    nofile = nofile_limit()
+    max_open = fd_cache_size(nofile)
+    store = ObjectStore(config.dirs, max_open=max_open, checksums=config.checksums)
     try:
         engine = get_engine(config.engine)
     except BaseException:
@@ -624,6 +641,9 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         raise
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override)
+    # what the object cache may hold (two descriptors an object: data and checksums)
+    # is not left to connections
+    service.apply_limits(config.connections, nofile - FD_RESERVE - 2 * max_open)
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

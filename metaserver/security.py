@@ -4,12 +4,15 @@ hands to registered data servers, the capability signer, and which methods a dat
 server's credentials reach (docs/security.md)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from pfs.core import auth, caps
 from pfs.core.auth import ClientAuth, ServerAuth
 from pfs.core.config import ConfigError, MetaConfig
+
+log = logging.getLogger(__name__)
 
 # Methods a peer with the "server" role (a data server) may call; every other one
 # needs a client (or, on an unsecured cluster, anyone).
@@ -21,6 +24,8 @@ class MetaSecurity:
     server: ServerAuth  # how peers authenticate to the metaserver
     own: ClientAuth  # how the metaserver authenticates to data servers
     data_keys: dict[str, bytes]  # node name -> data-plane key, for registered data servers
+    # client keys made without ``allow_root``: uid 0 of their holders is squashed
+    no_root: frozenset[str] = frozenset()
 
 
 def meta_security(config: MetaConfig) -> MetaSecurity:
@@ -43,7 +48,8 @@ def meta_security(config: MetaConfig) -> MetaSecurity:
                                tls_ca=config.tls_ca)
         return MetaSecurity(ServerAuth(tls=tls), own, {})
     own = auth.client_auth(key_file=config.key_file)
-    return MetaSecurity(ServerAuth(keys=keys), own, data_keys)
+    no_root = frozenset(nk.name for nk in config.node_keys if not nk.allow_root)
+    return MetaSecurity(ServerAuth(keys=keys), own, data_keys, no_root)
 
 
 def cap_signer(config: MetaConfig, *, persistent: bool) -> caps.CapSigner:
@@ -53,3 +59,16 @@ def cap_signer(config: MetaConfig, *, persistent: bool) -> caps.CapSigner:
         return caps.CapSigner.load_or_create(os.path.join(config.db, caps.KEY_FILE),
                                              config.cap_ttl)
     return caps.CapSigner.generate(config.cap_ttl)
+
+
+def keep_private(db: str) -> None:
+    """The store's directory 0700 and its files 0600: the namespace is the service's
+    alone (servers run with umask 077, docs/security.md; this fixes stores made before)."""
+    try:
+        os.chmod(db, 0o700)
+        for name in os.listdir(db):
+            path = os.path.join(db, name)
+            if os.path.isfile(path) and os.stat(path).st_mode & 0o077:
+                os.chmod(path, 0o600)
+    except OSError as exc:  # not ours to change (a read-only mount...): say so, go on
+        log.warning("could not make the metadata store %s private: %s", db, exc)

@@ -32,6 +32,7 @@ import trio
 
 from pfs.core import caps
 from pfs.core.config import MetaConfig
+from pfs.core.daemon import FD_RESERVE, nofile_limit
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import Empty
 from pfs.core.messages.records import At
@@ -44,7 +45,13 @@ from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.handles import OpenFiles, rights_of
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry, Reserve
-from pfs.metaserver.security import SERVER_METHODS, MetaSecurity, cap_signer, meta_security
+from pfs.metaserver.security import (
+    SERVER_METHODS,
+    MetaSecurity,
+    cap_signer,
+    keep_private,
+    meta_security,
+)
 from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,7 @@ class MetaService(RpcService):
         cfg = config or MetaConfig()
         sec = security or meta_security(cfg)
         self._data_keys = sec.data_keys
+        self._no_root = sec.no_root if sec.server.mode == "key" else frozenset()
         if sec.server.mode == "open":
             log.warning("metaserver: no cluster key or TLS configured: UNSECURED, every peer "
                         "is trusted (development only; see docs/security.md)")
@@ -159,9 +167,19 @@ class MetaService(RpcService):
         """An open/create reply: the handle, and a capability for its data."""
         ino = attr["ino"]
         fh = self.handles.new_handle(ctx, ino, flags, cred.root)
-        cap, ttl = self.signer.issue(ino, rights_of(flags))
+        cap, ttl = self._file_cap(ctx, ino, rights_of(flags), layout)
         return M.OpenedReply(attr=attr, fh=fh, layout=layout, cap=cap, cap_ttl=ttl,
                              parent_attr=parent_attr)
+
+    def _file_cap(self, ctx: ConnContext, ino: int, rights: int, layout: Any
+                  ) -> tuple[bytes, float]:
+        """A capability for ``ino``'s objects as ``layout`` places them, bound to the
+        identity of ``ctx`` (docs/security.md, "Capabilities")."""
+        if hasattr(layout, "to_wire"):
+            layout = layout.to_wire()
+        who = ctx.identity.name if ctx.identity is not None else ""
+        return self.signer.issue(ino, rights, who=who, placement=caps.placement_of(layout),
+                                 max_off=self.config.max_object_size)
 
     # ------------------------------------------------------------------ who may do what
     async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
@@ -201,11 +219,14 @@ class MetaService(RpcService):
         uid, gid, groups = req.cred
         cred = Cred(uid, gid, groups)
         cfg = self.config
-        if cfg.root_squash and cred.uid == 0:
-            cred = Cred(cfg.squash_uid, cfg.squash_gid, ())
         ident = ctx.identity
+        squashed = False
+        if cred.uid == 0 and (cfg.root_squash or (ident is not None
+                                                   and ident.name in self._no_root)):
+            cred = Cred(cfg.squash_uid, cfg.squash_gid, ())  # a key without allow_root
+            squashed = True
         if ident is not None and ident.role == "client":
-            squashed = cfg.root_squash and cred.uid == cfg.squash_uid
+            squashed = squashed or (cfg.root_squash and cred.uid == cfg.squash_uid)
             lo, hi = ident.uids
             if not squashed and not lo <= cred.uid <= hi:
                 raise OSError(errno.EPERM, f"{ident.name!r} may not act as uid {cred.uid} "
@@ -362,7 +383,9 @@ class MetaService(RpcService):
         """A fresh capability for an open handle (before the old one expires, or after
         a truncation made it stale)."""
         h = self.handles.handle(ctx, req.fh)
-        cap, ttl = self.signer.issue(h.ino, h.rights)
+        with self.store.read() as txn:  # a file's layout cannot change while it is open
+            layout = self.ns.get_layout(txn, h.ino)
+        cap, ttl = self._file_cap(ctx, h.ino, h.rights, layout)
         return M.CapReply(cap=cap, cap_ttl=ttl)
 
     async def rpc_close(self, ctx: ConnContext, req: M.Close) -> Empty:
@@ -481,7 +504,7 @@ class MetaService(RpcService):
         range): they read past every permission."""
         if self._cred(ctx, req).uid != 0:
             raise OSError(errno.EPERM, f"{req.method}: root only (pfs fsck needs a client "
-                                       "key that may act as uid 0, and no root_squash)")
+                                       "key made with --allow-root, and no root_squash)")
 
     async def rpc_scan_inodes(self, ctx: ConnContext, req: M.ScanInodes) -> M.ScanInodesReply:
         self._root_only(ctx, req)
@@ -498,7 +521,8 @@ class MetaService(RpcService):
 
     async def rpc_scan_cap(self, ctx: ConnContext, req: M.ScanCap) -> M.CapReply:
         self._root_only(ctx, req)
-        cap, ttl = self.signer.issue(0, caps.READ | caps.SCAN)
+        cap, ttl = self.signer.issue(0, caps.READ | caps.SCAN, who=ctx.identity.name
+                                     if ctx.identity is not None else "")
         return M.CapReply(cap=cap, cap_ttl=ttl)
 
     async def rpc_register(self, ctx: ConnContext, req: M.Register) -> M.RegisterReply:
@@ -518,7 +542,7 @@ class MetaService(RpcService):
         # restarted and lost its fences) and the node keys' data-plane keys
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
-                               data_keys=self._data_keys)
+                               data_keys=self._data_keys, cap_format=caps.VERSION)
 
     async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
         if ctx.identity is None or not ctx.identity.may_serve:
@@ -542,8 +566,11 @@ async def serve_meta(config: MetaConfig, *, store: Store | None = None,
     security = meta_security(config)  # key files are checked before anything starts
     st: Store = LmdbStore(config.db, config.map_size) if store is None else store
     try:
+        if owned:
+            keep_private(config.db)  # a store made before umask 077 was world-readable
         signer = cap_signer(config, persistent=owned)
         service = MetaService(st, config, signer=signer, security=security)
+        service.apply_limits(config.connections, nofile_limit() - FD_RESERVE)
         await service.serve_all(config.host, config.port, task_status=task_status)
     finally:
         if owned:

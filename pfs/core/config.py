@@ -112,6 +112,26 @@ class LayoutDefaults:
 
 
 @dataclass
+class ConnLimits:
+    """How many connections a server takes, and how long one may take to authenticate
+    (docs/security.md, "Floods")."""
+
+    max_connections: int = 4096  # at once; lowered to fit the open-file limit
+    max_per_peer: int = 1024  # from one address; more are closed at once
+    max_unauthenticated: int = 256  # still in their handshake; a new one evicts the oldest
+    max_unauthenticated_per_peer: int = 64  # ... of them from one address
+    handshake_timeout: float = 5.0  # seconds to authenticate, else the connection closes
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_per_peer", "max_unauthenticated",
+                     "max_unauthenticated_per_peer"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"connections.{name} must be at least 1")
+        if not self.handshake_timeout > 0:
+            raise ConfigError("connections.handshake_timeout must be positive")
+
+
+@dataclass
 class NodeKey:
     """A client key the metaserver accepts, and the ids its holder may claim."""
 
@@ -119,6 +139,9 @@ class NodeKey:
     file: str
     uids: list[int] = field(default_factory=lambda: [0, (1 << 32) - 1])  # [lo, hi]
     gids: list[int] = field(default_factory=lambda: [0, (1 << 32) - 1])
+    # may act as uid 0; without it root on that node is squashed to the metaserver's
+    # squash_uid/squash_gid (docs/security.md, "Node keys and root")
+    allow_root: bool = False
 
     def __post_init__(self) -> None:
         for label, r in (("uids", self.uids), ("gids", self.gids)):
@@ -150,6 +173,10 @@ class MetaConfig:
     squash_uid: int = 65534
     squash_gid: int = 65534
     cap_ttl: float = 300.0  # seconds a capability lives; clients renew before
+    # the largest stripe object: a file of N stripes grows to N times this (capabilities
+    # carry it, so a data server refuses writes past it; docs/security.md)
+    max_object_size: int = 1 << 40
+    connections: ConnLimits = field(default_factory=ConnLimits)
 
 
 @dataclass
@@ -168,6 +195,7 @@ class DataConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    connections: ConnLimits = field(default_factory=ConnLimits)
 
 
 def parse_addr(text: str) -> tuple[str, int]:

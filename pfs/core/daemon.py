@@ -1,18 +1,62 @@
-"""What every pfs server process does around its service: report readiness on a pipe,
-then serve until SIGTERM or SIGINT; and the supervisor's side of that pipe."""
+"""What every pfs server process does around its service: a private umask and the
+highest open-file limit allowed (:func:`harden_process`), report readiness on a pipe,
+serve until SIGTERM or SIGINT, and log the real exception when it dies; and the
+supervisor's side of that pipe."""
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import select
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
 
+from pfs.core.config import ConfigError
+from pfs.core.versions import FormatError
+
 log = logging.getLogger(__name__)
+
+# refusals at start whose message is the whole story (a key file others can read, a
+# store in a newer format): the entry point logs them in one line, without a traceback
+EXPECTED = (ConfigError, FormatError)
+UMASK = 0o077  # what a server creates (database, keys, objects) is the service's alone
+FD_RESERVE = 128  # descriptors kept aside (logs, engine, store, registration, threads)
+
+
+def harden_process() -> int:
+    """Make this process a server's: umask 077, RLIMIT_NOFILE raised to its hard limit
+    where allowed. The soft limit it ends with."""
+    os.umask(UMASK)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard,
+                        exc)
+    return nofile_limit()
+
+
+def nofile_limit() -> int:
+    """The soft limit on open descriptors of this process (what sizes connection limits
+    and descriptor caches)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups: what actually went wrong."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
+    return [exc]
 
 
 def report_ready(ready_fd: int | None, port: int) -> None:
@@ -46,12 +90,33 @@ async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,
                                 ready_fd: int | None = None) -> None:
     """Start ``serve`` (a ``nursery.start``-able server reporting its port), tell the
     supervisor, and stop it cleanly on the first SIGTERM or SIGINT."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve)
-            log.info("%s ready on port %d", what, port)
-            report_ready(ready_fd, port)
-            async for signum in signals:
-                log.info("%s stopping on %s", what, signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+    nofile = harden_process()
+    log.info("%s: umask %04o, open-file limit %d", what, UMASK, nofile)
+    with logged_death(what):
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(serve)
+                log.info("%s ready on port %d", what, port)
+                report_ready(ready_fd, port)
+                async for signum in signals:
+                    log.info("%s stopping on %s", what, signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+
+
+@contextmanager
+def logged_death(what: str) -> Iterator[None]:
+    """Log what ends a server, unwrapped from trio's exception groups (not "Exceptions
+    from Trio nursery"), each with its traceback; re-raise it (the one exception itself
+    when there is one, so the entry point can name it)."""
+    try:
+        yield
+    except BaseException as exc:  # logged, not handled: re-raised below
+        real = [e for e in leaves(exc) if not isinstance(e, (trio.Cancelled, KeyboardInterrupt))]
+        for e in real:
+            if isinstance(e, EXPECTED):  # its message says what to do; the entry point says it
+                continue
+            log.critical("%s died: %s: %s", what, type(e).__name__, e, exc_info=e)
+        if len(real) == 1 and real[0] is not exc:
+            raise real[0] from None
+        raise

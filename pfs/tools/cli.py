@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pfs.tools import admin_keys
+
 log = logging.getLogger(__name__)
 
 COPY_CHUNK = 32 << 20
@@ -277,6 +279,8 @@ def cmd_cluster_up(args: argparse.Namespace) -> None:
                           tls=True if args.tls else None)
     except cluster.ClusterError as exc:
         raise SystemExit(f"pfs cluster up: {exc}") from None
+    if not args.tls and not cluster.load_spec(Path(args.dir)).tls:  # type: ignore[union-attr]
+        print(f"pfs cluster up: {cluster.admin_notice(Path(args.dir))}", file=sys.stderr)
     print(path)
 
 
@@ -499,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
+    admin_keys.add_parser(adm)
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")

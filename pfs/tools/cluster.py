@@ -5,8 +5,9 @@ Layout of DIR::
 
     cluster.toml      what was started (metaserver port, number of data servers)
     client.toml       everything a client needs to connect (metaserver, key or certificates)
-    meta.toml         the metaserver's config (keys, node keys)
-    keys/             cluster.key (servers), client.key (the node key "local"), mode 0600;
+    meta.toml         the metaserver's config (keys, node keys), mode 0600
+    keys/             cluster.key (servers), client.key (the node key "local", an admin
+                      key: it may act as root), mode 0600;
                       or certs/ (``--tls``: a CA, the server and the client certificates)
     meta/             the metaserver's LMDB
     data/dsN/         data server N's objects
@@ -81,10 +82,30 @@ def _security(d: Path, spec: ClusterSpec) -> tuple[dict[str, Any], dict[str, Any
         _write(dcfg, "".join(f'{k} = "{v}"\n' for k, v in server.items()))
         return server, client, ["--config", str(dcfg)]
     k = d / "keys"
+    # the local clients' key is an admin key, explicitly (ADMIN_NOTICE); keys added with
+    # ``pfs admin key create --cluster DIR`` are kept across restarts
     meta = {"key_file": str(k / "cluster.key"),
-            "node_keys": [cfgmod.NodeKey(CLIENT_KEY_NAME, str(k / "client.key"))]}
+            "node_keys": [cfgmod.NodeKey(CLIENT_KEY_NAME, str(k / "client.key"),
+                                         allow_root=True),
+                          *(nk for nk in _node_keys(d) if nk.name != CLIENT_KEY_NAME)]}
     client = {"key_file": str(k / "client.key"), "key_name": CLIENT_KEY_NAME}
     return meta, client, ["--key-file", str(k / "cluster.key")]
+
+
+def _node_keys(d: Path) -> list[cfgmod.NodeKey]:
+    """The node keys the existing meta.toml of ``d`` lists."""
+    p = d / "meta.toml"
+    if not p.exists():
+        return []
+    return cfgmod.load(cfgmod.MetaConfig, p).node_keys
+
+
+def admin_notice(d: Path) -> str:
+    """What ``pfs cluster up`` says about the key its client.toml holds."""
+    key = d.resolve() / "keys" / "client.key"
+    return (f"client.toml holds the admin key {CLIENT_KEY_NAME!r} ({key}): it may act as "
+            f"root (allow_root). Give other nodes keys without root: pfs admin key create "
+            f"NAME --cluster {d} --uids LO-HI")
 
 
 class ClusterError(RuntimeError):
@@ -198,7 +219,8 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *
     meta_sec, client_sec, data_sec = _security(d, spec)
     meta_cfg = d / "meta.toml"
     _write(meta_cfg, cfgmod.dump(cfgmod.MetaConfig(db=str(d / "meta"), host=spec.host,
-                                                   **meta_sec)))  # type: ignore[arg-type]
+                                                   **meta_sec)),  # type: ignore[arg-type]
+           0o600)
     if data_servers is not None:
         if load_spec(d) is not None and data_servers < spec.data_servers:
             raise ClusterError(f"{d} already holds {spec.data_servers} data servers; "

@@ -80,7 +80,10 @@ async def cap_server(tmp_path: Path) -> AsyncIterator[tuple[caps.CapSigner, Data
 def test_capabilities_are_checked(tmp_path: Path) -> None:
     async def main() -> None:
         async with cap_server(tmp_path) as (signer, svc, c):
-            rw, _ = signer.issue(7, caps.READ | caps.WRITE)
+            # a client's capability: bound to its identity (an open peer here) and to the
+            # file's layout (stripes 0 and 1 on this server)
+            mine: dict[str, Any] = {"who": "open", "placement": {0: ["me"], 1: ["me"]}}
+            rw, _ = signer.issue(7, caps.READ | caps.WRITE, **mine)
             w = {"obj": [7, 0], "off": 0}
             # not registered yet: no key to check with
             await expect(errno.EACCES, c.call("write", {**w, "cap": rw}, payload=b"x"))
@@ -88,14 +91,15 @@ def test_capabilities_are_checked(tmp_path: Path) -> None:
             await c.call("write", {**w, "cap": rw}, payload=b"hello")
             r = await c.call("read", {"obj": [7, 0], "off": 0, "len": 5, "cap": rw})
             assert bytes(r.payload or b"") == b"hello"
-            ro, _ = signer.issue(7, caps.READ)
+            ro, _ = signer.issue(7, caps.READ, **mine)
             other = caps.CapSigner.generate()
-            forged, _ = other.issue(7, caps.READ | caps.WRITE)
-            expired, _ = signer.issue(7, caps.READ | caps.WRITE, ttl=-5)
+            forged, _ = other.issue(7, caps.READ | caps.WRITE, **mine)
+            expired, _ = signer.issue(7, caps.READ | caps.WRITE, ttl=-5, **mine)
             tampered = bytearray(rw)
             tampered[3] ^= 1
-            wrong_ino, _ = signer.issue(8, caps.READ | caps.WRITE)
-            one_stripe, _ = signer.issue(7, caps.READ | caps.WRITE, stripes=[1])
+            wrong_ino, _ = signer.issue(8, caps.READ | caps.WRITE, **mine)
+            one_stripe, _ = signer.issue(7, caps.READ | caps.WRITE, who="open",
+                                         placement={1: ["me"]})
             for bad, why in ((None, "missing"), (b"junk", "bytes long"), (forged, "signature"),
                              (expired, "expired"), (bytes(tampered), "signature"),
                              (wrong_ino, "not for object"), (one_stripe, "not for object"),
@@ -123,7 +127,7 @@ def test_capabilities_are_checked(tmp_path: Path) -> None:
             await c.call("truncate", {"obj": [7, 0], "size": 2, "cap": admin})
             await expect(errno.ESTALE, c.call("write", {**w, "cap": rw}, payload=b"late"))
             await c.call("read", {"obj": [7, 0], "off": 0, "len": 5, "cap": rw})  # reads ok
-            fresh, _ = signer.issue(7, caps.READ | caps.WRITE)
+            fresh, _ = signer.issue(7, caps.READ | caps.WRITE, **mine)
             await c.call("write", {**w, "cap": fresh}, payload=b"new")
             # so does a deletion (an unlinked file's holder cannot resurrect it)
             admin0, _ = signer.issue(0, caps.ADMIN, sid="me")
@@ -132,7 +136,7 @@ def test_capabilities_are_checked(tmp_path: Path) -> None:
             await expect(errno.ESTALE, c.call("write", {**w, "cap": fresh}, payload=b"zombie"))
             assert (await c.call("stat_obj", {"obj": [7, 0], "cap": fresh})).fields["size"] == 0
             # a re-registration (the server may have restarted) raises the floor
-            fresh2, _ = signer.issue(9, caps.READ | caps.WRITE)
+            fresh2, _ = signer.issue(9, caps.READ | caps.WRITE, **mine)
             svc.set_security(signer.public_bytes, signer.next_gen())
             await expect(errno.ESTALE, c.call("write", {"obj": [9, 0], "off": 0, "cap": fresh2},
                                               payload=b"x"))
@@ -162,7 +166,7 @@ async def secure(tmp_path: Path, servers: int = 2, **meta_kw: Any
     mcfg = MetaConfig(db=str(tmp_path / "db"), port=0, map_size=1 << 28,
                       layout=LayoutDefaults(unit=4096, count=2, replicas=1),
                       key_file=str(keys.cluster),
-                      node_keys=[NodeKey("full", str(keys.full)),
+                      node_keys=[NodeKey("full", str(keys.full), allow_root=True),
                                  NodeKey("lim", str(keys.limited), [1000, 1999], [1000, 1999])],
                       **meta_kw)
     async with trio.open_nursery() as n:

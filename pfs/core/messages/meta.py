@@ -157,6 +157,9 @@ class RegisterReply(ReplyMessage):
     cap_ttl: float | None = Anything(default=None)
     data_keys: dict[str, bytes] | None = Map(default=None,
                                              doc="{node key name: data-plane key}")
+    cap_format: int | None = Int(default=None, doc="the capability format it signs (2: "
+                                 "bound, pfs/core/caps.py); absent: 1, from an older "
+                                 "metaserver")
 
 
 # ------------------------------------------------------------------ requests

@@ -16,8 +16,11 @@ import errno
 import itertools
 import logging
 import math
+import os
+import resource
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -25,8 +28,10 @@ from typing import Any, ClassVar
 import trio
 
 from pfs.core.auth import OPEN, Identity, ServerAuth
+from pfs.core.config import ConnLimits
 from pfs.core.errors import ProtocolError, from_wire, to_wire
 from pfs.core.messages.base import Registry, ReplyMessage, RequestMessage, parse_reply
+from pfs.core.wire.admission import Admission, Ticket
 from pfs.core.wire.protocol import FrameHead, Kind, Limits
 from pfs.core.wire.transport import (
     Connection,
@@ -40,6 +45,13 @@ from pfs.core.wire.transport import (
 log = logging.getLogger(__name__)
 
 DEFAULT_CALL_TIMEOUT = 60.0
+# accept() failing for want of descriptors or memory: wait, doubling, then try again
+ACCEPT_SHORT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# ... or because the peer left before we took it: the next one
+ACCEPT_RETRY_ERRNOS = ACCEPT_SHORT_ERRNOS | {errno.ECONNABORTED, errno.EPROTO,
+                                             errno.EPERM, errno.ENETDOWN, errno.EHOSTUNREACH}
+ACCEPT_BACKOFF_MIN = 0.01
+ACCEPT_BACKOFF_MAX = 1.0
 # seconds a caller that gives up waits for the rest of a reply already arriving into its
 # buffer, before dropping the connection (and the other calls on it) instead
 ABANDON_GRACE = 1.0
@@ -326,8 +338,13 @@ class RpcService:
     inline_methods: frozenset[str] = frozenset()
     max_in_flight = 256  # requests per connection
     max_connections = 4096  # connections served at once; accept waits beyond
+    # floods (docs/security.md; ConnLimits in the servers' configs): connections from one
+    # address, and handshakes in flight (pfs/core/wire/admission.py)
+    max_per_peer = 1024
+    max_unauthenticated = 256
+    max_unauthenticated_per_peer = 64
     frame_timeout = 30.0  # seconds a started frame (head, then payload) may take to arrive
-    auth_timeout = 10.0  # seconds a new connection has to authenticate
+    auth_timeout = 5.0  # seconds a new connection has to authenticate
     conn_payload_budget = 256 << 20  # payload bytes in flight per connection
     payload_budget = 1 << 30  # ... and across all connections
     # the typed messages of this service's methods; None: handlers get raw requests
@@ -350,6 +367,30 @@ class RpcService:
                 raise TypeError(f"{self.name}: no handler for {', '.join(unserved)}")
         self._budget: ByteBudget | None = None
         self._conn_slots: trio.Semaphore | None = None
+        self._admission: Admission | None = None
+        self._accept_logged = -1e9  # when accept's failure was last logged (monotonic)
+
+    def apply_limits(self, limits: ConnLimits, fd_budget: int | None = None) -> None:
+        """The connection limits of a server's config; ``max_connections`` lowered to
+        ``fd_budget`` (the descriptors left for connections under RLIMIT_NOFILE), so
+        that a flood makes ``accept`` wait rather than fail."""
+        self.max_connections = limits.max_connections
+        if fd_budget is not None and fd_budget < self.max_connections:
+            log.info("%s: serving at most %d connections (of max_connections %d) to fit "
+                     "the open-file limit", self.name, max(fd_budget, 16),
+                     self.max_connections)
+            self.max_connections = max(fd_budget, 16)
+        self.max_per_peer = limits.max_per_peer
+        self.max_unauthenticated = limits.max_unauthenticated
+        self.max_unauthenticated_per_peer = limits.max_unauthenticated_per_peer
+        self.auth_timeout = limits.handshake_timeout
+
+    @property
+    def admission(self) -> Admission:
+        if self._admission is None:
+            self._admission = Admission(self.max_per_peer, self.max_unauthenticated,
+                                        self.max_unauthenticated_per_peer, self.name)
+        return self._admission
 
     @classmethod
     def handler_names(cls) -> list[str]:
@@ -433,39 +474,69 @@ class RpcService:
                            local: bool, started: Callable[[], None]) -> None:
         if self._conn_slots is None:
             self._conn_slots = trio.Semaphore(self.max_connections)
+        admission = self.admission
+        backoff = ACCEPT_BACKOFF_MIN
         async with trio.open_nursery() as nursery:
             started()
             with sock:
                 while True:
                     await self._conn_slots.acquire()
                     try:
-                        client, _addr = await sock.accept()
+                        client, addr = await sock.accept()
+                    except OSError as exc:
+                        self._conn_slots.release()
+                        if exc.errno not in ACCEPT_RETRY_ERRNOS:
+                            raise
+                        if exc.errno in ACCEPT_SHORT_ERRNOS:
+                            # out of descriptors or memory: free one handshake's, wait
+                            admission.evict_one()
+                            _log_accept_failure(self, exc, backoff)
+                            await trio.sleep(backoff)
+                            backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX)
+                        continue  # or a peer gone before we accepted it: next
                     except BaseException:
                         self._conn_slots.release()
                         raise
+                    backoff = ACCEPT_BACKOFF_MIN
+                    peer = "local" if local else _peer_of(addr)
+                    if not admission.admit(peer):
+                        client.close()
+                        self._conn_slots.release()
+                        continue
                     if not local:
                         tune_socket(client)
-                    nursery.start_soon(self._accepted, client, tls, local,
+                    nursery.start_soon(self._accepted, client, tls, local, peer,
                                        name=f"{self.name}-conn")
 
     async def _accepted(self, sock: trio.socket.SocketType, tls: ssl.SSLContext | None,
-                        local: bool = False) -> None:
+                        local: bool = False, peer: str = "") -> None:
+        admission = self.admission
+        ticket = admission.handshake(peer)
         try:
             if tls is None:
                 conn = Connection(sock, self.limits, name="local" if local else "")
                 conn.local = local
             else:
-                try:
-                    conn = await tls_connection(sock, tls, True, self.limits, self.auth_timeout)
-                except OSError as exc:
-                    log.info("%s: TLS handshake failed: %s", self.name, exc)
+                tls_conn = None
+                with ticket.scope:
+                    try:
+                        tls_conn = await tls_connection(sock, tls, True, self.limits,
+                                                        self.auth_timeout)
+                    except OSError as exc:
+                        log.info("%s: TLS handshake failed: %s", self.name, exc)
+                        return
+                if tls_conn is None:  # evicted from the handshake pool
+                    sock.close()
                     return
-            await self.serve_connection(conn)
+                conn = tls_conn
+            await self.serve_connection(conn, ticket)
         finally:
+            admission.finish(ticket)
+            admission.leave(peer)
             if self._conn_slots is not None:
                 self._conn_slots.release()
 
-    async def serve_connection(self, conn: Connection) -> None:
+    async def serve_connection(self, conn: Connection, ticket: Ticket | None = None) -> None:
         ctx = ConnContext(conn, conn.name, local=conn.local)
         if self._budget is None:
             self._budget = ByteBudget(self.payload_budget)
@@ -473,8 +544,13 @@ class RpcService:
         mine = ByteBudget(self.conn_payload_budget)
         authed = False
         try:
+            scope = trio.CancelScope()
+            if ticket is not None:
+                if ticket.evicted:
+                    return
+                ticket.scope = scope  # an eviction from the handshake pool cancels it
             try:
-                with trio.fail_after(self.auth_timeout):
+                with scope, trio.fail_after(self.auth_timeout):
                     await self.connection_made(ctx)
             except trio.TooSlowError:
                 log.info("%s: %s did not authenticate in %g s", self.name, conn.name,
@@ -483,6 +559,11 @@ class RpcService:
             except (OSError, ProtocolError) as exc:
                 log.info("%s: %s not authenticated: %s", self.name, conn.name, exc)
                 return
+            if scope.cancelled_caught:
+                log.debug("%s: %s evicted from the handshake pool", self.name, conn.name)
+                return
+            if ticket is not None:
+                self.admission.finish(ticket)
             authed = True
             async with trio.open_nursery() as handlers:
                 try:
@@ -590,3 +671,23 @@ class RpcService:
             await conn.send_frame(Kind.ERROR, rid, to_wire(exc))
         except ConnectionClosed:
             pass
+
+
+def _peer_of(addr: Any) -> str:
+    """The address a connection came from: what per-peer limits count."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+
+
+def _log_accept_failure(svc: RpcService, exc: OSError, backoff: float) -> None:
+    """One line per 10 s about accept failing (the cause, how many descriptors)."""
+    now = time.monotonic()
+    if now - svc._accept_logged < 10.0:
+        return
+    svc._accept_logged = now
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = -1
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    log.warning("%s: accept failed: %s (%d of %d descriptors open); backing off %.2f s",
+                svc.name, exc, used, soft, backoff)

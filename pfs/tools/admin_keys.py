@@ -1,0 +1,162 @@
+"""``pfs admin key create/list/revoke``: the node keys of a metaserver's config.
+
+The metaserver's config (``meta.toml``, or ``--cluster DIR`` for DIR/meta.toml of a
+``pfs cluster``) is the list of node keys: each ``[[node_keys]]`` entry names a key file
+(32 random bytes, mode 0600), the uid and gid ranges its holder may claim, and whether it
+may act as root (``allow_root``; without it, uid 0 on that node is squashed to the
+metaserver's ``squash_uid``). ``create`` writes the key file and adds the entry,
+``revoke`` removes both; the metaserver reads the list when it starts, so restart it
+(``pfs cluster down DIR && pfs cluster up DIR``, or the service) to apply either; data
+servers learn the change when they register again, which they do by themselves once the
+metaserver is back (docs/security.md, "Node keys and root").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from pfs.core import config as cfgmod
+from pfs.core.config import ConfigError, MetaConfig, NodeKey
+
+FULL = (0, (1 << 32) - 1)
+
+RESTART = "restart the metaserver to apply it (data servers follow when they re-register)"
+
+
+def _config_path(config: str | None, cluster: str | None) -> Path:
+    if cluster:
+        return Path(cluster) / "meta.toml"
+    if config:
+        return Path(config)
+    raise ConfigError("name the metaserver's config: --config META_TOML or --cluster DIR")
+
+
+def _load(path: Path) -> MetaConfig:
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist")
+    return cfgmod.load(MetaConfig, path)
+
+
+def _save(path: Path, cfg: MetaConfig) -> None:
+    """Write the config back (0600: it names every key file), atomically."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(cfgmod.dump(cfg))
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def key_dir(path: Path, cfg: MetaConfig) -> Path:
+    """Where new key files go: beside the cluster key, else ``keys/`` beside the config."""
+    if cfg.key_file:
+        return Path(cfg.key_file).parent
+    return path.parent / "keys"
+
+
+def create(path: Path, name: str, uids: tuple[int, int] = FULL,
+           gids: tuple[int, int] = FULL, allow_root: bool = False,
+           directory: Path | None = None) -> NodeKey:
+    """A new node key ``name``: its file (mode 0600) and its entry in the config."""
+    cfg = _load(path)
+    if any(nk.name == name for nk in cfg.node_keys):
+        raise ConfigError(f"{path} already has a node key {name!r}; revoke it first")
+    d = directory or key_dir(path, cfg)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key_file = (d / f"{name}.key").resolve()
+    nk = NodeKey(name, str(key_file), list(uids), list(gids), allow_root)  # checks the name
+    from pfs.core.auth import create_key  # not at the top: `pfs` starts without trio
+
+    if not create_key(key_file):
+        raise ConfigError(f"{key_file} exists already; remove it or pick another name")
+    cfg.node_keys.append(nk)
+    _save(path, cfg)
+    return nk
+
+
+def revoke(path: Path, name: str) -> NodeKey:
+    """Remove node key ``name`` from the config and delete its file."""
+    cfg = _load(path)
+    found = [nk for nk in cfg.node_keys if nk.name == name]
+    if not found:
+        raise ConfigError(f"{path} has no node key {name!r}")
+    cfg.node_keys = [nk for nk in cfg.node_keys if nk.name != name]
+    _save(path, cfg)
+    Path(found[0].file).unlink(missing_ok=True)
+    return found[0]
+
+
+def listing(path: Path) -> list[NodeKey]:
+    return list(_load(path).node_keys)
+
+
+def describe(nk: NodeKey, squash_uid: int) -> str:
+    root = "yes" if nk.allow_root else f"no (squashed to uid {squash_uid})"
+    present = "" if Path(nk.file).exists() else "  (key file missing)"
+    return (f"{nk.name}\tuids {nk.uids[0]}-{nk.uids[1]}\tgids {nk.gids[0]}-{nk.gids[1]}"
+            f"\troot: {root}\t{nk.file}{present}")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad id range {text!r}: want LO-HI") from None
+    if not 0 <= a <= b <= FULL[1]:
+        raise argparse.ArgumentTypeError(f"bad id range {text!r}")
+    return a, b
+
+
+def cmd_key(args: argparse.Namespace) -> None:
+    try:
+        path = _config_path(args.config, args.cluster)
+        if args.keycmd == "create":
+            nk = create(path, args.name, args.uids, args.gids, args.allow_root,
+                        Path(args.key_dir) if args.key_dir else None)
+            print(f"created node key {nk.name!r}: {nk.file} (mode 0600); uids "
+                  f"{nk.uids[0]}-{nk.uids[1]}, gids {nk.gids[0]}-{nk.gids[1]}, "
+                  f"{'may act as root' if nk.allow_root else 'root squashed'}")
+            print(f"a client uses it with: key_file = \"{nk.file}\"  key_name = "
+                  f"\"{nk.name}\"; {RESTART}")
+        elif args.keycmd == "revoke":
+            nk = revoke(path, args.name)
+            print(f"revoked node key {nk.name!r} (deleted {nk.file}); {RESTART}")
+        else:
+            cfg = _load(path)
+            for nk in cfg.node_keys:
+                print(describe(nk, cfg.squash_uid))
+    except ConfigError as exc:
+        raise SystemExit(f"pfs admin key: {exc}") from None
+
+
+def add_parser(adm: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``pfs admin key ...`` under ``adm`` (the ``pfs admin`` subcommands)."""
+    keys = adm.add_parser("key", help="create, list and revoke node keys (uid/gid ranges, "
+                                      "root)").add_subparsers(dest="keycmd", required=True)
+
+    def where(sp: argparse.ArgumentParser) -> None:
+        g = sp.add_mutually_exclusive_group(required=True)
+        g.add_argument("--config", help="the metaserver's config (meta.toml)")
+        g.add_argument("--cluster", metavar="DIR", help="a `pfs cluster` directory")
+        sp.set_defaults(fn=cmd_key)
+
+    sp = keys.add_parser("create", help="make a node key and add it to the config")
+    sp.add_argument("name")
+    sp.add_argument("--uids", type=_range, default=FULL, metavar="LO-HI",
+                    help="uids its holder may act as (default: all)")
+    sp.add_argument("--gids", type=_range, default=FULL, metavar="LO-HI",
+                    help="gids its holder may act as (default: all)")
+    sp.add_argument("--allow-root", action="store_true",
+                    help="may act as uid 0 (an admin key); without it root is squashed")
+    sp.add_argument("--key-dir", help="where the key file goes (default: beside the "
+                                      "cluster key)")
+    where(sp)
+    sp = keys.add_parser("list", help="the node keys of the config, with their ranges")
+    where(sp)
+    sp = keys.add_parser("revoke", help="remove a node key from the config, delete its file")
+    sp.add_argument("name")
+    where(sp)
