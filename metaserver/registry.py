@@ -138,6 +138,7 @@ class Registry:
                 if live is not None:
                     rec = {"host": live.host, "port": live.port, "total": live.total,
                            "free": live.free, "full": self._reserve.full(live.dirs),
-                           "dirs": [list(v) for v in live.dirs if v.path]}
+                           "dirs": [list(v) for v in live.dirs if v.path],
+                           "age": round(self._clock() - live.seen, 3)}
                 out[sid] = {**rec, "alive": live is not None and live.seen >= since}
         return out

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pfs.tools import fscmds, transfer
+from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
     error_line,
@@ -19,6 +20,7 @@ from pfs.tools.output import (
     human,
     parse_size,
     print_json,
+    tool_version,
 )
 
 log = logging.getLogger(__name__)
@@ -230,22 +232,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from pfs.core.versions import PROTOCOL_MAX
-
-    try:
-        v = version("pfs")
-    except PackageNotFoundError:
-        v = "unknown"
-    return f"pfs {v} (protocol {PROTOCOL_MAX})"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pfs", description="pfs: a parallel distributed filesystem")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
-    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--version", action="version", version=tool_version())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
@@ -380,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", action="append", default=[], metavar="DIR",
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
+    sp = adm.add_parser("status", help="the metaserver and every data server: address, "
+                                       "state, capacity, heartbeat age")
+    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+    sp.add_argument("--meta", help="metaserver HOST:PORT")
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
+    sp.set_defaults(fn=_with_client(cmd_admin_status))
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "

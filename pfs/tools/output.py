@@ -45,6 +45,19 @@ def human(n: float) -> str:
     return str(n)
 
 
+def tool_version() -> str:
+    """``pfs 0.1.0 (protocol 1)``: this installation and the newest protocol it speaks."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pfs.core.versions import PROTOCOL_MAX
+
+    try:
+        v = version("pfs")
+    except PackageNotFoundError:
+        v = "unknown"
+    return f"pfs {v} (protocol {PROTOCOL_MAX})"
+
+
 def user_name(uid: int) -> str:
     """The local name of ``uid`` where this machine knows it, else the number."""
     import pwd

@@ -183,3 +183,16 @@ def test_ctrl_c_during_transfers_never_crashes_or_leaves_partial_files(
         assert not client.exists(dest) or client.stat(dest).st_size == len(data)
     assert not [n for n in client.listdir(workdir) if "pfs-tmp" in n]
     assert 130 in statuses
+
+
+def test_admin_status_shows_every_server(client_toml: Path) -> None:
+    r = _pfs(client_toml, "admin", "status", "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["meta"]["protocol"] >= 1 and ":" in st["meta"]["address"]
+    assert len(st["servers"]) >= 4
+    for s in st["servers"]:
+        assert s["state"] == "up" and s["address"].startswith("127.0.0.1:")
+        assert 0 <= s["heartbeat_age"] < 60 and s["total"] > 0
+    human = _pfs(client_toml, "admin", "status").stdout.decode()
+    assert all(s["address"] in human for s in st["servers"]) and "heartbeat" in human
