@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from pfs.core import auth, caps
+from pfs.core import auth, caps, metrics
 from pfs.core.auth import ClientAuth, ServerAuth
 from pfs.core.caps import Capability, CapCache, CapVerifier
 from pfs.core.config import DataConfig, parse_addr
@@ -624,6 +624,11 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         raise
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override)
+    if metrics.serve(config.metrics_port, config.host):
+        metrics.add_gauges("pfs_data_total_bytes", "a data directory's filesystem size",
+                           "dir", lambda: {v.path: v.total for v in service.space()[2]})
+        metrics.add_gauges("pfs_data_free_bytes", "a data directory's free bytes", "dir",
+                           lambda: {v.path: v.free for v in service.space()[2]})
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

@@ -51,6 +51,7 @@ import subprocess
 import sys
 from typing import Any
 
+from pfs.core import metrics
 from pfs.core.daemon import wait_ready
 from pfs.fuse.options import MountError, MountOptions, parse_options
 
@@ -259,6 +260,7 @@ def cmd_mount(args: argparse.Namespace) -> None:
         raise SystemExit(f"pfs mount: {mountpoint} is already a pfs mount")
     if args.foreground:
         logging.getLogger().setLevel(logging.DEBUG if opts.debug else logging.INFO)
+        metrics.serve(cfg.metrics_port)  # client_config: /metrics of this mount (0: off)
         sys.exit(run_foreground(cfg, mountpoint, opts, args.ready_fd))
     argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "-f", "--meta", cfg.meta]
     if config:

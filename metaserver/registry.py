@@ -127,6 +127,12 @@ class Registry:
             alive = {sid: s.dirs for sid, s in self._live.items() if s.seen >= since}
         return distinct(alive)
 
+    def live(self) -> dict[str, tuple[int, int, float]]:
+        """sid -> (total, free, seconds since its last report), for the metrics."""
+        now = self._clock()
+        with self._lock:
+            return {sid: (s.total, s.free, now - s.seen) for sid, s in self._live.items()}
+
     def describe(self, stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The stored servers' records, updated from what each last reported, with
         ``alive``."""

@@ -95,6 +95,7 @@ class ClientConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    metrics_port: int = 0  # the mount's Prometheus /metrics on this port (0: off)
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
@@ -150,6 +151,7 @@ class MetaConfig:
     squash_uid: int = 65534
     squash_gid: int = 65534
     cap_ttl: float = 300.0  # seconds a capability lives; clients renew before
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9401)
 
 
 @dataclass
@@ -168,6 +170,7 @@ class DataConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
 
 
 def parse_addr(text: str) -> tuple[str, int]:
