@@ -305,7 +305,10 @@ def add_mount_parser(sub: Any, client_cmd: Any) -> None:
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground and log to stderr")
     sp.add_argument("-o", dest="options", action="append", metavar="OPT[,OPT...]",
-                    help="mount options (see fuse/mount.py)")
+                    help="mount options: ro, rw, entry_timeout=S, attr_timeout=S, "
+                         "negative_timeout=S, timeout=S, read_ahead_kb=N, write_behind=N, "
+                         "max_tasks=N, logfile=PATH, debug, config=FILE, meta=HOST:PORT, "
+                         "nodefault_permissions, and FUSE's own (allow_other, ...)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     sp = sub.add_parser("umount", help="unmount a pfs FUSE mount")
     sp.add_argument("-z", "--lazy", action="store_true", help="detach now, clean up later")
