@@ -88,8 +88,8 @@ class MetaClient:
             return self._rpc
 
     def _unreachable(self, exc: OSError) -> OSError:
-        return OSError(errno.ENOTCONN, f"metaserver {self.host}:{self.port} unreachable: "
-                                       f"{exc.strerror or exc}")
+        why = str(exc.strerror or exc).replace(f"cannot connect to {self.host}:{self.port}: ", "")
+        return OSError(errno.ENOTCONN, f"metaserver {self.host}:{self.port} unreachable: {why}")
 
     def _blocking_client(self) -> BlockingRpcClient:
         with self._blocking_lock:

@@ -20,7 +20,7 @@ PROGRESS_MIN = 64 << 20
 # 69 (sysexits' EX_UNAVAILABLE) when the cluster could not be reached, 130 for Ctrl-C.
 EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 69, 130
 _UNREACHABLE = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
-                errno.ECONNRESET, errno.EHOSTDOWN}
+                errno.ECONNRESET, errno.EHOSTDOWN, errno.ENOTCONN}
 
 
 def parse_size(text: str) -> int:

@@ -196,3 +196,18 @@ def test_admin_status_shows_every_server(client_toml: Path) -> None:
         assert 0 <= s["heartbeat_age"] < 60 and s["total"] > 0
     human = _pfs(client_toml, "admin", "status").stdout.decode()
     assert all(s["address"] in human for s in st["servers"]) and "heartbeat" in human
+
+
+def test_cluster_commands_on_nothing_and_an_unreachable_metaserver(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PFS_CONFIG"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([sys.executable, "-m", "pfs.tools.cli", *args],
+                              capture_output=True, env=env, timeout=120)
+
+    r = run("cluster", "down", "--dir", str(tmp_path))
+    assert r.returncode == 0 and b"no cluster was running" in r.stdout
+    _one_clean_line(run("cluster", "down", "--dir", str(tmp_path / "none")), "ENOENT")
+    r = run("ls", "--meta", "127.0.0.1:1")
+    err = _one_clean_line(r, "127.0.0.1:1", "unreachable")
+    assert r.returncode == 69 and err.count("127.0.0.1:1") == 1, err
