@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                    help="write the bound port to fd N when ready, then close it")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
     p.add_argument("--key-file", help="the cluster key (docs/security.md)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT (0: off, the default)")
     p.add_argument("--scrub-rate", type=int, metavar="BYTES",
                    help="bytes/s the scrubber verifies (0: off)")
     p.add_argument("--no-checksums", action="store_true",
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                                    ("engine", args.engine), ("heartbeat", args.heartbeat),
                                    ("key_file", args.key_file),
                                    ("scrub_rate", args.scrub_rate),
+                                   ("metrics_port", args.metrics_port),
                                    ("checksums", False if args.no_checksums else None))
                  if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)

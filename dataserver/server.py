@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from pfs.core import auth, caps
+from pfs.core import auth, caps, metrics
 from pfs.core.auth import ClientAuth, ServerAuth
 from pfs.core.caps import Capability, CapCache, CapVerifier
 from pfs.core.config import DataConfig, parse_addr
@@ -644,6 +644,11 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
     # what the object cache may hold (two descriptors an object: data and checksums)
     # is not left to connections
     service.apply_limits(config.connections, nofile - FD_RESERVE - 2 * max_open)
+    if metrics.serve(config.metrics_port, config.host):
+        metrics.add_gauges("pfs_data_total_bytes", "a data directory's filesystem size",
+                           "dir", lambda: {v.path: v.total for v in service.space()[2]})
+        metrics.add_gauges("pfs_data_free_bytes", "a data directory's free bytes", "dir",
+                           lambda: {v.path: v.free for v in service.space()[2]})
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

@@ -51,6 +51,7 @@ import subprocess
 import sys
 from typing import Any
 
+from pfs.core import metrics
 from pfs.core.daemon import wait_ready
 from pfs.fuse.options import MountError, MountOptions, parse_options
 
@@ -259,6 +260,7 @@ def cmd_mount(args: argparse.Namespace) -> None:
         raise SystemExit(f"pfs mount: {mountpoint} is already a pfs mount")
     if args.foreground:
         logging.getLogger().setLevel(logging.DEBUG if opts.debug else logging.INFO)
+        metrics.serve(cfg.metrics_port)  # client_config: /metrics of this mount (0: off)
         sys.exit(run_foreground(cfg, mountpoint, opts, args.ready_fd))
     argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "-f", "--meta", cfg.meta]
     if config:
@@ -303,7 +305,10 @@ def add_mount_parser(sub: Any, client_cmd: Any) -> None:
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground and log to stderr")
     sp.add_argument("-o", dest="options", action="append", metavar="OPT[,OPT...]",
-                    help="mount options (see fuse/mount.py)")
+                    help="mount options: ro, rw, entry_timeout=S, attr_timeout=S, "
+                         "negative_timeout=S, timeout=S, read_ahead_kb=N, write_behind=N, "
+                         "max_tasks=N, logfile=PATH, debug, config=FILE, meta=HOST:PORT, "
+                         "nodefault_permissions, and FUSE's own (allow_other, ...)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     sp = sub.add_parser("umount", help="unmount a pfs FUSE mount")
     sp.add_argument("-z", "--lazy", action="store_true", help="detach now, clean up later")

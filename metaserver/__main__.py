@@ -35,13 +35,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-fd", type=int, help="write the bound port to this fd when ready")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--key-file", help="the cluster key (docs/security.md)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT (0: off, the default)")
     return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> MetaConfig:
     config = load(MetaConfig, args.config) if args.config else MetaConfig()
     overrides = {k: v for k, v in (("db", args.db), ("host", args.host), ("port", args.port),
-                                   ("map_size", args.map_size), ("key_file", args.key_file))
+                                   ("map_size", args.map_size), ("key_file", args.key_file),
+                                   ("metrics_port", args.metrics_port))
                  if v is not None}
     return dataclasses.replace(config, **overrides)
 

@@ -127,6 +127,12 @@ class Registry:
             alive = {sid: s.dirs for sid, s in self._live.items() if s.seen >= since}
         return distinct(alive)
 
+    def live(self) -> dict[str, tuple[int, int, float]]:
+        """sid -> (total, free, seconds since its last report), for the metrics."""
+        now = self._clock()
+        with self._lock:
+            return {sid: (s.total, s.free, now - s.seen) for sid, s in self._live.items()}
+
     def describe(self, stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The stored servers' records, updated from what each last reported, with
         ``alive``."""
@@ -138,6 +144,7 @@ class Registry:
                 if live is not None:
                     rec = {"host": live.host, "port": live.port, "total": live.total,
                            "free": live.free, "full": self._reserve.full(live.dirs),
-                           "dirs": [list(v) for v in live.dirs if v.path]}
+                           "dirs": [list(v) for v in live.dirs if v.path],
+                           "age": round(self._clock() - live.seen, 3)}
                 out[sid] = {**rec, "alive": live is not None and live.seen >= since}
         return out

@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from pfs.core import caps
+from pfs.core import caps, metrics
 from pfs.core.config import MetaConfig
 from pfs.core.daemon import FD_RESERVE, nofile_limit
 from pfs.core.messages import meta as M
@@ -558,6 +558,19 @@ class MetaService(RpcService):
         return Empty()
 
 
+def _registry_gauges(reg: Registry) -> None:
+    """Each data server's capacity and heartbeat age, read from the registry at scrape."""
+    def column(i: int) -> Callable[[], dict[str, float]]:
+        return lambda: {sid: float(v[i]) for sid, v in reg.live().items()}
+
+    metrics.add_gauges("pfs_server_total_bytes", "a data server's capacity", "server",
+                       column(0))
+    metrics.add_gauges("pfs_server_free_bytes", "a data server's free bytes", "server",
+                       column(1))
+    metrics.add_gauges("pfs_server_heartbeat_age_seconds",
+                       "seconds since a data server's last heartbeat", "server", column(2))
+
+
 async def serve_meta(config: MetaConfig, *, store: Store | None = None,
                      task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Open the store named by ``config.db`` (or use ``store``) and serve until
@@ -571,6 +584,8 @@ async def serve_meta(config: MetaConfig, *, store: Store | None = None,
         signer = cap_signer(config, persistent=owned)
         service = MetaService(st, config, signer=signer, security=security)
         service.apply_limits(config.connections, nofile_limit() - FD_RESERVE)
+        if metrics.serve(config.metrics_port, config.host):
+            _registry_gauges(service.registry)
         await service.serve_all(config.host, config.port, task_status=task_status)
     finally:
         if owned:

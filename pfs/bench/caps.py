@@ -148,12 +148,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--data-servers", type=int, default=2)
     p.add_argument("--dir", help="where the two clusters live (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", metavar="PATH", help="write all results here (- : print them "
+                                                  "instead of the table)")
     args = p.parse_args(argv)
     out = run(args)
-    if args.json:
+    if args.json == "-":
         print(json.dumps(out, indent=2))
         return 0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
     print(f"capability checks on vs off: {fmt_size(args.size)} file, {args.data_servers} data "
           f"servers, {args.concurrency} reads in flight, median of {args.rounds} x "
           f"{args.seconds:g} s")

@@ -302,5 +302,12 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def aim(text: str, value: float | None, target: float) -> str:
+    """One aim and whether this run met it: ``value >= target`` (None: not measured)."""
+    if value is None:
+        return f"aim: {text}: not measured in this run"
+    return f"aim: {text}: {'met' if value >= target else 'NOT met'} ({value:,.3g})"
+
+
 def run_quiet(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, **kw)

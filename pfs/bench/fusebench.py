@@ -31,6 +31,7 @@ from typing import Any
 
 from pfs.bench import meta as metabench
 from pfs.bench.common import (
+    aim,
     bench_main,
     cluster_for,
     drop_caches,
@@ -360,8 +361,10 @@ def report(res: dict[str, Any]) -> str:
     lines.append("ratios:")
     for k, v in res["ratios"].items():
         lines.append(f"  {k:36s} {v:.3f}")
-    lines.append("aims: mount >= MooseFS on write, cold read, creates, stats, unlinks; "
-                 "mount read >= 0.4x native read")
+    r = res["ratios"]
+    for m in METRICS:
+        lines.append(aim(f"mount >= MooseFS on {m}", r.get(f"mount/moosefs {m}"), 1.0))
+    lines.append(aim("mount read >= 0.4x native read", r.get("mount/native read_MBps"), 0.4))
     return "\n".join(lines)
 
 

@@ -779,10 +779,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pfs bench sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
+    p.add_argument("--json", metavar="PATH", help="write all results here (as the other "
+                                                  "benchmarks; the CSV stays in --out)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     res = run(cfg, fresh=args.fresh)
     print(report(res["points"], res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
     log(f"sweep: results, CSV and plots in {cfg.out}")
     return 0
 

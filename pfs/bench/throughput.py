@@ -30,6 +30,7 @@ from typing import Any
 
 from pfs.bench.common import (
     CpuMeter,
+    aim,
     bench_main,
     cluster_for,
     drop_caches,
@@ -343,7 +344,11 @@ def report(res: dict[str, Any]) -> str:
     lines.append("ratios (GB/s):")
     for k, v in res["ratios"].items():
         lines.append(f"  {k:42s} {v:.3f}")
-    lines.append("aims: pfs read >= 0.5x local read, pfs write >= 0.5x local write")
+    r = res["ratios"]
+    lines.append(aim("pfs read >= 0.5x local read", r.get("pfs_read_warm/local_read_warm")
+                     if "pfs_read_warm" in med else None, 0.5))
+    lines.append(aim("pfs write >= 0.5x local write", r.get("pfs_write/local_write")
+                     if "pfs_write" in med else None, 0.5))
     return "\n".join(lines)
 
 

@@ -135,9 +135,10 @@ class MetaClient:
 
     def _unreachable(self, exc: OSError) -> OSError:
         """A connection that could not be opened: its errno (refused, reset, timed out),
-        a message naming the metaserver."""
+        a message naming the metaserver once."""
         code = exc.errno if exc.errno in E.errnos(E.Action.RECONNECT) else errno.ENOTCONN
-        return OSError(code, f"{self.name} unreachable: {exc.strerror or exc}")
+        why = str(exc.strerror or exc).replace(f"cannot connect to {self.host}:{self.port}: ", "")
+        return OSError(code, f"{self.name} unreachable: {why}")
 
     def _blocking_client(self) -> BlockingRpcClient:
         with self._blocking_lock:

@@ -399,8 +399,9 @@ def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) 
             if flags & os.O_EXCL:
                 raise
     attr = yield from resolve(c, p)
-    if statmod.S_ISDIR(attr.st_mode) and (flags & os.O_ACCMODE) != os.O_RDONLY:
-        raise OSError(errno.EISDIR, f"{p}: is a directory")
+    if statmod.S_ISDIR(attr.st_mode):
+        # a file API: a directory is listed, not opened (Python's open() says the same)
+        raise OSError(errno.EISDIR, "Is a directory", p)
     r = yield from meta_open(attr.st_ino, flags, _cred(c))
     return c._handle(r, flags, p)
 

@@ -12,6 +12,7 @@ trip.
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -30,6 +31,9 @@ from pfs.core.config import client_config
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+# How long an interrupted call may take to end (its in-flight I/O to complete).
+DRAIN_TIMEOUT = 30.0
 
 
 class _Loop:
@@ -64,7 +68,47 @@ class _Loop:
             nursery.cancel_scope.cancel()
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return trio.from_thread.run(fn, *args, trio_token=self.token)
+        """``await fn(*args)`` in the trio thread. A KeyboardInterrupt (Ctrl-C) that
+        arrives while it runs cancels it there and waits for it to end before it goes
+        on up: the call may have reads in flight (an io_uring submission, a socket
+        ``recv_into``) into the caller's buffer, and unwinding past them freed that
+        buffer, or let the interpreter exit and tear liburing down, under the kernel's
+        feet (a segfault in liburing's queue module)."""
+        scope = trio.CancelScope()
+        ended = threading.Event()
+
+        async def guarded() -> T:
+            try:
+                with scope:
+                    return await fn(*args)
+                raise OSError(errno.EINTR, "interrupted")  # cancelled: only on an interrupt
+            finally:
+                ended.set()
+
+        try:
+            return trio.from_thread.run(guarded, trio_token=self.token)
+        except KeyboardInterrupt:
+            self._drain(scope, ended)
+            raise
+
+    def _drain(self, scope: trio.CancelScope, ended: threading.Event) -> None:
+        """Cancel an interrupted call and wait (through further interrupts) until it
+        has ended; the engine shields its in-flight batches, so this waits for them."""
+        if self.token is None:
+            return
+        try:
+            self.token.run_sync_soon(scope.cancel)
+        except trio.RunFinishedError:
+            return
+        deadline = DRAIN_TIMEOUT
+        while deadline > 0:
+            try:
+                if ended.wait(0.05):
+                    return
+                deadline -= 0.05
+            except KeyboardInterrupt:
+                continue
+        log.warning("an interrupted call did not end within %.0f s", DRAIN_TIMEOUT)
 
     def stop(self) -> None:
         if self._thread.is_alive() and self._stop is not None:

@@ -95,6 +95,7 @@ class ClientConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    metrics_port: int = 0  # the mount's Prometheus /metrics on this port (0: off)
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
@@ -177,6 +178,7 @@ class MetaConfig:
     # carry it, so a data server refuses writes past it; docs/security.md)
     max_object_size: int = 1 << 40
     connections: ConnLimits = field(default_factory=ConnLimits)
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9401)
 
 
 @dataclass
@@ -196,6 +198,7 @@ class DataConfig:
     tls_key: str = ""
     tls_ca: str = ""
     connections: ConnLimits = field(default_factory=ConnLimits)
+    metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
 
 
 def parse_addr(text: str) -> tuple[str, int]:

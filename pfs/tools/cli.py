@@ -3,69 +3,29 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import os
 import signal
-import stat as statmod
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pfs.tools import admin_keys
+from pfs.tools import admin_keys, fscmds, transfer
+from pfs.tools.admin_status import cmd_admin_status
+from pfs.tools.output import (
+    EXIT_INTERRUPTED,
+    error_line,
+    exit_status,
+    human,
+    parse_size,
+    print_json,
+    tool_version,
+)
 
 log = logging.getLogger(__name__)
 
-COPY_CHUNK = 32 << 20
-PROGRESS_MIN = 64 << 20
-
-_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``4096``, ``64K``, ``1M``, ``2G`` (binary units; a trailing B or iB is allowed)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in _SUFFIX else (t, "")
-    try:
-        value = float(num) * _SUFFIX[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    return int(value)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-class Progress:
-    """A one-line progress bar on stderr for large copies (only on a terminal)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label = total, label
-        self.on = total >= PROGRESS_MIN and sys.stderr.isatty()
-        self.t0 = time.monotonic()
-        self.done = 0
-
-    def add(self, n: int) -> None:
-        self.done += n
-        if self.on:
-            frac = self.done / self.total if self.total else 1.0
-            rate = self.done / max(1e-9, time.monotonic() - self.t0)
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {human(rate)}/s")
-            sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.on:
-            sys.stderr.write("\n")
+__all__ = ["build_parser", "human", "main", "parse_size"]
 
 
 # ---------------------------------------------------------------------------
@@ -79,157 +39,15 @@ def _client(args: argparse.Namespace) -> Any:
         raise SystemExit(f"pfs: {exc}") from None
 
 
-def cmd_ls(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        for path in args.paths or ["/"]:
-            st = c.stat(path)
-            entries = c.scandir(path) if st.is_dir() else None
-            if entries is None:
-                print(path)
-                continue
-            for e in sorted(entries, key=lambda e: e.name):
-                if args.long and e.attr is not None:
-                    a = e.attr
-                    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(a.st_mtime))
-                    print(f"{statmod.filemode(a.st_mode)} {a.st_nlink:3d} {a.st_uid:5d} "
-                          f"{a.st_gid:5d} {a.st_size:12d} {when} {e.name}")
-                else:
-                    print(e.name)
+def _with_client(fn: Callable[[argparse.Namespace, Any], None]
+                 ) -> Callable[[argparse.Namespace], None]:
+    """A command that needs a connected client: connect, run, close."""
+    def run(args: argparse.Namespace) -> None:
+        with _client(args) as c:
+            fn(args, c)
 
-
-def cmd_stat(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        for path in args.paths:
-            st = c.lstat(path)
-            print(json.dumps({"path": path, "ino": st.st_ino, "mode": statmod.filemode(st.st_mode),
-                              "nlink": st.st_nlink, "uid": st.st_uid, "gid": st.st_gid,
-                              "size": st.st_size, "atime_ns": st.st_atime_ns,
-                              "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}))
-
-
-def cmd_mkdir(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        for path in args.paths:
-            if args.parents:
-                c.makedirs(path, exist_ok=True)
-            else:
-                c.mkdir(path)
-
-
-def _rm_tree(c: Any, path: str) -> None:
-    for e in c.scandir(path):
-        if e.is_dir():
-            _rm_tree(c, e.path)
-        else:
-            c.remove(e.path)
-    c.rmdir(path)
-
-
-def cmd_rm(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        for path in args.paths:
-            st = c.lstat(path)
-            if st.is_dir():
-                if not args.recursive:
-                    raise OSError(errno.EISDIR, f"{path} is a directory (use -r)")
-                _rm_tree(c, path)
-            else:
-                c.remove(path)
-
-
-def cmd_mv(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        c.rename(args.src, args.dst)
-
-
-def cmd_cat(args: argparse.Namespace) -> None:
-    out = sys.stdout.buffer
-    with _client(args) as c:
-        for path in args.paths:
-            with c.open(path, "rb") as f:
-                while chunk := f.read(COPY_CHUNK):
-                    out.write(chunk)
-    out.flush()
-
-
-def cmd_put(args: argparse.Namespace) -> None:
-    with _client(args) as c, open(args.local, "rb", buffering=0) as src:
-        total = os.fstat(src.fileno()).st_size
-        remote = args.remote
-        if remote.endswith("/") or (c.exists(remote) and c.stat(remote).is_dir()):
-            remote = remote.rstrip("/") + "/" + os.path.basename(args.local)
-        bar = Progress(total, f"put {args.local}")
-        buf = bytearray(min(COPY_CHUNK, max(total, 1)))
-        t0 = time.perf_counter()
-        with c.open(remote, "wb") as dst:
-            while n := src.readinto(buf):
-                dst.write(memoryview(buf)[:n])
-                bar.add(n)
-        bar.finish()
-        _report(args, "put", total, time.perf_counter() - t0)
-
-
-def cmd_get(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        local = args.local
-        if os.path.isdir(local):
-            local = os.path.join(local, os.path.basename(args.remote.rstrip("/")))
-        t0 = time.perf_counter()
-        with c.open(args.remote, "rb") as src, open(local, "wb", buffering=0) as dst:
-            total = src.size
-            bar = Progress(total, f"get {args.remote}")
-            buf = bytearray(min(COPY_CHUNK, max(total, 1)))
-            while n := src.readinto(buf):
-                dst.write(memoryview(buf)[:n])
-                bar.add(n)
-            bar.finish()
-        _report(args, "get", total, time.perf_counter() - t0)
-
-
-def _report(args: argparse.Namespace, what: str, nbytes: int, secs: float) -> None:
-    if args.verbose:
-        print(f"{what}: {human(nbytes)} in {secs:.2f} s ({nbytes / max(secs, 1e-9) / 1e9:.2f} GB/s)",
-              file=sys.stderr)
-
-
-def cmd_setstripe(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        lay = c.set_layout(args.path, count=args.count or 0, unit=args.unit or 0,
-                           replicas=args.replicas or 0, durable=args.durable)
-        print(json.dumps(lay))
-
-
-def cmd_getstripe(args: argparse.Namespace) -> None:
-    with _client(args) as c:
-        print(json.dumps(c.get_layout(args.path)))
-
-
-def _df_row(name: str, total: int, free: int, note: str = "") -> str:
-    used = total - free
-    pct = 100 * used / total if total else 0
-    return (f"{name:<40} {human(total):>11} {human(used):>11} {human(free):>11} "
-            f"{pct:4.0f}%  {note}").rstrip()
-
-
-def cmd_df(args: argparse.Namespace) -> None:
-    """One row per data server (and per data directory where it has several), then the
-    total, each physical filesystem counted once (``lfs df``)."""
-    with _client(args) as c:
-        servers = c._run(c.aio.meta.servers)
-        s = c.statvfs()
-    print(f"{'server / directory':<40} {'size':>11} {'used':>11} {'avail':>11} {'use%':>5}  "
-          "state")
-    for sid, srv in sorted(servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"])):
-        state = "DOWN" if not srv["alive"] else "FULL" if srv.get("full") else "up"
-        print(_df_row(f"{sid[:8]} {srv['host']}:{srv['port']}", srv["total"], srv["free"],
-                      state))
-        dirs = srv.get("dirs") or []
-        if len(dirs) > 1:
-            for path, _fs, total, free in dirs:
-                print(_df_row(f"  {path}", total, free))
-    total, free = s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
-    print(_df_row("total (each filesystem once)", total, free,
-                  f"{s.f_files - s.f_ffree} files"))
+    run.__doc__ = fn.__doc__
+    return run
 
 
 def cmd_load(args: argparse.Namespace) -> None:
@@ -248,13 +66,21 @@ def cmd_load(args: argparse.Namespace) -> None:
             out = load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
                                    _split_arg(args.split), framework=args.framework,
                                    stats=stats)
-    except CheckpointError as exc:
-        raise SystemExit(f"pfs load: {exc}") from None
+    except (CheckpointError, ValueError) as exc:
+        raise SystemExit(f"pfs load: {args.path}: {exc}") from None
     kind = type(next(iter(out.values()))).__module__.split(".")[0] if out else "-"
     print(f"loaded {stats.tensors} tensors ({kind}) from {stats.files} file(s): "
           f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
           f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
           f"{stats.requests} reads, device {args.device}]")
+
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N."""
+    kind, _, num = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not num or num.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda or cuda:N)")
 
 
 def _split_arg(items: list[str] | None) -> dict[str, int] | None:
@@ -274,13 +100,18 @@ def _split_arg(items: list[str] | None) -> dict[str, int] | None:
 def cmd_cluster_up(args: argparse.Namespace) -> None:
     from pfs.tools import cluster
 
+    d = Path(args.dir)
+    before = cluster.running(d) if d.exists() else {}
     try:
-        path = cluster.up(Path(args.dir), args.data_servers, args.meta_port,
+        path = cluster.up(d, args.data_servers, args.meta_port,
                           tls=True if args.tls else None)
     except cluster.ClusterError as exc:
         raise SystemExit(f"pfs cluster up: {exc}") from None
     if not args.tls and not cluster.load_spec(Path(args.dir)).tls:  # type: ignore[union-attr]
         print(f"pfs cluster up: {cluster.admin_notice(Path(args.dir))}", file=sys.stderr)
+    if before:
+        print(f"pfs cluster up: {d} was already running ({', '.join(sorted(before))}); "
+              "started what was missing", file=sys.stderr)
     print(path)
 
 
@@ -305,8 +136,14 @@ def cmd_certs(args: argparse.Namespace) -> None:
 def cmd_cluster_down(args: argparse.Namespace) -> None:
     from pfs.tools import cluster
 
-    stopped = cluster.down(Path(args.dir))
-    print(f"stopped {len(stopped)} process(es)" + (f": {', '.join(stopped)}" if stopped else ""))
+    d = Path(args.dir)
+    if not d.is_dir():
+        raise OSError(errno.ENOENT, "No such directory (no cluster there)", str(d))
+    stopped = cluster.down(d)
+    if not stopped:
+        print(f"no cluster was running in {d}")
+        return
+    print(f"stopped {len(stopped)} process(es): {', '.join(stopped)}")
 
 
 def cmd_cluster_status(args: argparse.Namespace) -> None:
@@ -316,16 +153,23 @@ def cmd_cluster_status(args: argparse.Namespace) -> None:
         st = cluster.status(Path(args.dir))
     except cluster.ClusterError as exc:
         raise SystemExit(f"pfs cluster status: {exc}") from None
-    print(json.dumps(st, indent=2))
-    if "meta" in st["processes"]:  # type: ignore[operator]
+    procs: dict[str, int] = st["processes"]  # type: ignore[assignment]
+    servers: dict[str, dict[str, Any]] = {}
+    if "meta" in procs:
         import pfs
 
         with pfs.connect(config=Path(args.dir) / "client.toml") as c:
-            servers = c._run(c.aio.meta.servers)
-            for sid, s in sorted(servers.items()):
-                print(f"data server {sid} {s['host']}:{s['port']} "
-                      f"{'DOWN' if not s['alive'] else 'FULL' if s.get('full') else 'up'} "
-                      f"free {human(s['free'])} of {human(s['total'])}")
+            servers = fscmds.live_servers(c)
+    if args.json:
+        print_json({**st, "servers": servers})
+        return
+    print(f"cluster {st['dir']}: metaserver {st['meta']}, "
+          f"{len(procs)} process(es) running of {int(st['data_servers']) + 1}")  # type: ignore[call-overload]
+    for name, pid in sorted(procs.items()):
+        print(f"  {name:<8} pid {pid}")
+    for sid, s in sorted(servers.items()):
+        print(f"data server {sid[:8]} {s['host']}:{s['port']} {fscmds.server_state(s)} "
+              f"free {human(s['free'])} of {human(s['total'])}")
 
 
 def cmd_meta_serve(args: argparse.Namespace) -> None:
@@ -393,39 +237,61 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pfs", description="pfs: a parallel distributed filesystem")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    p.add_argument("--version", action="version", version=tool_version())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help)
+        sp = sub.add_parser(name, help=help, description=help)
         sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
         sp.add_argument("--meta", help="metaserver HOST:PORT")
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = client_cmd("ls", cmd_ls, "list directories")
-    sp.add_argument("-l", "--long", action="store_true")
-    sp.add_argument("paths", nargs="*")
-    client_cmd("stat", cmd_stat, "show attributes").add_argument("paths", nargs="+")
-    sp = client_cmd("mkdir", cmd_mkdir, "make directories")
-    sp.add_argument("-p", "--parents", action="store_true")
-    sp.add_argument("paths", nargs="+")
-    sp = client_cmd("rm", cmd_rm, "remove files (and trees with -r)")
-    sp.add_argument("-r", "--recursive", action="store_true")
-    sp.add_argument("paths", nargs="+")
-    sp = client_cmd("mv", cmd_mv, "rename")
+    def data_cmd(name: str, fn: Callable[[argparse.Namespace, Any], None],
+                 help: str) -> argparse.ArgumentParser:
+        """A command that prints data: people's format, or ``--json``."""
+        sp = client_cmd(name, _with_client(fn), help)
+        sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
+        return sp
+
+    sp = data_cmd("ls", fscmds.cmd_ls, "list directories")
+    sp.add_argument("-l", "--long", action="store_true", help="mode, links, owner, size, time")
+    sp.add_argument("paths", nargs="*", metavar="PATH")
+    data_cmd("stat", fscmds.cmd_stat, "show attributes").add_argument(
+        "paths", nargs="+", metavar="PATH")
+    sp = client_cmd("mkdir", _with_client(fscmds.cmd_mkdir), "make directories")
+    sp.add_argument("-p", "--parents", action="store_true", help="make parents, no error if "
+                                                                 "it exists")
+    sp.add_argument("paths", nargs="+", metavar="PATH")
+    sp = client_cmd("rm", _with_client(fscmds.cmd_rm), "remove files (and trees with -r)")
+    sp.add_argument("-r", "--recursive", action="store_true", help="remove directories too")
+    sp.add_argument("paths", nargs="+", metavar="PATH")
+    sp = client_cmd("mv", _with_client(fscmds.cmd_mv), "rename")
     sp.add_argument("src")
     sp.add_argument("dst")
-    client_cmd("cat", cmd_cat, "print files").add_argument("paths", nargs="+")
-    sp = client_cmd("put", cmd_put, "copy a local file into pfs")
-    sp.add_argument("local")
-    sp.add_argument("remote")
-    sp = client_cmd("get", cmd_get, "copy a pfs file to local disk")
-    sp.add_argument("remote")
-    sp.add_argument("local")
-    sp = client_cmd("setstripe", cmd_setstripe, "set a directory's default (or empty file's) layout")
-    sp.add_argument("--count", "-c", type=int)
-    sp.add_argument("--unit", "-S", type=parse_size)
-    sp.add_argument("--replicas", "-r", type=int)
+    client_cmd("cat", _with_client(fscmds.cmd_cat), "print files").add_argument(
+        "paths", nargs="+", metavar="PATH")
+    sp = client_cmd("put", _with_client(transfer.cmd_put),
+                    "copy local files into pfs (- is stdin); atomic: a temporary name, "
+                    "renamed when complete")
+    sp.add_argument("-r", "--recursive", action="store_true", help="copy directories")
+    sp.add_argument("sources", nargs="+", metavar="LOCAL")
+    sp.add_argument("dest", metavar="REMOTE", help="a file, or a directory to copy into")
+    sp = client_cmd("get", _with_client(transfer.cmd_get),
+                    "copy pfs files to local disk (- is stdout); atomic: a temporary name, "
+                    "renamed when complete")
+    sp.add_argument("-r", "--recursive", action="store_true", help="copy directories")
+    sp.add_argument("sources", nargs="+", metavar="REMOTE")
+    sp.add_argument("dest", metavar="LOCAL", help="a file, a directory to copy into, or -")
+    sp = data_cmd("setstripe", fscmds.cmd_setstripe,
+                  "change a directory's default (or an empty file's) layout: only the "
+                  "fields given")
+    sp.add_argument("--count", "-c", type=int, help="stripes a file is cut into (at most the "
+                                                    "live data servers)")
+    sp.add_argument("--unit", "-S", type=parse_size, help="stripe unit, e.g. 1M (a multiple "
+                                                          "of 4 KiB)")
+    sp.add_argument("--replicas", "-r", type=int, help="copies of each stripe (at most the "
+                                                       "live data servers)")
     sync = sp.add_mutually_exclusive_group()
     sync.add_argument("--no-sync", dest="durable", action="store_const", const=False,
                       help="scratch data: close() does not wait for the data to reach "
@@ -433,17 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--sync", dest="durable", action="store_const", const=True,
                       help="close() syncs the data before it commits the size (default)")
     sp.add_argument("path")
-    client_cmd("getstripe", cmd_getstripe, "show a layout").add_argument("path")
-    client_cmd("df", cmd_df, "capacity of the cluster")
+    data_cmd("getstripe", fscmds.cmd_getstripe,
+             "show a layout and its servers' addresses").add_argument("path")
+    data_cmd("df", fscmds.cmd_df, "capacity of the cluster, per data server")
     sp = client_cmd("load", cmd_load, "load a safetensors checkpoint (file, index or "
                                       "directory) and report GB/s")
     sp.add_argument("path", help="pfs path (with --config/--meta/$PFS_CONFIG) or local path")
-    sp.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    sp.add_argument("--tp-rank", type=int, default=None)
-    sp.add_argument("--tp-size", type=int, default=None)
+    sp.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
+    sp.add_argument("--tp-rank", type=int, default=None, help="this rank's tensor-parallel "
+                                                              "index")
+    sp.add_argument("--tp-size", type=int, default=None, help="tensor-parallel ranks")
     sp.add_argument("--split", action="append", metavar="PATTERN=DIM",
                     help="tensor-parallel rule: tensors matching PATTERN cut along DIM")
-    sp.add_argument("--framework", choices=["torch", "numpy"], default=None)
+    sp.add_argument("--framework", choices=["torch", "numpy"], default=None,
+                    help="what the tensors come back as (default: torch if installed)")
     sp.add_argument("--local", action="store_true", help="PATH is on local disk")
 
     from pfs.fuse.mount import add_mount_parser  # pfs mount / pfs umount
@@ -468,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_cluster_down)
     sp = cl.add_parser("status", help="show the cluster in DIR")
     sp.add_argument("--dir", required=True)
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
     sp.set_defaults(fn=cmd_cluster_status)
 
     for name, fn in (("meta", cmd_meta_serve), ("data", cmd_data_serve)):
@@ -502,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", action="append", default=[], metavar="DIR",
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
+    sp = adm.add_parser("status", help="the metaserver and every data server: address, "
+                                       "state, capacity, heartbeat age")
+    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+    sp.add_argument("--meta", help="metaserver HOST:PORT")
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
+    sp.set_defaults(fn=_with_client(cmd_admin_status))
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
     admin_keys.add_parser(adm)
 
@@ -525,7 +401,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("bench", help="benchmarks (throughput, meta)", add_help=False)
     sp.add_argument("rest", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=cmd_bench)
+    _global_options_everywhere(p)
     return p
+
+
+def _global_options_everywhere(p: argparse.ArgumentParser) -> None:
+    """``pfs put -v`` as well as ``pfs -v put``: every subcommand also takes the global
+    options (where it has no option of that name itself). SUPPRESS as the default keeps a
+    subcommand from resetting what was given before it."""
+    def walk(parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in set(action.choices.values()):
+                    taken = child._option_string_actions
+                    passthrough = any(a.dest == "rest" for a in child._actions)
+                    if not passthrough and "-v" not in taken and "--verbose" not in taken:
+                        child.add_argument("-v", "--verbose", action="store_true",
+                                           default=argparse.SUPPRESS, help="log more")
+                    walk(child)
+
+    walk(p)
 
 
 # Subcommands that hand their whole argument list to another parser (argparse's
@@ -546,6 +441,31 @@ def _sigterm_unwinds() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The ``pfs`` program (``argv`` None: ``sys.argv``; given: a call from Python)."""
+    try:
+        try:
+            _main(argv)
+        except KeyboardInterrupt:  # before a command ran (while importing what it needs)
+            print("pfs: interrupted", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as done:
+        if argv is None and done.code == EXIT_INTERRUPTED:
+            # The command has cleaned up. CPython 3.11 remembers a KeyboardInterrupt
+            # raised inside exec() of a string (dataclasses build methods so, while
+            # the client is imported) even once caught, and at exit kills itself
+            # with SIGINT (status -2); leave without that final step.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        raise
+    finally:
+        if argv is None:
+            # the exit status is decided: a Ctrl-C now would only turn it into a
+            # KeyboardInterrupt during interpreter shutdown (status -2)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     for prefix, fn in _PASSTHROUGH.items():
         if tuple(argv[:len(prefix)]) == prefix:
@@ -557,14 +477,28 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    code = run(args)
+    if code:
+        sys.exit(code)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; the one place user errors become one line and a status."""
     try:
         args.fn(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`pfs ls | head`): not an error of ours; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as exc:
-        name = errno.errorcode.get(exc.errno or 0, "EIO")
-        print(f"pfs: {exc.strerror or exc} [{name}]", file=sys.stderr)
-        sys.exit(1)
+        print(f"pfs: {error_line(exc)}", file=sys.stderr)
+        return exit_status(exc)
     except KeyboardInterrupt:
-        sys.exit(130)
+        print("pfs: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_cli_round_trip(private_cluster: Path, tmp_path: Path) -> None:
     assert (tmp_path / "out.bin").read_bytes() == local.read_bytes()
     r = _pfs("ls", "-l", "/a", env_config=toml)
     assert b"g" in r.stdout and b"300000" in r.stdout
-    r = _pfs("getstripe", "/a/g", env_config=toml)
+    r = _pfs("getstripe", "--json", "/a/g", env_config=toml)
     assert b'"count": 2' in r.stdout and b'"unit": 65536' in r.stdout
     r = _pfs("cat", "/a/g", "--config", str(toml), "--meta", load(ClientConfig, toml).meta)
     assert r.stdout == local.read_bytes()

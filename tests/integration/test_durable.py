@@ -90,7 +90,7 @@ def test_the_opt_out_is_inherited_kept_and_undone(client: Client, workdir: str) 
 
 def test_setstripe_no_sync(client_toml: Path, client: Client, workdir: str) -> None:
     client.mkdir(f"{workdir}/s")
-    out = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "setstripe", "--config",
+    out = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "setstripe", "--json", "--config",
                           str(client_toml), "--no-sync", f"{workdir}/s"],
                          capture_output=True, text=True, check=True, timeout=120).stdout
     assert '"durable": false' in out

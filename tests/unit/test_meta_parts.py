@@ -105,10 +105,11 @@ def test_registry_describes_stored_servers() -> None:
     reg.register("a", "h1", 1, 100, 50)
     assert reg.describe(stored) == {
         "a": {"host": "h1", "port": 1, "total": 100, "free": 50, "full": False, "dirs": [],
-              "alive": True},
+              "age": 0.0, "alive": True},
         "c": {"host": "hc", "port": 7, "total": 5, "free": 4, "alive": False}}
     clock.now += 16
     assert reg.describe(stored)["a"]["alive"] is False
+    assert reg.describe(stored)["a"]["age"] == 16.0  # seconds since its last heartbeat
 
 
 # ---------------------------------------------------------------------- commit queue

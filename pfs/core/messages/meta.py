@@ -144,7 +144,8 @@ class LayoutReply(ReplyMessage):
 
 class ServersReply(ReplyMessage):
     servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive", '
-                                      '"full", "dirs": [[path, fs, total, free], ...]}}')
+                                      '"full", "dirs": [[path, fs, total, free], ...], '
+                                      '"age"?: seconds since its last heartbeat}}')
 
 
 class RegisterReply(ReplyMessage):

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import trio
 
+from pfs.core import metrics
 from pfs.core.auth import OPEN, Identity, ServerAuth
 from pfs.core.config import ConnLimits
 from pfs.core.errors import ProtocolError, from_wire, to_wire
@@ -195,6 +196,7 @@ class RpcClient:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)
+        started = time.perf_counter()
         call = _Call(into)
         self._pending[rid] = call
         msg = wire
@@ -210,6 +212,10 @@ class RpcClient:
             await self._abandon(rid, call)
             raise OSError(errno.ETIMEDOUT,
                           f"{method} to {self.conn.name} got no reply in {limit:g} s")
+        # a client's view (the mount's /metrics): service "client", reply bytes in
+        metrics.rpc_done("client", method, started,
+                         None if call.error is None else call.error.errno or errno.EIO,
+                         call.nbytes, 0)
         if call.error is not None:
             raise call.error
         assert call.fields is not None
@@ -565,6 +571,7 @@ class RpcService:
             if ticket is not None:
                 self.admission.finish(ticket)
             authed = True
+            metrics.connections(self.name, 1)
             async with trio.open_nursery() as handlers:
                 try:
                     slots = trio.Semaphore(self.max_in_flight)
@@ -618,6 +625,7 @@ class RpcService:
             conn.close()
             budget.release(self.conn_payload_budget - mine.free)  # what its handlers held
             if authed:
+                metrics.connections(self.name, -1)
                 self.connection_lost(ctx)
 
     @staticmethod
@@ -629,13 +637,16 @@ class RpcService:
     async def _handle(self, ctx: ConnContext, rid: int, req: Request,
                       slots: trio.Semaphore,
                       held: tuple[ByteBudget, ByteBudget, int] | None = None) -> None:
+        started, err, sent = time.perf_counter(), None, 0
         try:
             try:
                 reply = await self.dispatch(ctx, req)
             except OSError as exc:
+                err = exc.errno or errno.EIO
                 await self._send_error(ctx.conn, rid, exc)
                 return
             except Exception:  # a handler bug must not kill the connection or hang the peer
+                err = errno.EIO
                 log.exception("%s: %s failed", self.name, req.method)
                 await self._send_error(ctx.conn, rid, OSError(
                     errno.EIO, f"internal error in {req.method}; see the server log"))
@@ -643,6 +654,7 @@ class RpcService:
             if isinstance(reply, dict):  # a typed reply, encoded
                 await ctx.conn.send_frame(Kind.REPLY, rid, reply, None)
                 return
+            sent = reply.file[2] if reply.file else len(reply.payload or b"")
             try:
                 fields = reply.fields
                 assert isinstance(fields, dict)  # encoded by ``encode``
@@ -659,6 +671,7 @@ class RpcService:
         except ConnectionClosed:
             pass
         finally:
+            metrics.rpc_done(self.name, req.method, started, err, held[2] if held else 0, sent)
             slots.release()
             ctx.inflight.discard(rid)
             if held is not None and held[2]:

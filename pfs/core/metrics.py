@@ -1,0 +1,132 @@
+"""Prometheus metrics: one registry for the process, one call per request.
+
+Servers and the mount call :func:`serve` with their config's ``metrics_port`` (0: off,
+the default) to expose ``/metrics`` over HTTP; the RPC layer calls :func:`rpc_done` once
+per request and :func:`connections` when a connection opens or closes. Until
+:func:`serve` has run those calls return at once, and ``prometheus_client`` is not even
+imported (it takes a quarter of a second, which every ``pfs`` command would pay). A
+server adds gauges read at scrape time (capacity, heartbeat age) with :func:`add_gauges`.
+
+Metric names: ``pfs_rpc_requests_total{service,method}``, ``pfs_rpc_seconds{service,
+method}`` (a histogram of handling time), ``pfs_rpc_errors_total{service,method,errno}``,
+``pfs_rpc_bytes_in_total{service}`` / ``pfs_rpc_bytes_out_total{service}`` (request and
+reply payloads), ``pfs_connections{service}``, and the gauges the servers add
+(``pfs_server_total_bytes``, ``pfs_server_free_bytes``, ``pfs_server_heartbeat_age_seconds``
+per data server on the metaserver; ``pfs_data_total_bytes``/``pfs_data_free_bytes`` per
+directory on a data server), besides prometheus_client's process metrics.
+"""
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# latency buckets from 50 us (a cached stat) to 10 s (a large write to a slow disk)
+_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+            0.5, 1.0, 2.5, 5.0, 10.0)
+Read = Callable[[], dict[str, float]]
+
+
+class _Metrics:
+    """The process's metric objects, made when metrics are first served."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.requests = Counter("pfs_rpc_requests", "RPC requests handled",
+                                ["service", "method"])
+        self.seconds = Histogram("pfs_rpc_seconds", "RPC handling time in seconds",
+                                 ["service", "method"], buckets=_BUCKETS)
+        self.errors = Counter("pfs_rpc_errors", "RPC requests answered with an error",
+                              ["service", "method", "errno"])
+        self.bytes_in = Counter("pfs_rpc_bytes_in", "request payload bytes received",
+                                ["service"])
+        self.bytes_out = Counter("pfs_rpc_bytes_out", "reply payload bytes sent", ["service"])
+        self.connections = Gauge("pfs_connections", "open authenticated connections",
+                                 ["service"])
+        self.children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+_lock = threading.Lock()
+_m: _Metrics | None = None
+_gauges: dict[str, tuple[str, str, list[Read]]] = {}  # name -> doc, label, reader (latest)
+
+
+def enabled() -> bool:
+    return _m is not None
+
+
+def serve(port: int, host: str = "127.0.0.1") -> int | None:
+    """Expose ``/metrics`` on ``host:port`` from a daemon thread (0: off). Returns the
+    bound port, or None when off."""
+    global _m
+    if port <= 0:
+        return None
+    from prometheus_client import REGISTRY, start_http_server
+
+    with _lock:
+        first, _m = _m is None, _m or _Metrics()
+    if first:
+        REGISTRY.register(_Gauges())
+    server, _thread = start_http_server(port, addr=host)
+    bound = int(server.server_address[1])
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound
+
+
+def rpc_done(service: str, method: str, started: float, err: int | None, bytes_in: int,
+             bytes_out: int) -> None:
+    """One handled request: ``started`` is its ``time.perf_counter()``, ``err`` the errno
+    it was answered with (None: success)."""
+    m = _m
+    if m is None:
+        return
+    pair = m.children.get((service, method))
+    if pair is None:
+        with _lock:
+            pair = m.children[service, method] = (m.requests.labels(service, method),
+                                                  m.seconds.labels(service, method))
+    pair[0].inc()
+    pair[1].observe(time.perf_counter() - started)
+    if err is not None:
+        m.errors.labels(service, method, errno_mod.errorcode.get(err, str(err))).inc()
+    if bytes_in:
+        m.bytes_in.labels(service).inc(bytes_in)
+    if bytes_out:
+        m.bytes_out.labels(service).inc(bytes_out)
+
+
+def connections(service: str, delta: int) -> None:
+    if _m is not None:
+        _m.connections.labels(service).inc(delta)
+
+
+def add_gauges(name: str, doc: str, label: str, read: Read) -> None:
+    """A gauge per ``label`` value, read by ``read()`` at each scrape (in the HTTP
+    thread: it must only read what is safe to read there). Added again (a second server
+    in one process): the newest ``read`` serves."""
+    with _lock:
+        _gauges[name] = (doc, label, [read])
+
+
+class _Gauges:
+    """The gauges of :func:`add_gauges`, computed at scrape time."""
+
+    def describe(self) -> list[Any]:
+        return []  # names vary; and registering must not run the readers
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        with _lock:
+            items = list(_gauges.items())
+        for name, (doc, label, (read,)) in items:
+            g = GaugeMetricFamily(name, doc, labels=[label])
+            for key, value in read().items():
+                g.add_metric([key], value)
+            yield g

@@ -1,0 +1,148 @@
+"""What the ``pfs`` commands print: sizes, user names, errors as one line, JSON or
+human tables, progress bars."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# A progress bar only for transfers at least this long (and only on a terminal).
+PROGRESS_MIN = 64 << 20
+
+# Exit statuses: 1 for a failed operation (as cp and ls), 2 for a usage error (argparse),
+# 69 (sysexits' EX_UNAVAILABLE) when the cluster could not be reached, 130 for Ctrl-C.
+EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 69, 130
+_UNREACHABLE = {errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                errno.ECONNRESET, errno.EHOSTDOWN, errno.ENOTCONN}
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``64K``, ``1M``, ``2G`` (binary units; a trailing B or iB is allowed)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in _SUFFIX else (t, "")
+    try:
+        value = float(num) * _SUFFIX[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text}") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a size: {text}")
+    return int(value)
+
+
+def human(n: float) -> str:
+    """A byte count as people read it: ``512 B``, ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def tool_version() -> str:
+    """``pfs 0.1.0 (protocol 1)``: this installation and the newest protocol it speaks."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pfs.core.versions import PROTOCOL_MAX
+
+    try:
+        v = version("pfs")
+    except PackageNotFoundError:
+        v = "unknown"
+    return f"pfs {v} (protocol {PROTOCOL_MAX})"
+
+
+def user_name(uid: int) -> str:
+    """The local name of ``uid`` where this machine knows it, else the number."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=False, default=str))
+
+
+# -- errors ----------------------------------------------------------------------------
+_BYTES_REPR = re.compile(r"""b(['"])(.*?)\1""")
+
+
+def _plain(text: object) -> str:
+    """``b'name'`` (a server's bytes repr) as ``name``, on one line."""
+    s = os.fsdecode(text) if isinstance(text, bytes) else str(text)
+    return " ".join(_BYTES_REPR.sub(r"\2", s).split())
+
+
+def error_line(exc: OSError) -> str:
+    """One line: the path, what went wrong, the errno's name."""
+    msg = _plain(exc.strerror or exc.args[0] if exc.args else exc)
+    where = [_plain(f) for f in (exc.filename, exc.filename2) if f is not None]
+    if where and not msg.startswith(where[0]):
+        msg = f"{' -> '.join(where)}: {msg}"
+    name = errno.errorcode.get(exc.errno or 0)
+    return f"{msg} [{name}]" if name else msg
+
+
+def exit_status(exc: OSError) -> int:
+    return EXIT_UNAVAILABLE if exc.errno in _UNREACHABLE else EXIT_FAILED
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """An OSError from this block that names no file names ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            msg = _plain(exc.strerror or exc).removesuffix(f": {path}")
+            raise type(exc)(exc.errno, msg, path) from None
+        raise
+
+
+# -- progress --------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar on stderr for a long transfer; nothing when stderr is no terminal or
+    the transfer is short."""
+
+    def __init__(self, total: int | None, label: str, force: bool | None = None) -> None:
+        on = force if force is not None else (
+            sys.stderr.isatty() and (total is None or total >= PROGRESS_MIN))
+        self._bar: Any = None
+        if on:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=label, unit="B", unit_scale=True,
+                             unit_divisor=1024, leave=False, file=sys.stderr)
+
+    def add(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
