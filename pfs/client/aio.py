@@ -393,7 +393,8 @@ class AsyncClient:
         creds = client_auth(config.key_file, config.key_name, config.tls_cert,
                             config.tls_key, config.tls_ca)
         self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred,
-                               auth=creds, direct=direct_meta)
+                               auth=creds, direct=direct_meta,
+                               connect_timeout=config.connect_timeout)
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
                                timeout=config.timeout, auth=creds.for_data())

@@ -59,10 +59,11 @@ class Retry:
     seconds from the first have passed (then :class:`pfs.core.errors.Final`
     ``ETIMEDOUT`` naming the last error)."""
 
-    __slots__ = ("what", "timeout", "deadline", "delay")
+    __slots__ = ("what", "timeout", "deadline", "delay", "quiet")
 
-    def __init__(self, what: str, timeout: float) -> None:
+    def __init__(self, what: str, timeout: float, quiet: bool = False) -> None:
         self.what, self.timeout = what, timeout
+        self.quiet = quiet  # never reached yet: the final error says it all
         self.deadline = time.monotonic() + timeout
         self.delay = FIRST_DELAY
 
@@ -74,11 +75,13 @@ class Retry:
             raise exc
         delay = self.delay
         if time.monotonic() + delay > self.deadline:
+            why = str(exc.strerror or exc)  # name the metaserver once
+            why = why.replace(f"{self.what}: ", "").replace(f"{self.what} ", "")
             raise E.Final(errno.ETIMEDOUT, f"{self.what}: no answer within {self.timeout:g} s "
-                                           f"({exc.strerror or exc})") from exc
+                                           f"({why})") from exc
         if delay == FIRST_DELAY:
             text = exc.strerror or str(exc)
-            log.warning("%s; retrying for up to %g s",
+            log.log(logging.INFO if self.quiet else logging.WARNING, "%s; retrying for up to %g s",
                         text if self.what in text else f"{self.what}: {text}", self.timeout)
         self.delay = min(delay * 2, MAX_DELAY)
         return delay
@@ -87,11 +90,15 @@ class Retry:
 class MetaClient:
     def __init__(self, nursery: trio.Nursery, host: str, port: int, *,
                  timeout: float = 60.0, cred: Cred | None = None,
-                 auth: ClientAuth | None = None, direct: bool = False) -> None:
+                 auth: ClientAuth | None = None, direct: bool = False,
+                 connect_timeout: float | None = None) -> None:
         self._nursery = nursery
         self._auth = auth or ClientAuth()
         self.host, self.port = host, port
         self.timeout = timeout
+        # before the first answer an outage is retried this long (ClientConfig)
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
+        self._reached = False
         self.cred = cred or Cred.current()
         self._wire_cred: tuple[Cred | None, WireCred] = (None, (0, 0, ()))
         self._driver = TrioDriver(meta=self)  # runs the metadata plans of ops
@@ -178,13 +185,20 @@ class MetaClient:
                         if self._closes_gen != self.generation:
                             closes = None  # opened on a connection that is gone
                 sent = True
-                return rpc.request(msg, closes=closes)
+                reply = rpc.request(msg, closes=closes)
+                self._reached = True
+                return reply
             except OSError as exc:
                 if not retry_outage:
                     raise
-                retry = retry or Retry(self.name, self.timeout)
+                retry = retry or self._retry()
                 pause = retry.pause(exc, sent, msg)
             time.sleep(pause)
+
+    def _retry(self) -> Retry:
+        if self._reached:
+            return Retry(self.name, self.timeout)
+        return Retry(self.name, min(self.timeout, self.connect_timeout), quiet=True)
 
     def defer_close(self, fh: int, generation: int) -> bool:
         """Direct mode: release handle ``fh`` (opened on connection ``generation``, with
@@ -233,9 +247,11 @@ class MetaClient:
             try:
                 rpc = await self._client()
                 sent = True
-                return parse_reply(msg, (await rpc.send(msg)).fields)
+                reply = parse_reply(msg, (await rpc.send(msg)).fields)
+                self._reached = True
+                return reply
             except OSError as exc:
-                retry = retry or Retry(self.name, self.timeout)
+                retry = retry or self._retry()
                 pause = retry.pause(exc, sent, msg)
             await trio.sleep(pause)
 

@@ -75,6 +75,9 @@ def profile_settings(name: str, nbytes: int | None = None) -> ProfileSettings:
 class ClientConfig:
     meta: str = "127.0.0.1:9400"  # metaserver HOST:PORT
     timeout: float = 60.0  # seconds per RPC before ETIMEDOUT
+    # until the metaserver has answered once, an outage is retried this long, not
+    # ``timeout``: a mistyped address or a cluster that is not up fails a command soon
+    connect_timeout: float = 10.0
     connections_per_server: int = 2  # data connections per data server
     uid: int = -1  # credentials sent with requests; -1: this process's
     gid: int = -1
