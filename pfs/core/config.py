@@ -12,6 +12,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# What frames after a key handshake must be (docs/security.md "Wire security"): "mac"
+# (authenticated, the default), "encrypt" (authenticated and encrypted), "none" (plain
+# unless the peer asks; only when a config says so). Same order as pfs.core.wire.seal.
+WIRE_SECURITY = ("none", "mac", "encrypt")
+
+
+def check_wire_security(value: str) -> None:
+    if value not in WIRE_SECURITY:
+        raise ConfigError(f"wire_security {value!r}: want one of mac, encrypt, none")
+
 
 class ConfigError(ValueError):
     pass
@@ -95,9 +105,11 @@ class ClientConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
+        check_wire_security(self.wire_security)
 
     @property
     def meta_addr(self) -> tuple[str, int]:
@@ -146,10 +158,14 @@ class MetaConfig:
     tls_cert: str = ""  # TLS mode: this server's certificate, key and the CA
     tls_key: str = ""
     tls_ca: str = ""
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
     root_squash: bool = False  # uid 0 of client peers becomes squash_uid/squash_gid
     squash_uid: int = 65534
     squash_gid: int = 65534
     cap_ttl: float = 300.0  # seconds a capability lives; clients renew before
+
+    def __post_init__(self) -> None:
+        check_wire_security(self.wire_security)
 
 
 @dataclass
@@ -168,6 +184,10 @@ class DataConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
+
+    def __post_init__(self) -> None:
+        check_wire_security(self.wire_security)
 
 
 def parse_addr(text: str) -> tuple[str, int]:
