@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -53,7 +54,7 @@ def sealed_frame(s: Session, rid: int, fields: dict, payload: bytes = b"",
     return head + payload + mac.tag()
 
 
-FRAMES = [(1, {"m": "stat", "ino": 1}, b""), (2, {"m": "write"}, b"x" * 5000),
+FRAMES: list[tuple[int, dict[str, Any], bytes]] = [(1, {"m": "stat", "ino": 1}, b""), (2, {"m": "write"}, b"x" * 5000),
           (3, {"m": "read"}, os.urandom(seal.CHUNK + 1000)), (4, {"m": "ping"}, b"")]
 
 
