@@ -129,11 +129,6 @@ class Sealer(_Direction):
         self.head_tag = tag
         return head + tag
 
-    def unsend(self) -> None:
-        """The frame just sealed never left (not one byte): its number is free again, so
-        the next frame is what the peer expects."""
-        self.seq = self.frame
-
     def payload_tag(self, views: Sequence[memoryview]) -> bytes:
         """mac mode: ``T_p`` of the current frame's payload."""
         if len(views) == 1:

@@ -193,7 +193,7 @@ class Connection:
         n = sum(len(v) for v in views)
         head = encode_head(kind, rid, fields, n, self.limits, self.decoder.version)
         await self._lock_send()
-        start = self._out
+        start, seq0 = self._out, self._seq()
         try:
             if self.sealer is not None:
                 await self._send_sealed(self.sealer, head, views, n)
@@ -202,7 +202,7 @@ class Connection:
             else:
                 await self._sendmsg_all([memoryview(head), *views])
         except BaseException:
-            self._cut_off(start)
+            self._cut_off(start, seq0)
             raise
         finally:
             self._send_lock.release()
@@ -260,26 +260,30 @@ class Connection:
         head = encode_head(kind, rid, fields, count, self.limits,
                            self.decoder.version)
         await self._lock_send()
-        start = self._out
+        start, seq0 = self._out, self._seq()
         try:
             if self.sealer is not None:
                 await self._send_file_sealed(self.sealer, head, fd, offset, count)
             else:
                 await self._sendfile(head, fd, offset, count)
         except BaseException:
-            self._cut_off(start)
+            self._cut_off(start, seq0)
             raise
         finally:
             self._send_lock.release()
 
-    def _cut_off(self, start: int) -> None:
+    def _seq(self) -> int:
+        return self.sealer.seq if self.sealer is not None else 0
+
+    def _cut_off(self, start: int, seq0: int) -> None:
         """A frame send failed or was cancelled: if part of it went out, the peer would
         read whatever we send next as the rest of it; this connection is done. If none
-        did, a sealed frame's number is free again (the peer expects it next)."""
+        did, a sealed frame's number is free again (the peer expects it next; its nonce
+        never reached the wire)."""
         if self._out != start:
             self.close()
         elif self.sealer is not None:
-            self.sealer.unsend()
+            self.sealer.seq = seq0
 
     async def _send_file_sealed(self, sealer: Sealer, head: bytes, fd: int, offset: int,
                                 count: int) -> None:
@@ -515,14 +519,14 @@ class Connection:
         data = memoryview(head if self.sealer is None else self.sealer.head(head, HEADER_SIZE))
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         await self._lock_send()
-        start = self._out
+        start, seq0 = self._out, self._seq()
         try:
             sent = await self._send_some(([data], anc), "fds")
             self._out += sent
             if sent < len(data):
                 await self._sendall(data[sent:])
         except BaseException:
-            self._cut_off(start)
+            self._cut_off(start, seq0)
             raise
         finally:
             self._send_lock.release()
@@ -680,7 +684,7 @@ class TlsConnection(Connection):
         head = encode_head(kind, rid, fields, count, self.limits,
                            self.decoder.version)
         async with self._send_lock:
-            start = self._out
+            start, seq0 = self._out, self._seq()
             try:
                 await self._sendall(head)
                 sent = 0
@@ -692,7 +696,7 @@ class TlsConnection(Connection):
                     await self._sendall(chunk)
                     sent += len(chunk)
             except BaseException:
-                self._cut_off(start)
+                self._cut_off(start, seq0)
                 raise
 
 
