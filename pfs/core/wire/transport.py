@@ -212,7 +212,7 @@ class Connection:
         sealed = sealer.head(head, HEADER_SIZE)
         if not n:
             await self._sendall(sealed)
-        elif n > CHUNK:  # in pieces: each is sealed while it is hot in the cache
+        elif n > CHUNK and sealer.encrypt:  # through the scratch buffer, a chunk at a time
             await self._sendall(sealed)
             await self._send_pieces(sealer, views)
         elif sealer.encrypt:
@@ -229,26 +229,19 @@ class Connection:
                 await self._sendmsg_all([memoryview(sealed), *views, memoryview(tag)])
 
     async def _send_pieces(self, sealer: Sealer, views: list[memoryview]) -> None:
-        """A sealed frame's payload after its head: MAC'd (or encrypted into the scratch
-        buffer) and sent a chunk at a time, then its tag."""
-        if sealer.encrypt:
-            enc = sealer.encrypt_stream()
-            out = self._scratch_view()
-            for v in views:
-                for i in range(0, len(v), CHUNK):
-                    piece = v[i:i + CHUNK]
-                    o = out[:len(piece)]
-                    enc.update_into(piece, o)
-                    await self._sendall(o)
-            await self._sendall(enc.tag())
-            return
-        mac = sealer.mac_stream()
+        """An encrypted frame's payload after its head: encrypted into the scratch buffer
+        and sent a chunk at a time, then its tag. (A MAC'd one goes out in one ``sendmsg``
+        after one tag call: GHASH is bound by the CPU, not by the cache, and one system
+        call costs less than five.)"""
+        enc = sealer.encrypt_stream()
+        out = self._scratch_view()
         for v in views:
             for i in range(0, len(v), CHUNK):
                 piece = v[i:i + CHUNK]
-                mac.update(piece)
-                await self._sendall(piece)
-        await self._sendall(mac.tag())
+                o = out[:len(piece)]
+                enc.update_into(piece, o)
+                await self._sendall(o)
+        await self._sendall(enc.tag())
 
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
                                    fd: int, offset: int, count: int) -> None:
@@ -406,13 +399,22 @@ class Connection:
                 raise self._auth_failed(exc) from None
         got = dec.take_payload_into(dest)
         total = len(dest)
+        # sealed: what arrives past the payload (its tag, the next frame) lands in the
+        # head buffer in the same call, instead of a receive of its own for the tag
+        after = memoryview(self._rbuf)[:HEAD_RECV] if dec.tag_due else None
         while got < total:
-            n = await self._recv_into(dest[got:])
+            if after is None:
+                n = await self._recv_into(dest[got:])
+            else:
+                n = await self._recvmsg_into([dest[got:], after])
             if n == 0:
                 self.closed = True
                 raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
-            dec.payload_received(n)
-            got += n
+            k = min(n, total - got)
+            dec.payload_received(k)
+            got += k
+            if n > k:
+                dec.feed(after[:n - k])  # type: ignore[index]
         if dec.tag_due:
             await self._finish_sealed([dest])
 
