@@ -399,14 +399,20 @@ class Connection:
                 raise self._auth_failed(exc) from None
         got = dec.take_payload_into(dest)
         total = len(dest)
+        if not dec.tag_due:
+            while got < total:
+                n = await self._recv_into(dest[got:])
+                if n == 0:
+                    self.closed = True
+                    raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
+                dec.payload_received(n)
+                got += n
+            return
         # sealed: what arrives past the payload (its tag, the next frame) lands in the
         # head buffer in the same call, instead of a receive of its own for the tag
-        after = memoryview(self._rbuf)[:HEAD_RECV] if dec.tag_due else None
+        after = memoryview(self._rbuf)[:HEAD_RECV]
         while got < total:
-            if after is None:
-                n = await self._recv_into(dest[got:])
-            else:
-                n = await self._recvmsg_into([dest[got:], after])
+            n = await self._recvmsg_into([dest[got:], after])
             if n == 0:
                 self.closed = True
                 raise ConnectionClosed(f"{self.name} closed the connection mid-payload")
@@ -414,9 +420,8 @@ class Connection:
             dec.payload_received(k)
             got += k
             if n > k:
-                dec.feed(after[:n - k])  # type: ignore[index]
-        if dec.tag_due:
-            await self._finish_sealed([dest])
+                dec.feed(after[:n - k])
+        await self._finish_sealed([dest])
 
     async def _finish_sealed(self, views: list[memoryview]) -> None:
         """The payload is in ``views``: receive its tag and check it."""
