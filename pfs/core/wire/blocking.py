@@ -155,11 +155,10 @@ class BlockingConnection:
             if payload:
                 view = memoryview(payload).cast("B")
                 if sealer.encrypt:
-                    body: bytes | memoryview = sealer.encrypt_into(
-                        [view], memoryview(bytearray(len(view) + TAG)))
+                    data = b"".join([data, sealer.encrypt_into(
+                        [view], memoryview(bytearray(len(view) + TAG)))])
                 else:
-                    body = b"".join([view, sealer.payload_tag([view])])
-                data = b"".join([data, body])
+                    data = b"".join([data, view, sealer.payload_tag([view])])
         elif payload:
             data += bytes(payload)
         try:
