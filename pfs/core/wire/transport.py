@@ -523,11 +523,13 @@ class Connection:
         if self._raw is None or self.sock.family != socket.AF_UNIX:
             raise OSError(errno.EINVAL, "descriptors travel only over local Unix sockets")
         head = encode_head(kind, rid, fields, 0, self.limits, self.decoder.version)
-        data = memoryview(head if self.sealer is None else self.sealer.head(head, HEADER_SIZE))
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         await self._lock_send()
         start, seq0 = self._out, self._seq()
         try:
+            # sealed under the lock: frames take their numbers in the order they go out
+            data = memoryview(head if self.sealer is None
+                              else self.sealer.head(head, HEADER_SIZE))
             sent = await self._send_some(([data], anc), "fds")
             self._out += sent
             if sent < len(data):
