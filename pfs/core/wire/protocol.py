@@ -38,7 +38,7 @@ import msgpack
 
 from pfs.core.errors import LocalProtocolError, RemoteProtocolError
 from pfs.core.versions import HANDSHAKE_VERSION, SUPPORTED, Range, fmt_range
-from pfs.core.wire.seal import TAG, FrameAuthError, Opener
+from pfs.core.wire.seal import TAG, Opener
 
 MAGIC = b"PF"
 VERSION = HANDSHAKE_VERSION  # frames before (or without) a handshake
@@ -155,31 +155,15 @@ class FrameDecoder:
         buf = self._buf
         if len(buf) < HEADER_SIZE:
             return None
+        magic, version, kind, _flags, map_len, rid, payload_len = HEADER.unpack_from(buf)
         try:
-            return self._next_head(buf)
+            kind_v = self._check_header(magic, version, kind, map_len, payload_len)
         except RemoteProtocolError as exc:
-            if self.opener is None or isinstance(exc, FrameAuthError):
+            if self.opener is None:
                 raise
             # a sealed connection's header is authenticated, but checked only with its
             # map: a header that breaks the framing is one tampered with as well
             raise self.opener.fail(f"a frame header ({exc})") from exc
-
-    def _next_head(self, buf: bytearray) -> FrameHead | None:
-        magic, version, kind, _flags, map_len, rid, payload_len = HEADER.unpack_from(buf)
-        if magic != MAGIC:
-            raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a pfs peer")
-        if version != self.version:
-            self._check_version(version)
-        try:
-            kind_v = Kind(kind)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown frame kind {kind}") from None
-        lim = self.limits
-        if map_len > lim.max_map:
-            raise RemoteProtocolError(f"frame map of {map_len} bytes exceeds limit {lim.max_map}")
-        if payload_len > lim.max_payload:
-            raise RemoteProtocolError(
-                f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}")
         end = HEADER_SIZE + map_len
         opener = self.opener
         if opener is not None:
@@ -195,6 +179,24 @@ class FrameDecoder:
         del buf[:end]
         self.pending_payload = payload_len
         return FrameHead(kind_v, rid, fields, payload_len)
+
+    def _check_header(self, magic: bytes, version: int, kind: int, map_len: int,
+                      payload_len: int) -> Kind:
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a pfs peer")
+        if version != self.version:
+            self._check_version(version)
+        try:
+            kind_v = Kind(kind)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown frame kind {kind}") from None
+        lim = self.limits
+        if map_len > lim.max_map:
+            raise RemoteProtocolError(f"frame map of {map_len} bytes exceeds limit {lim.max_map}")
+        if payload_len > lim.max_payload:
+            raise RemoteProtocolError(
+                f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}")
+        return kind_v
 
     def _unpack(self, body: bytes) -> dict[str, Any]:
         lim = self.limits
