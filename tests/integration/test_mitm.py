@@ -337,3 +337,4 @@ def test_chmod_rewritten_on_the_way_to_the_metaserver(private_cluster: Path,
     with pfs.connect(config=private_cluster / "client.toml") as c:
         mode = stat.S_IMODE(c.stat("/secret").st_mode)
     assert mode in (0o600, 0o640), oct(mode)  # never 0666
+    assert "failed authentication" in (private_cluster / "logs" / "meta.log").read_text()
