@@ -34,7 +34,13 @@ from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import (
+    AEADDecryptionContext,
+    AEADEncryptionContext,
+    Cipher,
+    algorithms,
+    modes,
+)
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -104,10 +110,10 @@ class _Direction:
         self.frame = 0  # the frame in progress (its payload's nonce)
         self.head_tag = b""  # ... and its head's tag, which its payload's tag covers
 
-    def _stream(self, decrypt: bool = False) -> object:
-        cipher = Cipher(algorithms.AES(self.key),
-                        modes.GCM(_NONCE.pack(self.frame, _BODY)))
-        return cipher.decryptor() if decrypt else cipher.encryptor()
+    def _cipher(self) -> Cipher[modes.GCM]:
+        """A streaming context for the current frame's payload (a new one per payload:
+        its cost, ~10 µs, is paid only by payloads sealed in pieces)."""
+        return Cipher(algorithms.AES(self.key), modes.GCM(_NONCE.pack(self.frame, _BODY)))
 
 
 class Sealer(_Direction):
@@ -141,7 +147,7 @@ class Sealer(_Direction):
 
     def mac_stream(self) -> PayloadMac:
         """mac mode: ``T_p`` computed over the payload fed in pieces."""
-        return PayloadMac(self._stream(), self.head_tag)
+        return PayloadMac(self._cipher().encryptor(), self.head_tag)
 
     def encrypt_into(self, views: Sequence[memoryview], out: memoryview) -> memoryview:
         """encrypt mode, a payload of at most ``len(out) - TAG`` bytes: its ciphertext
@@ -154,7 +160,7 @@ class Sealer(_Direction):
 
     def encrypt_stream(self) -> PayloadCipher:
         """encrypt mode, a larger payload: encrypted piece by piece, ``T_p`` at the end."""
-        return PayloadCipher(self._stream(), self.head_tag)
+        return PayloadCipher(self._cipher().encryptor(), self.head_tag)
 
 
 class PayloadMac:
@@ -162,18 +168,18 @@ class PayloadMac:
 
     __slots__ = ("_ctx", "_head_tag")
 
-    def __init__(self, ctx: object, head_tag: bytes) -> None:
+    def __init__(self, ctx: AEADEncryptionContext, head_tag: bytes) -> None:
         self._ctx = ctx
         self._head_tag = head_tag
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._ctx.authenticate_additional_data(data)  # type: ignore[attr-defined]
+        self._ctx.authenticate_additional_data(data)
 
     def tag(self) -> bytes:
         ctx = self._ctx
-        ctx.update(self._head_tag)  # type: ignore[attr-defined]
-        ctx.finalize()  # type: ignore[attr-defined]
-        return ctx.tag  # type: ignore[attr-defined,no-any-return]
+        ctx.update(self._head_tag)
+        ctx.finalize()
+        return ctx.tag
 
 
 class PayloadCipher:
@@ -182,17 +188,17 @@ class PayloadCipher:
 
     __slots__ = ("_ctx",)
 
-    def __init__(self, ctx: object, head_tag: bytes) -> None:
+    def __init__(self, ctx: AEADEncryptionContext, head_tag: bytes) -> None:
         self._ctx = ctx
-        ctx.authenticate_additional_data(head_tag)  # type: ignore[attr-defined]
+        ctx.authenticate_additional_data(head_tag)
 
     def update_into(self, data: memoryview, out: memoryview) -> None:
-        self._ctx.update_into(data, out)  # type: ignore[attr-defined]
+        self._ctx.update_into(data, out)
 
     def tag(self) -> bytes:
         ctx = self._ctx
-        ctx.finalize()  # type: ignore[attr-defined]
-        return ctx.tag  # type: ignore[attr-defined,no-any-return]
+        ctx.finalize()
+        return ctx.tag
 
 
 class Opener(_Direction):
@@ -268,28 +274,32 @@ class PayloadCheck:
 
     def __init__(self, opener: Opener) -> None:
         self._opener = opener
-        self._ctx = opener._stream(decrypt=opener.encrypt)
+        cipher = opener._cipher()
+        self._ctx: AEADEncryptionContext | AEADDecryptionContext
         if opener.encrypt:
-            self._ctx.authenticate_additional_data(opener.head_tag)  # type: ignore[attr-defined]
+            self._ctx = cipher.decryptor()
+            self._ctx.authenticate_additional_data(opener.head_tag)
+        else:
+            self._ctx = cipher.encryptor()  # the tag is computed, then compared
 
     def update(self, view: memoryview) -> None:
         if self._opener.encrypt:
-            self._ctx.update_into(view, view)  # type: ignore[attr-defined]
+            self._ctx.update_into(view, view)
         else:
-            self._ctx.authenticate_additional_data(view)  # type: ignore[attr-defined]
+            self._ctx.authenticate_additional_data(view)
 
     def finish(self, tag: bytes) -> None:
         """Raises ``FrameAuthError`` unless ``tag`` is the payload's."""
         ctx = self._ctx
-        if self._opener.encrypt:
+        if isinstance(ctx, AEADDecryptionContext):  # encrypt mode
             try:
-                ctx.finalize_with_tag(tag)  # type: ignore[attr-defined]
+                ctx.finalize_with_tag(tag)
             except InvalidTag:
                 raise self._opener.fail("a frame payload") from None
             return
-        ctx.update(self._opener.head_tag)  # type: ignore[attr-defined]
-        ctx.finalize()  # type: ignore[attr-defined]
-        if not hmac.compare_digest(ctx.tag, tag):  # type: ignore[attr-defined]
+        ctx.update(self._opener.head_tag)
+        ctx.finalize()
+        if not hmac.compare_digest(ctx.tag, tag):
             raise self._opener.fail("a frame payload")
 
 
