@@ -262,3 +262,19 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
             rx.close()
 
     trio.run(main)
+
+
+def test_wire_security_is_checked_and_none_is_loud(caplog: pytest.LogCaptureFixture) -> None:
+    from pfs.core import auth
+    from pfs.core.config import ClientConfig, ConfigError, DataConfig, MetaConfig
+
+    for cls in (ClientConfig, MetaConfig, DataConfig):
+        assert cls().wire_security == "mac"  # authenticated frames by default
+        with pytest.raises(ConfigError, match="wire_security 'macc'"):
+            cls(wire_security="macc")
+    with pytest.raises(ConfigError):
+        auth.client_auth(wire="plain")
+    assert auth.check_wire("mac", "client") == "mac" and not caplog.records
+    auth.check_wire("none", "data server")
+    assert "neither authenticated nor encrypted" in caplog.text
+    assert caplog.records[0].levelname == "WARNING"
