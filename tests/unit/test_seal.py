@@ -55,8 +55,9 @@ def sealed_frame(s: Session, rid: int, fields: dict, payload: bytes = b"",
     return head + payload + mac.tag()
 
 
-FRAMES: list[tuple[int, dict[str, Any], bytes]] = [(1, {"m": "stat", "ino": 1}, b""), (2, {"m": "write"}, b"x" * 5000),
-          (3, {"m": "read"}, os.urandom(seal.CHUNK + 1000)), (4, {"m": "ping"}, b"")]
+FRAMES: list[tuple[int, dict[str, Any], bytes]] = [
+    (1, {"m": "stat", "ino": 1}, b""), (2, {"m": "write"}, b"x" * 5000),
+    (3, {"m": "read"}, os.urandom(seal.CHUNK + 1000)), (4, {"m": "ping"}, b"")]
 
 
 @pytest.mark.parametrize("suite", SUITES)
