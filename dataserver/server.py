@@ -612,8 +612,10 @@ def data_security(config: DataConfig) -> tuple[ServerAuth, ClientAuth]:
             tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca)
     if config.key_file:
         key = auth.read_secret_file(config.key_file)
-        return (ServerAuth(keys={auth.CLUSTER: (key, auth.Identity(auth.CLUSTER, "server"))}),
-                auth.client_auth(key_file=config.key_file))
+        wire = auth.check_wire(config.wire_security, "data server")
+        return (ServerAuth(keys={auth.CLUSTER: (key, auth.Identity(auth.CLUSTER, "server"))},
+                           wire=wire),
+                auth.client_auth(key_file=config.key_file, wire=wire))
     return ServerAuth(), ClientAuth()
 
 

@@ -47,9 +47,10 @@ def meta_security(config: MetaConfig) -> MetaSecurity:
         own = auth.client_auth(tls_cert=config.tls_cert, tls_key=config.tls_key,
                                tls_ca=config.tls_ca)
         return MetaSecurity(ServerAuth(tls=tls), own, {})
-    own = auth.client_auth(key_file=config.key_file)
+    wire = auth.check_wire(config.wire_security, "metaserver") if keys else "mac"
+    own = auth.client_auth(key_file=config.key_file, wire=wire)
     no_root = frozenset(nk.name for nk in config.node_keys if not nk.allow_root)
-    return MetaSecurity(ServerAuth(keys=keys), own, data_keys, no_root)
+    return MetaSecurity(ServerAuth(keys=keys, wire=wire), own, data_keys, no_root)
 
 
 def cap_signer(config: MetaConfig, *, persistent: bool) -> caps.CapSigner:

@@ -93,6 +93,7 @@ ALSO_MOUNT = {"test_bench_io500.py::test_phases_mount", "test_bench_sweep.py::te
 # Tests that take 2 s or more (`-m "not slow"` for a quick run).
 SLOW = {
     "test_bench.py::test_sigterm_stops_the_clusters_a_bench_started",
+    "test_bench.py::test_wire_reads",
     "test_bench_io500.py::test_phases_mount",
     "test_bench_sweep.py::test_mount",
     "test_bench_sweep.py::test_quick_local_and_native",

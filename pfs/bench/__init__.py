@@ -1,4 +1,4 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | loader | iops | close``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | wire | loader | iops | close``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops,close} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -18,6 +18,8 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,loader,iops,c
   io500       the twelve IO500 phases and score on a directory or the native client
   sweep       data paths: engines x block sizes x patterns x threads, local/native/mount
   caps        1 MiB and 4 KiB reads/s with capability checks on and off
+  wire        wire security: MAC/AEAD primitives, sealed frames, and 1 MiB / 4 KiB reads
+              with frames plain, MAC'd, encrypted and over TLS (CPU us per read, GB/s/core)
   loader      sharded safetensors checkpoint into CPU tensors: pfs loader (short-circuit
               on/off, local), safetensors local, FUSE; warm and cold
   iops        4 KiB random reads: IOPS, p50/p99, posix/uring at queue depths 1/8/32,
@@ -40,6 +42,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.fusebench import main as run
     elif cmd == "caps":
         from pfs.bench.caps import main as run
+    elif cmd == "wire":
+        from pfs.bench.wire import main as run
     elif cmd == "io500":
         from pfs.bench.io500 import main as run
     elif cmd == "sweep":

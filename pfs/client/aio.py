@@ -30,7 +30,7 @@ from pfs.client.shortcircuit import HandleObjects, LocalServers
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
-from pfs.core.auth import client_auth
+from pfs.core.auth import check_wire, client_auth
 from pfs.core.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.core.layout import Layout
 from pfs.core.messages.meta import OpenedReply
@@ -391,7 +391,9 @@ class AsyncClient:
         self.umask = _current_umask()
         host, port = config.meta_addr
         creds = client_auth(config.key_file, config.key_name, config.tls_cert,
-                            config.tls_key, config.tls_ca)
+                            config.tls_key, config.tls_ca,
+                            check_wire(config.wire_security, "client") if config.key_file
+                            else config.wire_security)
         self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred,
                                auth=creds, direct=direct_meta,
                                connect_timeout=config.connect_timeout)

@@ -13,7 +13,11 @@ Nothing is served before the peer authenticates. Three modes, chosen by configur
       server -> client  reply   {"name": ..., "role": ...}     (or an EACCES error, then close)
 
   The client checks the server's proof first, so a client with a key never talks to a
-  server that does not hold it.
+  server that does not hold it. The auth request also offers the wire-security suites
+  the client accepts (``"s"``, from its ``wire_security``) and the reply names the one
+  the server picked; unless that is ``none``, both sides then derive two session keys
+  from K and both nonces and every later frame is authenticated, or encrypted too
+  (:mod:`pfs.core.wire.seal`, docs/security.md "Wire security").
 - **tls**: mutual TLS with certificates from ``pfs certs`` (one CA); a certificate's
   ``OU`` says its role and, for clients, the uid and gid ranges it may claim.
 - **open**: no key and no TLS configured anywhere: every peer is trusted, data servers
@@ -66,6 +70,7 @@ from pfs.core.versions import (
     parse_alpn,
     parse_versions,
 )
+from pfs.core.wire import seal
 from pfs.core.wire.protocol import FrameHead, Kind
 from pfs.core.wire.transport import Connection
 
@@ -147,6 +152,31 @@ def _proof(key: bytes, who: bytes, name: str, nc: bytes, ns: bytes) -> bytes:
     n = name.encode()
     msg = b"pfs-auth-1|" + who + b"|" + len(n).to_bytes(2, "big") + n + nc + ns
     return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def check_wire(level: str, who: str) -> str:
+    """A ``wire_security`` value, checked; ``none`` is said loudly (once, at start)."""
+    if level not in seal.LEVELS:
+        raise ConfigError(f"wire_security {level!r}: want one of {', '.join(seal.LEVELS)}")
+    if level == "none":
+        log.warning("%s: wire_security = \"none\": frames after the key handshake are "
+                    "neither authenticated nor encrypted unless the peer asks for it; "
+                    "anyone on the network path can read and rewrite them "
+                    "(docs/security.md)", who)
+    return level
+
+
+def _transcript(name: str, offered: list[str], versions: object, version: int,
+                suite: str) -> bytes:
+    """What the handshake negotiated, as both sides saw it (the session keys' info)."""
+    return "\0".join([name, ",".join(offered), repr(versions), str(version),
+                      suite]).encode()
+
+
+def _session(suite: str, key: bytes, nc: bytes, ns: bytes, transcript: bytes,
+             server: bool, peer: str) -> seal.Session:
+    c2s, s2c = seal.session_keys(key, nc, ns, transcript)
+    return seal.Session(suite, *((s2c, c2s) if server else (c2s, s2c)), peer)
 
 
 # ---------------------------------------------------------------------------
@@ -281,6 +311,7 @@ class ServerAuth:
     keys: dict[str, tuple[bytes, Identity]] = field(default_factory=dict)
     tls: ssl.SSLContext | None = None
     versions: Range = SUPPORTED  # what the TLS context offers by ALPN must match
+    wire: str = "mac"  # wire_security: what frames after a key handshake must be
 
     @property
     def mode(self) -> str:
@@ -298,7 +329,8 @@ class ServerAuth:
         if fields.get("m") != "auth":
             await _refuse(conn, rid, "authentication required: this cluster needs a key "
                                 "(key_file in the client config) or TLS certificates")
-        theirs = parse_versions(fields.get("v"))
+        fields_v = fields.get("v")
+        theirs = parse_versions(fields_v)
         if theirs is None:
             await _refuse(conn, rid, "malformed auth request: bad protocol versions 'v'")
         assert theirs is not None
@@ -314,9 +346,14 @@ class ServerAuth:
             await _refuse(conn, rid, f"unknown key {name!r}")
         assert entry is not None and isinstance(name, str) and isinstance(nc, bytes)
         key, ident = entry
+        offered = fields.get("s")
+        suite = await self._suite(conn, rid, offered)
         ns = os.urandom(NONCE_BYTES)
-        await conn.send_frame(Kind.REPLY, rid, {"nonce": ns, "v": version,
-                                                "proof": _proof(key, b"server", name, nc, ns)})
+        reply: dict[str, Any] = {"nonce": ns, "v": version,
+                                 "proof": _proof(key, b"server", name, nc, ns)}
+        if offered is not None:
+            reply["s"] = suite
+        await conn.send_frame(Kind.REPLY, rid, reply)
         rid, fields = await _expect(conn, Kind.REQUEST, "an auth proof")
         proof = fields.get("proof")
         if (fields.get("m") != "auth_proof" or not isinstance(proof, bytes)
@@ -324,7 +361,31 @@ class ServerAuth:
             await _refuse(conn, rid, f"authentication with key {name!r} failed")
         await conn.send_frame(Kind.REPLY, rid, {"name": ident.name, "role": ident.role})
         conn.pin_version(version)
+        if suite != seal.PLAIN:
+            assert isinstance(offered, list)
+            conn.install(_session(suite, key, nc, ns, _transcript(
+                name, offered, fields_v, version, suite), True, conn.name))
         return ident
+
+    async def _suite(self, conn: Connection, rid: int, offered: object) -> str:
+        """The wire-security suite for a client that offered ``offered`` (None: a
+        client from before wire security, which can only speak plain frames)."""
+        if offered is None:
+            if self.wire != "none":
+                await _refuse(conn, rid, f"this server requires authenticated frames "
+                              f"(wire_security = {self.wire!r}) and the client sent no "
+                              "wire-security offer (a pfs from before them): upgrade the "
+                              "client, or set wire_security = \"none\" on the server")
+            return seal.PLAIN
+        if not isinstance(offered, list) or not all(isinstance(x, str) for x in offered):
+            await _refuse(conn, rid, "malformed auth request: bad wire-security offer 's'")
+        assert isinstance(offered, list)
+        suite = seal.pick(self.wire, offered)
+        if suite is None:
+            await _refuse(conn, rid, f"no wire security in common: this server requires "
+                          f"{self.wire!r}, the client accepts {', '.join(offered)}")
+        assert suite is not None
+        return suite
 
     async def _tls_version(self, conn: Connection) -> None:
         """Pin the version TLS picked by ALPN. With none picked the client predates
@@ -373,6 +434,7 @@ class ClientAuth:
     tls: ssl.SSLContext | None = None
     data_key: bytes | None = None  # what it proves to data servers
     versions: Range = SUPPORTED  # what the TLS context offers by ALPN must match
+    wire: str = "mac"  # wire_security: what frames after a key handshake must be
 
     @property
     def mode(self) -> str:
@@ -409,7 +471,32 @@ class ClientAuth:
     # ``hello_blocking`` (a blocking socket): auth request, server proof, our proof.
     def _key_request(self) -> tuple[bytes, dict[str, Any]]:
         nc = os.urandom(NONCE_BYTES)
-        return nc, {"m": "auth", "v": list(self.versions), "key": self.name, "nonce": nc}
+        return nc, {"m": "auth", "v": list(self.versions), "key": self.name, "nonce": nc,
+                    "s": seal.offer(self.wire)}
+
+    def _key_suite(self, fields: dict[str, Any], peer: str) -> str:
+        """The wire-security suite the server picked in its auth reply. A server from
+        before wire security names none: plain frames, if this client allows them."""
+        suite = fields.get("s")
+        if suite is None:
+            if self.wire != "none":
+                raise VersionError(
+                    f"{peer} does not authenticate frames after the handshake (a pfs from "
+                    f"before wire security) and this client requires it (wire_security = "
+                    f"{self.wire!r}): upgrade the server, or set wire_security = \"none\" "
+                    "in this client's config")
+            return seal.PLAIN
+        if suite not in seal.offer(self.wire):
+            raise ProtocolError(f"{peer} picked wire security {suite!r}, which this client "
+                                f"did not offer ({', '.join(seal.offer(self.wire))})")
+        return str(suite)
+
+    def _key_session(self, key: bytes, nc: bytes, fields: dict[str, Any], version: int,
+                     suite: str, peer: str) -> seal.Session:
+        ns = fields["nonce"]  # checked by _key_proof
+        return _session(suite, key, nc, ns, _transcript(
+            self.name, seal.offer(self.wire), list(self.versions), version, suite),
+            False, peer)
 
     def _key_version(self, fields: dict[str, Any], peer: str) -> int:
         """The version the server picked in its auth reply. A server from before
@@ -450,9 +537,13 @@ class ClientAuth:
                                     "the server's auth reply", self.versions)
             proof = self._key_proof(self.key, nc, fields, conn.name)  # the server first
             version = self._key_version(fields, conn.name)
+            suite = self._key_suite(fields, conn.name)
             await conn.send_frame(Kind.REQUEST, 0, proof)
             await _expect(conn, Kind.REPLY, "the server's auth verdict")
             conn.pin_version(version)
+            if suite != seal.PLAIN:
+                conn.install(self._key_session(self.key, nc, fields, version, suite,
+                                               conn.name))
 
     def hello_blocking(self, conn: BlockingConnection) -> None:
         """``hello`` over a blocking connection (its timeout bounds each step)."""
@@ -468,14 +559,20 @@ class ClientAuth:
                                 "the server's auth reply", self.versions)
         proof = self._key_proof(self.key, nc, fields, conn.name)
         version = self._key_version(fields, conn.name)
+        suite = self._key_suite(fields, conn.name)
         conn.send_frame(Kind.REQUEST, 0, proof)
         _check_head(conn.recv_head(), conn.name, Kind.REPLY, "the server's auth verdict")
         conn.pin_version(version)
+        if suite != seal.PLAIN:
+            conn.install(self._key_session(self.key, nc, fields, version, suite, conn.name))
 
 
 def client_auth(key_file: str = "", key_name: str = "", tls_cert: str = "", tls_key: str = "",
-                tls_ca: str = "") -> ClientAuth:
-    """Credentials from config values (a client's, or a server's own as a client)."""
+                tls_ca: str = "", wire: str = "mac") -> ClientAuth:
+    """Credentials from config values (a client's, or a server's own as a client);
+    ``wire`` (``wire_security``) is checked but not logged (the caller says it once)."""
+    if wire not in seal.LEVELS:
+        raise ConfigError(f"wire_security {wire!r}: want one of {', '.join(seal.LEVELS)}")
     if tls_cert or tls_key or tls_ca:
         if not (tls_cert and tls_key and tls_ca):
             raise ConfigError("TLS needs tls_cert, tls_key and tls_ca together")
@@ -483,7 +580,8 @@ def client_auth(key_file: str = "", key_name: str = "", tls_cert: str = "", tls_
     if key_file:
         key = read_secret_file(key_file)
         name = key_name or CLUSTER
-        return ClientAuth(name, key, None, key if name == CLUSTER else data_plane_key(key))
+        return ClientAuth(name, key, None, key if name == CLUSTER else data_plane_key(key),
+                          wire=wire)
     return ClientAuth()
 
 

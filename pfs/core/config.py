@@ -12,6 +12,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# What frames after a key handshake must be (docs/security.md "Wire security"): "mac"
+# (authenticated, the default), "encrypt" (authenticated and encrypted), "none" (plain
+# unless the peer asks; only when a config says so). Same order as pfs.core.wire.seal.
+WIRE_SECURITY = ("none", "mac", "encrypt")
+
+
+def check_wire_security(value: str) -> None:
+    if value not in WIRE_SECURITY:
+        raise ConfigError(f"wire_security {value!r}: want one of mac, encrypt, none")
+
 
 class ConfigError(ValueError):
     pass
@@ -99,9 +109,11 @@ class ClientConfig:
     tls_key: str = ""
     tls_ca: str = ""
     metrics_port: int = 0  # the mount's Prometheus /metrics on this port (0: off)
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
 
     def __post_init__(self) -> None:
         check_profile(self.profile)
+        check_wire_security(self.wire_security)
 
     @property
     def meta_addr(self) -> tuple[str, int]:
@@ -173,6 +185,7 @@ class MetaConfig:
     tls_cert: str = ""  # TLS mode: this server's certificate, key and the CA
     tls_key: str = ""
     tls_ca: str = ""
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
     root_squash: bool = False  # uid 0 of client peers becomes squash_uid/squash_gid
     squash_uid: int = 65534
     squash_gid: int = 65534
@@ -182,6 +195,9 @@ class MetaConfig:
     max_object_size: int = 1 << 40
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9401)
+
+    def __post_init__(self) -> None:
+        check_wire_security(self.wire_security)
 
 
 @dataclass
@@ -202,6 +218,10 @@ class DataConfig:
     tls_ca: str = ""
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
+    wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
+
+    def __post_init__(self) -> None:
+        check_wire_security(self.wire_security)
 
 
 def parse_addr(text: str) -> tuple[str, int]:

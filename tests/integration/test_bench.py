@@ -156,3 +156,25 @@ def test_close(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[
                    for t in ("durable", "scratch", "local_fsync")}
     for p in res["points"]:
         assert _positive(p["close_ms"]) and len(p["close_ms_all"]) == 2, p
+
+
+def test_wire_primitives_and_frames(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench_main(["wire", "--no-clusters", "--micro-seconds", "0.03", "--size", "64k",
+                     "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["primitives_us"]) == {"4 KiB", "64 KiB"}
+    for rows in (*res["primitives_us"].values(), *res["frames_cpu_us"].values()):
+        assert rows and all(_positive(v) for v in rows.values()), rows
+    assert "mac, from a file" in res["frames_cpu_us"]["64 KiB"]
+
+
+def test_wire_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = bench_main(["wire", "--no-micro", "--size", "2M", "--seconds", "0.1", "--rounds", "1",
+                     "--data-servers", "1", "--dir", str(tmp_path), "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    for label in ("1MiB", "4KiB"):
+        assert set(res["reads"][label]) == {"none", "mac", "encrypt", "tls"}
+        for r in res["reads"][label].values():
+            assert _positive(r["reads_per_s"]) and _positive(r["cpu_us_per_read"]), r

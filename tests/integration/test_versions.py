@@ -216,7 +216,9 @@ def test_a_peer_with_no_common_version_gets_a_clear_error(tmp_path: Path, make: 
 
 def test_peers_from_before_negotiation(tmp_path: Path) -> None:
     """An old client sends ``"v": 1`` and expects no ``"v"`` back; an old server sends
-    none: both are taken as speaking version 1."""
+    none: both are taken as speaking version 1. (Such a client offers no wire security
+    either, so only a server that allows plain frames, ``wire_security = "none"``, serves
+    it; a default one refuses it, saying why.)"""
     mode = key_mode(tmp_path, (1, 3), (1, 3))
     key = mode.client.key
     assert key is not None
@@ -224,10 +226,19 @@ def test_peers_from_before_negotiation(tmp_path: Path) -> None:
     async def main() -> None:
         async with echo_server(mode) as (port, n):
             conn = await open_connection("127.0.0.1", port)
+            await conn.send_frame(Kind.REQUEST, 0, {"m": "auth", "v": 1, "key": "n",
+                                                    "nonce": os.urandom(auth.NONCE_BYTES)})
+            head = await conn.recv_head()
+            assert head is not None and head.kind == Kind.ERROR
+            assert "wire_security" in head.fields["msg"], head.fields
+            conn.close()
+        mode.server.wire = "none"
+        async with echo_server(mode) as (port, n):
+            conn = await open_connection("127.0.0.1", port)
             nc = os.urandom(auth.NONCE_BYTES)
             await conn.send_frame(Kind.REQUEST, 0, {"m": "auth", "v": 1, "key": "n", "nonce": nc})
             head = await conn.recv_head()
-            assert head is not None and head.fields["v"] == 1
+            assert head is not None and head.fields["v"] == 1 and "s" not in head.fields
             ns = head.fields["nonce"]
             await conn.send_frame(Kind.REQUEST, 0, {
                 "m": "auth_proof", "proof": auth._proof(key, b"client", "n", nc, ns)})

@@ -26,7 +26,15 @@ from typing import Any
 
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.messages.base import RequestMessage, parse_reply
-from pfs.core.wire.protocol import FrameDecoder, FrameHead, Kind, Limits, encode_head
+from pfs.core.wire.protocol import (
+    HEADER_SIZE,
+    FrameDecoder,
+    FrameHead,
+    Kind,
+    Limits,
+    encode_head,
+)
+from pfs.core.wire.seal import TAG, FrameAuthError, Sealer, Session
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,8 @@ class BlockingConnection:
         self.closed = False
         self._decoder = FrameDecoder(self.limits)
         self._chunk = bytearray(RECV_CHUNK)
+        self.session: Session | None = None  # sealed frames (key mode, after the handshake)
+        self._sealer: Sealer | None = None
         self.set_timeout(timeout)
 
     @classmethod
@@ -129,13 +139,33 @@ class BlockingConnection:
         """The handshake picked ``version``: frames carry it both ways from now on."""
         self._decoder.pin(version)
 
+    def install(self, session: Session) -> None:
+        """The handshake's session keys: every frame from now on is sealed both ways."""
+        self.session = session
+        self._sealer = session.sealer
+        self._decoder.seal(session.opener)
+
     def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
                    payload: bytes | bytearray | memoryview | None = None) -> None:
         data = encode_head(kind, rid, fields, len(payload) if payload else 0, self.limits,
                            self._decoder.version)
+        sealer = self._sealer
+        if sealer is not None:
+            data = sealer.head(data, HEADER_SIZE)
+            if payload:
+                view = memoryview(payload).cast("B")
+                if sealer.encrypt:
+                    data = b"".join([data, sealer.encrypt_into(
+                        [view], memoryview(bytearray(len(view) + TAG)))])
+                else:
+                    data = b"".join([data, view, sealer.payload_tag([view])])
+        elif payload:
+            data += bytes(payload)
         try:
-            self.sock.sendall(data + bytes(payload) if payload else data)
+            self.sock.sendall(data)
         except OSError as exc:
+            if sealer is not None:
+                self.close()  # how much of the frame went out is unknown
             raise self._io_error(exc, "sending to") from None
 
     def _fill(self) -> None:
@@ -155,7 +185,9 @@ class BlockingConnection:
         while True:
             try:
                 head = dec.next_head()
-            except ProtocolError:
+            except ProtocolError as exc:
+                if isinstance(exc, FrameAuthError):
+                    log.warning("%s", exc)
                 self.close()
                 raise
             if head is not None:
@@ -178,18 +210,29 @@ class BlockingConnection:
         """The current frame's payload (exactly ``len(view)`` bytes) into ``view``: what
         the decoder holds, then straight from the socket."""
         dec = self._decoder
-        got = dec.take_payload_into(view)
-        n = len(view)
-        while got < n:
-            try:
-                k = self.sock.recv_into(view[got:])
-            except OSError as exc:
-                raise self._io_error(exc, "waiting for") from None
-            if k == 0:
-                self.close()
-                raise OSError(errno.ECONNRESET, f"{self.name} closed the connection")
-            dec.payload_received(k)
-            got += k
+        try:
+            if dec.tag_due and dec.take_sealed_payload_into(view):
+                return
+            got = dec.take_payload_into(view)
+            n = len(view)
+            while got < n:
+                try:
+                    k = self.sock.recv_into(view[got:])
+                except OSError as exc:
+                    raise self._io_error(exc, "waiting for") from None
+                if k == 0:
+                    self.close()
+                    raise OSError(errno.ECONNRESET, f"{self.name} closed the connection")
+                dec.payload_received(k)
+                got += k
+            if dec.tag_due:
+                while dec.tag_missing:
+                    self._fill()
+                dec.finish_payload([view])
+        except FrameAuthError as exc:
+            log.warning("%s", exc)
+            self.close()
+            raise
 
     def close(self) -> None:
         if not self.closed:
@@ -264,7 +307,9 @@ class BlockingRpcClient:
                     conn.recv_payload_into(into[:head.payload_len])
                     return head.fields, head.payload_len
             except ProtocolError as exc:
-                raise OSError(errno.EPROTO, f"connection to {conn.name} failed: {exc}") from None
+                conn.close()
+                raise OSError(getattr(exc, "errno", None) or errno.EPROTO,
+                              f"connection to {conn.name} failed: {exc}") from None
             except BaseException:
                 # interrupted (KeyboardInterrupt in a signal handler...) between request
                 # and reply: the reply would be taken for the next call's
@@ -277,7 +322,11 @@ class BlockingRpcClient:
                 raise OSError(errno.EPROTO, f"{conn.name} answered request {head.rid}, "
                                             f"not {rid}")
             if head.payload_len:
-                conn.recv_payload(head.payload_len)  # not expected: read past it
+                try:
+                    conn.recv_payload(head.payload_len)  # not expected: read past it
+                except ProtocolError as exc:
+                    raise OSError(getattr(exc, "errno", None) or errno.EPROTO,
+                                  f"connection to {conn.name} failed: {exc}") from None
             if head.kind == Kind.ERROR:
                 raise from_wire(head.fields.get("errno"), head.fields.get("msg"))
             if head.kind != Kind.REPLY or head.payload_len:

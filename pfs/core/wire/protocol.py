@@ -19,6 +19,13 @@ version (pfs/core/auth.py), its frames carry ``HANDSHAKE_VERSION`` and the decod
 version this side supports; once picked (:meth:`FrameDecoder.pin`), every frame carries
 that version and the decoder refuses any other. A connection without a handshake (open
 mode) keeps ``HANDSHAKE_VERSION``.
+
+Sealing: after a key handshake every frame also carries tags (and in encrypt mode its map
+and payload are encrypted); :mod:`pfs.core.wire.seal` has the format. The decoder of a
+sealed connection (:meth:`FrameDecoder.seal`) checks a frame's header and map before
+handing out its head, and its payload once the caller received all of it
+(:meth:`FrameDecoder.finish_payload`, or :meth:`FrameDecoder.take_sealed_payload_into`
+when the whole of it is already buffered).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import msgpack
 
 from pfs.core.errors import LocalProtocolError, RemoteProtocolError
 from pfs.core.versions import HANDSHAKE_VERSION, SUPPORTED, Range, fmt_range
+from pfs.core.wire.seal import TAG, Opener
 
 MAGIC = b"PF"
 VERSION = HANDSHAKE_VERSION  # frames before (or without) a handshake
@@ -110,6 +118,12 @@ class FrameDecoder:
         self.pinned = False
         self._buf = bytearray()
         self.pending_payload = 0
+        self.opener: Opener | None = None  # a sealed connection's receiving side
+        self.tag_due = False  # the current frame's payload tag is still to come
+
+    def seal(self, opener: Opener) -> None:
+        """From the next frame on, frames are sealed (the handshake's key schedule)."""
+        self.opener = opener
 
     def pin(self, version: int) -> None:
         """From now on frames carry ``version``, and a frame with another is refused.
@@ -136,12 +150,38 @@ class FrameDecoder:
         return len(self._buf)
 
     def next_head(self) -> FrameHead | None:
-        if self.pending_payload:
+        if self.pending_payload or self.tag_due:
             raise LocalProtocolError("previous frame's payload not consumed")
         buf = self._buf
         if len(buf) < HEADER_SIZE:
             return None
         magic, version, kind, _flags, map_len, rid, payload_len = HEADER.unpack_from(buf)
+        try:
+            kind_v = self._check_header(magic, version, kind, map_len, payload_len)
+        except RemoteProtocolError as exc:
+            if self.opener is None:
+                raise
+            # a sealed connection's header is authenticated, but checked only with its
+            # map: a header that breaks the framing is one tampered with as well
+            raise self.opener.fail(f"a frame header ({exc})") from exc
+        end = HEADER_SIZE + map_len
+        opener = self.opener
+        if opener is not None:
+            end += TAG
+            if len(buf) < end:
+                return None
+            fields = self._unpack(opener.head(bytes(buf[:end]), HEADER_SIZE))
+            self.tag_due = payload_len > 0
+        else:
+            if len(buf) < end:
+                return None
+            fields = self._unpack(bytes(buf[HEADER_SIZE:end]))
+        del buf[:end]
+        self.pending_payload = payload_len
+        return FrameHead(kind_v, rid, fields, payload_len)
+
+    def _check_header(self, magic: bytes, version: int, kind: int, map_len: int,
+                      payload_len: int) -> Kind:
         if magic != MAGIC:
             raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a pfs peer")
         if version != self.version:
@@ -156,13 +196,7 @@ class FrameDecoder:
         if payload_len > lim.max_payload:
             raise RemoteProtocolError(
                 f"frame payload of {payload_len} bytes exceeds limit {lim.max_payload}")
-        end = HEADER_SIZE + map_len
-        if len(buf) < end:
-            return None
-        fields = self._unpack(bytes(buf[HEADER_SIZE:end]))
-        del buf[:end]
-        self.pending_payload = payload_len
-        return FrameHead(kind_v, rid, fields, payload_len)
+        return kind_v
 
     def _unpack(self, body: bytes) -> dict[str, Any]:
         lim = self.limits
@@ -198,12 +232,61 @@ class FrameDecoder:
             raise LocalProtocolError("more payload consumed than the frame declared")
         self.pending_payload -= n
 
+    # -- sealed payloads ----------------------------------------------------------
+    @property
+    def tag_missing(self) -> int:
+        """Bytes the caller must still feed before :meth:`finish_payload` (the payload's
+        tag, once all of the payload was consumed)."""
+        if not self.tag_due or self.pending_payload:
+            return 0
+        return max(0, TAG - len(self._buf))
+
+    def finish_payload(self, views: list[memoryview]) -> None:
+        """A sealed frame's payload was received whole into ``views``: check it (encrypt
+        mode: decrypt it in place) against the tag that follows it in the buffer.
+        ``FrameAuthError`` if it fails: the bytes in ``views`` are not the peer's."""
+        assert self.opener is not None
+        self.opener.check_payload(views, self.take_tag())
+
+    def take_tag(self) -> bytes:
+        """The current frame's payload tag, once the payload was consumed and the tag is
+        buffered (a caller that checks the payload itself, piece by piece)."""
+        if not self.tag_due or self.pending_payload or len(self._buf) < TAG:
+            raise LocalProtocolError("sealed payload finished before it was all received")
+        tag = bytes(self._buf[:TAG])
+        del self._buf[:TAG]
+        self.tag_due = False
+        return tag
+
+    def take_sealed_payload_into(self, dest: memoryview) -> bool:
+        """When the whole (sealed) payload of the current frame and its tag are
+        buffered and ``dest`` is its size: check (decrypt) it into ``dest`` in one step
+        and return True (small replies, which arrive with their head); else False."""
+        n = self.pending_payload
+        if not self.tag_due or n != len(dest) or len(self._buf) < n + TAG:
+            return False
+        assert self.opener is not None
+        self._open_buffered(self.opener, n, dest)
+        del self._buf[:n + TAG]
+        self.pending_payload = 0
+        self.tag_due = False
+        return True
+
+    def _open_buffered(self, opener: Opener, n: int, dest: memoryview) -> None:
+        # in a function of its own: the views of the buffer are gone when it returns,
+        # so the buffer can be resized after
+        with memoryview(self._buf) as view:
+            opener.open_payload_into(view[:n + TAG], dest)
+
 
 class Peer:
-    """An in-memory protocol endpoint: whole frames in and out (tests, fuzzing)."""
+    """An in-memory protocol endpoint: whole frames in and out (tests, fuzzing); with
+    ``opener``, of a sealed connection."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, opener: Opener | None = None) -> None:
         self.decoder = FrameDecoder(limits)
+        if opener is not None:
+            self.decoder.seal(opener)
         self._head: FrameHead | None = None
 
     def receive(self, data: bytes) -> list[tuple[FrameHead, bytes]]:
@@ -216,9 +299,11 @@ class Peer:
                 if self._head is None:
                     return out
             head = self._head
-            if dec.buffered < head.payload_len:
+            n = head.payload_len
+            if dec.buffered < n + (TAG if dec.tag_due else 0):
                 return out
-            payload = bytearray(head.payload_len)
-            dec.take_payload_into(memoryview(payload))
+            payload = bytearray(n)
+            if not dec.take_sealed_payload_into(memoryview(payload)):
+                dec.take_payload_into(memoryview(payload))
             out.append((head, bytes(payload)))
             self._head = None
