@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 from pfs.client.plan import open_fd_request
+from pfs.client.verify import read_local
 from pfs.core.checksums import VerifiedRead, read_verified
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.wire.protocol import Kind
@@ -254,13 +255,8 @@ class HandleObjects:
             self._enter()
             try:
                 vr = VerifiedRead(checked[1], fd, checked[0], obj_off, dests)
-                if vr.direct:
-                    off = vr.direct_off
-                    dops = []
-                    for d in vr.direct:
-                        dops.append(Op(fd, off, len(d), d))
-                        off += len(d)
-                    vr.got = sum(await self.servers.engine.submit(dops))
+                if vr.direct:  # in steps, each verified on a thread beside the next read
+                    await read_local(self.servers.engine, fd, vr)
                 counts = vr.finish()
             finally:
                 self._leave()
