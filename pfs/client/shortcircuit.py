@@ -275,6 +275,20 @@ class HandleObjects:
         self.servers.stats["local_bytes"] += sum(counts)
         return list(counts)
 
+    async def read_device(self, fd: int, fn: Any, obj: tuple[int, int], *args: Any) -> int:
+        """``fn(obj, fd, sidecar fd or None, *args)`` on a worker thread, the handle's
+        descriptors held open meanwhile: a read of a local object into device memory
+        (:func:`pfs.client.device.read_object`)."""
+        self._enter()
+        try:
+            checked = self._crcs.get(fd)
+            cfd = checked[0] if checked is not None else None
+            n: int = await trio.to_thread.run_sync(fn, obj, fd, cfd, *args)
+        finally:
+            self._leave()
+        self._count(n)
+        return n
+
     def close(self) -> None:
         with self._closing:
             self.closed = True
