@@ -7,10 +7,15 @@ buffer, allocated once per :class:`DeviceStager` and reused, and are copied on w
 next (:func:`pfs.client.plan.read_device` yields the ``ToDevice``/``DeviceWait``
 effects, the drivers hand them to the stager).
 
+The *direct* route (:func:`read_direct`): under the ``load`` profile (or ``auto`` from
+1 MiB), a stripe whose object is on this host is read by kvikio straight into device
+memory and its blocks verified there by the CRC kernel (:mod:`pfs.core.gpu_crc`), or,
+without CuPy, through a host bounce buffer; other stripes are staged as above.
+
 CuPy or torch is imported only when a device buffer is read: never at ``import pfs``
 and never for host buffers. A read that cannot run says which piece is missing:
-:class:`GpuUnavailable`. kvikio/GDS (local files straight into device memory) belongs to
-the loader (:mod:`pfs.loader.gpu`).
+:class:`GpuUnavailable`. kvikio/GDS of local files outside pfs belongs to the loader
+(:mod:`pfs.loader.gpu`).
 """
 from __future__ import annotations
 
