@@ -153,7 +153,7 @@ def classify(f: FileRec, objs: dict[str, dict[int, ObjRec]], down: set[str]
     for sid, by_stripe in left.items():
         for stripe, obj in by_stripe.items():
             problems.append(Problem("orphan", f.ino, stripe, sid,
-                                    f"{obj.size} bytes; file {f.ino}'s layout does not "
+                                    f"{_held(obj)}; file {f.ino}'s layout does not "
                                     f"place stripe {stripe} there"))
     return problems, referenced
 
@@ -166,9 +166,13 @@ def _file_off(unit: int, count: int, stripe: int, obj_off: int) -> int:
     return (last // unit) * unit * count + stripe * unit + last % unit + 1
 
 
+def _held(obj: ObjRec) -> str:
+    return "only a block map (the object file is gone)" if obj.lost else f"{obj.size} bytes"
+
+
 def orphan(sid: str, obj: ObjRec) -> Problem:
     return Problem("orphan", obj.ino, obj.stripe, sid,
-                   f"{obj.size} bytes; no file has inode {obj.ino}")
+                   f"{_held(obj)}; no file has inode {obj.ino}")
 
 
 class Peek:

@@ -109,6 +109,10 @@ def test_an_object_gone_with_or_without_its_block_map() -> None:
     layout = {"unit": U, "count": 1, "replicas": 2, "servers": [["a", "b"]]}
     problems, _ = classify(FileRec(7, U, layout), {"a": {0: ObjRec(7, 0, -1, 0, U)}}, set())
     assert kinds(problems) == [("missing", 7, 0, "a"), ("missing", 7, 0, "b")]
+    # a block map left of an object no file places there: an orphan, said so
+    problems, _ = classify(FileRec(7, U, layout), {"c": {0: ObjRec(7, 0, -1, 0, U)}}, set())
+    assert [p.detail.split(";")[0] for p in problems if p.kind == "orphan"] == [
+        "only a block map (the object file is gone)"]
 
 
 async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
