@@ -30,18 +30,21 @@ from typing import Any
 
 import crc32c
 
+from pfs.client.data import run_all
 from pfs.client.plan import Call, Plan, one, read_device
 from pfs.client.trio_driver import TrioDriver
 from pfs.core import gpu_crc
 from pfs.core.checksums import (
     BLOCK,
     ChecksumError,
+    blocks,
     check_map,
     read_records,
     read_verified,
     whole_blocks,
 )
 from pfs.core.config import GDS_MIN_BYTES
+from pfs.core.layout import Piece
 
 log = logging.getLogger(__name__)
 
@@ -306,21 +309,44 @@ class Copies:
 BOUNCE = 4 << 20  # host bytes per copy back when the device cannot hash (no CuPy)
 
 
-def read_object(obj: tuple[int, int], fd: int, cfd: int | None, obj_off: int, n: int,
-                dev: DeviceBuffer, dev_off: int, kvikio: Any, copies: Copies) -> int:
-    """Read ``n`` bytes of local object ``fd`` at ``obj_off`` into device buffer ``dev``
-    at ``dev_off`` (blocking): the whole blocks by kvikio straight into device memory,
-    verified there against the block map (sidecar ``cfd``) by the CRC kernel
-    (:mod:`pfs.core.gpu_crc`), or, without CuPy, through a host bounce buffer; the edge
-    blocks through the host (read and verified by :func:`read_verified`, then copied).
-    Returns the bytes there were; ChecksumError (EIO) on a mismatch or a short object,
-    the bad block zeroed on the device first."""
+def read_object(obj: tuple[int, int], fd: int, cfd: int | None,
+                pieces: list[tuple[int, int, int]], dev: DeviceBuffer, kvikio: Any,
+                copies: Copies) -> int:
+    """Read pieces ``(object offset, length, device offset)`` of local object ``fd`` into
+    device buffer ``dev`` (blocking; the object opened by kvikio once): the whole blocks
+    straight into device memory, verified there against the block map (sidecar ``cfd``)
+    by the CRC kernel (:mod:`pfs.core.gpu_crc`), or, without CuPy, through a host bounce
+    buffer; the edge blocks through the host (read and verified by
+    :func:`read_verified`, then copied). Returns the bytes read; ChecksumError (EIO) on a
+    mismatch or a short object, the bad block zeroed on the device first. Bytes past
+    the object's end are left to the caller (the file's holes)."""
     size = os.fstat(fd).st_size
-    n = max(0, min(n, size - obj_off))
-    if n == 0:
-        return 0
+    f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r")
+    try:
+        total = 0
+        for obj_off, length, dev_off in pieces:
+            n = max(0, min(length, size - obj_off))
+            if n:
+                _read_piece(obj, f, fd, cfd, size, obj_off, n, dev, dev_off, copies)
+            if n < length:  # past the object's end: a hole, unless the map says written
+                if cfd is not None:
+                    first = blocks(obj_off + n, length - n)
+                    for blk, rec in zip(first, read_records(cfd, first.start, len(first)),
+                                        strict=True):
+                        check_map(obj, blk, rec, size)  # ChecksumError: a short object
+                copies.zero(dev.ptr + dev_off + n, length - n)
+            total += length
+        return total
+    finally:
+        f.close()
+
+
+def _read_piece(obj: tuple[int, int], f: Any, fd: int, cfd: int | None, size: int,
+                obj_off: int, n: int, dev: DeviceBuffer, dev_off: int,
+                copies: Copies) -> None:
     if cfd is None:  # an object from before checksums: read as before, unchecked
-        return _gds(kvikio, fd, dev, n, obj_off, dev_off)
+        _gds(f, dev, n, obj_off, dev_off)
+        return
     mid = whole_blocks(obj_off, n)
     lo = mid.start * BLOCK if mid else obj_off + n
     hi = mid.stop * BLOCK if mid else obj_off + n
@@ -330,9 +356,9 @@ def read_object(obj: tuple[int, int], fd: int, cfd: int | None, obj_off: int, n:
             (k,) = read_verified(obj, fd, cfd, a, [host])
             copies.h2d(dev.ptr + dev_off + (a - obj_off), host[:k])
     if not mid:
-        return n
+        return
     start = dev_off + (lo - obj_off)
-    got = _gds(kvikio, fd, dev, hi - lo, lo, start)
+    got = _gds(f, dev, hi - lo, lo, start)
     if got < hi - lo:
         raise ChecksumError(obj, lo + got, "short object: it shrank while being read")
     recs = read_records(cfd, mid.start, len(mid))
@@ -353,7 +379,6 @@ def read_object(obj: tuple[int, int], fd: int, cfd: int | None, obj_off: int, n:
             copies.zero(ptr + i * BLOCK, BLOCK)  # the bad bytes never stay
             raise ChecksumError(obj, blk * BLOCK, "checksum mismatch (verified on the GPU "
                                 "route)")
-    return n
 
 
 class DeviceView:
@@ -366,23 +391,19 @@ class DeviceView:
                                          "typestr": "|u1", "version": 3}
 
 
-def _gds(kvikio: Any, fd: int, dev: DeviceBuffer, n: int, file_off: int, dev_off: int) -> int:
-    """kvikio's read of ``n`` bytes of descriptor ``fd`` into ``dev`` at ``dev_off``."""
-    f = kvikio.CuFile(f"/proc/self/fd/{fd}", "r")
-    try:
-        return int(f.pread(DeviceView(dev.ptr + dev_off, n, dev.obj), n, file_off).get())
-    finally:
-        f.close()
+def _gds(f: Any, dev: DeviceBuffer, n: int, file_off: int, dev_off: int) -> int:
+    """kvikio's read (open file ``f``) of ``n`` bytes into ``dev`` at ``dev_off``."""
+    return int(f.pread(DeviceView(dev.ptr + dev_off, n, dev.obj), n, file_off).get())
 
 
 async def read_direct(h: Any, buf: Any, off: int) -> int | None:
     """The direct route of a read into device buffer ``buf`` at file offset ``off`` by
-    handle ``h`` (an open read-only FileHandle): each stripe piece whose object is on
-    this host is read by kvikio straight into device memory and verified there
-    (:func:`read_object`); other pieces, and a piece whose local read fails
-    verification (the servers check again under their locks), go through pinned
-    staging. None when this route does not apply (no kvikio, no local objects, a read
-    the profile keeps on staging): the caller stages all of it."""
+    handle ``h`` (an open read-only FileHandle): the pieces of each stripe whose object
+    is on this host are read by kvikio straight into device memory and verified there
+    (:func:`read_object`; stripes in parallel); other stripes, and a stripe whose local
+    read fails verification (the servers check again under their locks), go through
+    pinned staging. None when this route does not apply (no kvikio, no local objects, a
+    read the profile keeps on staging): the caller stages all of it."""
     objects = getattr(h, "_objects", None)
     if objects is None:
         return None
@@ -394,22 +415,31 @@ async def read_direct(h: Any, buf: Any, off: int) -> int | None:
     if kvikio is None:
         return None
     copies = Copies(require_staging())
+    by_stripe: dict[int, list[Piece]] = {}
+    for p in h.layout.pieces(off, total):
+        by_stripe.setdefault(p.stripe, []).append(p)
+    staged: list[Piece] = []
+
+    async def stripe(s: int, ps: list[Piece]) -> None:
+        fd = await objects.fd(h.layout.servers[s], h.ino, s, h.cap)
+        if fd is not None:
+            want = [(p.obj_off, p.length, p.file_off - off) for p in ps]
+            try:
+                await objects.read_device(fd, read_object, (h.ino, s), want, dev, kvikio,
+                                          copies)
+                return
+            except ChecksumError as exc:
+                log.warning("GPU route: %s; reading it through the servers", exc)
+        staged.extend(ps)
+
+    await run_all([functools.partial(stripe, s, ps) for s, ps in by_stripe.items()])
     stager: DeviceStager | None = None
     try:
-        for p in h.layout.pieces(off, total):
-            fd = await objects.fd(h.layout.servers[p.stripe], h.ino, p.stripe, h.cap)
-            if fd is not None:
-                try:
-                    await objects.read_device(fd, read_object, (h.ino, p.stripe), p.obj_off,
-                                              p.length, dev, p.file_off - off, kvikio,
-                                              copies)
-                    continue
-                except ChecksumError as exc:
-                    log.warning("GPU route: %s; reading it through the servers", exc)
+        for p in staged:
             if stager is None:
                 stager = DeviceStager(min(STAGING_SIZE, max(_MIN_STAGING, p.length)))
             await h.client.driver.run(read_device(stager, dev.ptr + (p.file_off - off),
-                                               p.file_off, p.length, h._read_chunk))
+                                                  p.file_off, p.length, h._read_chunk))
     finally:
         if stager is not None:
             stager.close()

@@ -483,6 +483,7 @@ def host_gpu(driver: None, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpu_route_reads_local_objects_verified(host_gpu: None, client_toml: Path,
                                                 cluster_dir: Path, workdir: str,
                                                 monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture,
                                                 hasher: str) -> None:
     """kvikio reads local objects straight into 'device' memory and the blocks are
     verified there (the CRC kernel's algorithm, or a host bounce buffer without CuPy):
@@ -525,3 +526,21 @@ def test_gpu_route_reads_local_objects_verified(host_gpu: None, client_toml: Pat
         with c.open(path, "rb") as f, pytest.raises(OSError) as err:
             f.readinto(HostDeviceArray(len(data)))
         assert err.value.errno == errno.EIO and path in str(err.value)
+        assert "checksum mismatch (verified on the GPU route)" in caplog.text
+        # a file grown by truncate: past its objects' ends, zeros (holes), on the route
+        ext = f"{workdir}/ext"
+        with c.open(ext, "wb") as f:
+            f.write(data[:2 * block])
+            f.truncate(12 * block)
+        with c.open(ext, "rb") as f:
+            buf = HostDeviceArray(12 * block)
+            buf.host[:] = 0xEE
+            assert f.readinto(buf) == 12 * block
+        assert buf.bytes() == data[:2 * block] + bytes(10 * block)
+        # an object cut short where its block map says data was written: EIO
+        (obj0,) = (cluster_dir / "data").glob(f"ds*/objects/*/{ino}.0")
+        os.truncate(obj0, block + 10)
+        caplog.clear()
+        with c.open(path, "rb") as f, pytest.raises(OSError) as err:
+            f.readinto(HostDeviceArray(8 * block))
+        assert err.value.errno == errno.EIO and "short object" in caplog.text
