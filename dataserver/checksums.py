@@ -5,6 +5,7 @@ block-range locks writes and reads take."""
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from pfs.core.checksums import (
 )
 
 __all__ = ["BLOCK", "HOLE_CRC", "RECORD", "SUFFIX", "ChecksumError", "RangeLocks", "blocks", "check", "check_map",
-           "compute", "crc_padded", "iter_objects", "parse_obj_name", "n_blocks", "read_block", "read_records",
+           "compute", "crc_padded", "iter_objects", "map_summary", "parse_obj_name", "n_blocks", "read_block", "read_records",
            "update", "verify_fd", "whole_blocks", "write_records"]
 
 
@@ -141,19 +142,47 @@ class _Hold:
         locks.release(obj, self.me)
 
 
-def iter_objects(root: str) -> Iterator[tuple[str, tuple[int, int]]]:
-    """``(path, id)`` of every object file under one data directory's ``objects/``."""
+def iter_objects(root: str, lost: bool = False) -> Iterator[tuple[str, tuple[int, int]]]:
+    """``(path, id)`` of every object file under one data directory's ``objects/``;
+    with ``lost``, also of every object whose file is gone but whose checksum sidecar
+    (its block map) remains (``path`` then names the absent object file)."""
     with os.scandir(root) as fanouts:
         for fan in fanouts:
             if not fan.is_dir(follow_symlinks=False):
                 continue
             with os.scandir(fan.path) as entries:
                 for e in entries:
-                    if e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    if e.name.endswith(SUFFIX):
+                        if not lost:
+                            continue
+                        path = e.path[:-len(SUFFIX)]
+                        obj = parse_obj_name(e.name[:-len(SUFFIX)])
+                        if obj is not None and not os.path.lexists(path):
+                            yield path, obj
                         continue
                     obj = parse_obj_name(e.name)
                     if obj is not None:
                         yield e.path, obj
+
+
+def map_summary(cpath: str) -> tuple[int, int]:
+    """What an object's block map says (``pfs fsck``): how far into the object data was
+    written (the end of its last written block's data; 0: nothing), and how many
+    blocks before that were never written (holes). ``(-1, 0)`` without a sidecar."""
+    try:
+        with open(cpath, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return -1, 0
+    n = len(raw) // RECORD
+    ends = [end for _crc, end in struct.iter_unpack("<II", raw[:n * RECORD])]
+    last = next((i for i in range(n - 1, -1, -1) if ends[i]), -1)
+    if last < 0:
+        return 0, 0
+    holes = sum(1 for e in ends[:last] if not e)
+    return last * BLOCK + ends[last], holes
 
 
 def parse_obj_name(name: str) -> tuple[int, int] | None:

@@ -382,27 +382,33 @@ class ObjectStore:
         return True
 
     def list_objects(self, after: ObjId | None, limit: int
-                     ) -> tuple[list[tuple[int, int, int, int]], bool]:
+                     ) -> tuple[list[tuple[int, int, int, int, int, int]], bool]:
         """The first ``limit`` objects after ``after`` in id order, as ``(ino, stripe,
-        size, allocated bytes)``, and whether they were the last. Object files are placed by hash, so each page reads
+        size, allocated bytes, written, holes)`` (the block map's summary,
+        :func:`dck.map_summary`; size -1: the object file is gone, its map remains),
+        and whether they were the last. Object files are placed by hash, so each page reads
         every directory's names (no stat but the page's): O(objects) a page, for
         ``pfs fsck``. Files not named ``<ino>.<stripe>`` (anything else kept beside
         the objects) are skipped. Synchronous: run it in a thread."""
         ids: list[tuple[ObjId, str]] = []  # where each was found (a misplaced one too)
         for d in self.dirs:
-            for path, obj in dck.iter_objects(os.path.join(d, _OBJ_DIR)):
+            for path, obj in dck.iter_objects(os.path.join(d, _OBJ_DIR), lost=True):
                 if after is None or obj > after:
                     ids.append((obj, path))
                     if len(ids) > 2 * limit:  # bounded: keep the smallest as we go
                         ids = heapq.nsmallest(limit, ids)
         ids = heapq.nsmallest(limit, ids)
-        out: list[tuple[int, int, int, int]] = []
+        out: list[tuple[int, int, int, int, int, int]] = []
         for obj, path in ids:
+            written, holes = dck.map_summary(path + ck.SUFFIX)
             try:
                 st = os.stat(path)
-            except FileNotFoundError:  # deleted since it was listed
+            except FileNotFoundError:  # deleted since it was listed, or lost (map kept)
+                if written < 0:
+                    continue
+                out.append((obj[0], obj[1], -1, 0, written, holes))
                 continue
-            out.append((obj[0], obj[1], st.st_size, st.st_blocks * 512))
+            out.append((obj[0], obj[1], st.st_size, st.st_blocks * 512, written, holes))
         return out, len(ids) < limit
 
     def capacity(self) -> Capacity:

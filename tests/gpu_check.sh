@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for the loader fast path, on a machine with an NVIDIA GPU (< 8 minutes):
-#   1. the GPU tests (tests/integration/test_gpu.py -m gpu, and the loader's CUDA test);
+#   1. the GPU tests (tests/integration/test_gpu.py -m gpu: GDS, staging, the loader's CUDA
+#      test, and the CRC32C kernel of pfs.core.gpu_crc against crc32c);
 #   2. a small GDS benchmark: a 1 GiB file read into device memory with kvikio (GDS, or
 #      kvikio's compat mode where the GDS driver is absent), against preadv into pinned
 #      host memory + cudaMemcpy, and through pfs.client.device.DeviceStager (the
@@ -25,6 +26,22 @@ PYEOF
 
 echo "== GPU tests"
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_gpu.py -rs
+
+echo "== CRC32C kernel: GB/s of device memory verified (pfs.core.gpu_crc)"
+timeout 60 "$PY" - <<'PYEOF'
+import time
+import cupy
+from pfs.core import gpu_crc
+n = 4096  # 256 MiB of 64 KiB blocks
+dev = cupy.random.randint(0, 256, n * gpu_crc.BLOCK, dtype=cupy.uint8)
+h = gpu_crc.device_crc()
+h.blocks(dev.data.ptr, n, dev)
+cupy.cuda.runtime.deviceSynchronize()
+t0 = time.perf_counter()
+for _ in range(5):
+    h.blocks(dev.data.ptr, n, dev)
+print(f"crc32c kernel: {5 * n * gpu_crc.BLOCK / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
+PYEOF
 
 echo "== GDS benchmark (${SIZE_MB} MiB)"
 timeout 180 "$PY" - "$SIZE_MB" <<'PYEOF'

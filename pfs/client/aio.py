@@ -181,8 +181,16 @@ class FileHandle:
             await self.client.writes.before_read(self.ino, off, device.buffer_size(buf),
                                                  self.state.known_size)
         if device.is_device_buffer(buf):
-            return await self.client.driver.run(
-                device.read(buf, off, self.state.known_size, self._read_chunk))
+            if off < 0:
+                raise OSError(errno.EINVAL, "negative offset")
+            try:
+                direct = await device.read_direct(self, buf, off)
+                if direct is not None:  # local objects by kvikio, verified on the device
+                    return direct
+                return await self.client.driver.run(
+                    device.read(buf, off, self.state.known_size, self._read_chunk))
+            except OSError as exc:
+                raise self._named(exc) from exc
         if off < 0:
             raise OSError(errno.EINVAL, "negative offset")
         view = memoryview(buf).cast("B")

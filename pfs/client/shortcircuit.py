@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 from pfs.client.plan import open_fd_request
+from pfs.client.verify import read_local
 from pfs.core.checksums import VerifiedRead, read_verified
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.wire.protocol import Kind
@@ -254,13 +255,8 @@ class HandleObjects:
             self._enter()
             try:
                 vr = VerifiedRead(checked[1], fd, checked[0], obj_off, dests)
-                if vr.direct:
-                    off = vr.direct_off
-                    dops = []
-                    for d in vr.direct:
-                        dops.append(Op(fd, off, len(d), d))
-                        off += len(d)
-                    vr.got = sum(await self.servers.engine.submit(dops))
+                if vr.direct:  # in steps, each verified on a thread beside the next read
+                    await read_local(self.servers.engine, fd, vr)
                 counts = vr.finish()
             finally:
                 self._leave()
@@ -278,6 +274,20 @@ class HandleObjects:
         self.servers.stats["local_reads"] += 1
         self.servers.stats["local_bytes"] += sum(counts)
         return list(counts)
+
+    async def read_device(self, fd: int, fn: Any, obj: tuple[int, int], *args: Any) -> int:
+        """``fn(obj, fd, sidecar fd or None, *args)`` on a worker thread, the handle's
+        descriptors held open meanwhile: a read of a local object into device memory
+        (:func:`pfs.client.device.read_object`)."""
+        self._enter()
+        try:
+            checked = self._crcs.get(fd)
+            cfd = checked[0] if checked is not None else None
+            n: int = await trio.to_thread.run_sync(fn, obj, fd, cfd, *args)
+        finally:
+            self._leave()
+        self._count(n)
+        return n
 
     def close(self) -> None:
         with self._closing:

@@ -29,7 +29,8 @@ from pfs.client.plan import (
     Sleep,
     ToDevice,
 )
-from pfs.core.checksums import ChecksumError, copied, verify_read
+from pfs.client.verify import verify_read
+from pfs.core.checksums import ChecksumError, copied
 from pfs.core.messages.base import parse_reply
 
 if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
@@ -76,8 +77,8 @@ class TrioDriver:
                 if crcs is None:
                     return r.nbytes
                 try:  # a read of a checked object: verify what came
-                    verify_read(msg, r.nbytes, effect.into if effect.into is not None
-                                else r.payload, crcs)
+                    await verify_read(msg, r.nbytes, effect.into if effect.into is not None
+                                      else r.payload, crcs)
                     return r.nbytes
                 except ChecksumError:
                     msg = copied(msg)  # a write raced the sendfile? re-read once, copied

@@ -150,7 +150,7 @@ def _read_in_block(obj: tuple[int, int], fd: int, cfd: int, off: int,
     return k
 
 
-def _slice(dests: list[memoryview], lo: int, hi: int) -> list[memoryview]:
+def slice_views(dests: list[memoryview], lo: int, hi: int) -> list[memoryview]:
     """The parts of ``dests`` (consecutive) holding bytes ``[lo, hi)`` of them."""
     out, base = [], 0
     for d in dests:
@@ -169,7 +169,7 @@ class VerifiedRead:
     inside one block (the small reads) has no ``direct`` part: all of it is scratch."""
 
     __slots__ = ("obj", "fd", "cfd", "off", "dests", "total", "size", "bl", "mid",
-                 "direct", "direct_off", "got")
+                 "direct", "direct_off", "got", "recs", "checked")
 
     def __init__(self, obj: tuple[int, int], fd: int, cfd: int, off: int,
                  dests: list[memoryview]) -> None:
@@ -183,15 +183,33 @@ class VerifiedRead:
         self.direct_off = mid.start * BLOCK
         self.direct: list[memoryview] = []
         if len(mid) > 0:
-            self.direct = _slice(dests, self.direct_off - off, mid.stop * BLOCK - off)
+            self.direct = slice_views(dests, self.direct_off - off, mid.stop * BLOCK - off)
         self.got = 0
+        self.recs: list[tuple[int, int]] | None = None  # of ``bl``, read once
+        self.checked = 0  # the leading ``mid`` blocks verified already (verify_mid)
+
+    def records(self) -> list[tuple[int, int]]:
+        if self.recs is None:
+            self.recs = read_records(self.cfd, self.bl.start, len(self.bl))
+        return self.recs
+
+    def verify_mid(self, lo: int, hi: int) -> None:
+        """Verify ``mid`` blocks ``lo .. hi-1`` (indexes into ``mid``) in place, once
+        their bytes are in ``direct``: a driver that reads ``direct`` in steps verifies
+        one step while the next is read (:meth:`finish` verifies what is left)."""
+        recs = self.records()
+        first = self.mid.start - self.bl.start
+        self._verify_in_place(range(self.mid.start + lo, self.mid.start + hi),
+                              recs[first + lo:first + hi],
+                              slice_views(self.direct, lo * BLOCK, hi * BLOCK))
+        self.checked = max(self.checked, hi)
 
     def finish(self) -> list[int]:
         obj, off, total, bl, mid = self.obj, self.off, self.total, self.bl, self.mid
         dests = self.dests
         if not bl:
             return [0] * len(dests)
-        recs = read_records(self.cfd, bl.start, len(bl))
+        recs = self.records()
         size = self.size
         if not mid:
             size = self._scratch(bl, recs, off, dests, size)
@@ -203,12 +221,14 @@ class VerifiedRead:
             first = bl.start
             if mid.start > first:
                 size = self._scratch(range(first, mid.start), recs[:mid.start - first],
-                                     off, _slice(dests, 0, mid.start * BLOCK - off), size)
+                                     off, slice_views(dests, 0, mid.start * BLOCK - off), size)
             if bl.stop > mid.stop:
                 lo = mid.stop * BLOCK
                 size = self._scratch(range(mid.stop, bl.stop), recs[mid.stop - first:],
-                                     lo, _slice(dests, lo - off, total), size)
-            self._verify_in_place(recs[mid.start - first:mid.stop - first])
+                                     lo, slice_views(dests, lo - off, total), size)
+            lo = mid.start + self.checked
+            self._verify_in_place(range(lo, mid.stop), recs[lo - first:mid.stop - first],
+                                  slice_views(self.direct, self.checked * BLOCK, len(mid) * BLOCK))
         left = max(0, min(total, size - off))
         counts = []
         for d in dests:
@@ -217,10 +237,12 @@ class VerifiedRead:
             counts.append(k)
         return counts
 
-    def _verify_in_place(self, recs: list[tuple[int, int]]) -> None:
-        views, vi, base = self.direct, 0, 0  # the view holding ``at``, its place
+    def _verify_in_place(self, bl: range, recs: list[tuple[int, int]],
+                         views: list[memoryview]) -> None:
+        """Verify blocks ``bl`` held, in order, by ``views``."""
+        vi, base = 0, 0  # the view holding ``at``, its place
         at = 0
-        for blk, rec in zip(self.mid, recs, strict=True):
+        for blk, rec in zip(bl, recs, strict=True):
             parts = []
             need = BLOCK
             while need:
@@ -276,20 +298,30 @@ def whole_blocks(off: int, n: int) -> range:
 
 
 def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
-                 crcs: list[int]) -> None:
+                 crcs: list[int], part: range | None = None) -> None:
     """Check the whole blocks of a read reply of ``n`` bytes at ``off`` (received into
     ``into``: a buffer or a list of buffers filled in order) against ``crcs``;
-    ChecksumError (EIO) on a mismatch."""
+    ChecksumError (EIO) on a mismatch. ``part``: only these indexes into ``crcs`` (the
+    whole blocks in order), so a large reply can be checked in pieces on threads."""
     bl = whole_blocks(off, n)
     if len(crcs) != len(bl):
         raise ChecksumError(obj, off, f"the reply carries {len(crcs)} checksums for "
                                       f"{len(bl)} blocks")
-    if not crcs:
+    idx = range(len(crcs)) if part is None else part
+    if not idx:
         return
     views = into if isinstance(into, list) else [into]
-    pos = bl.start * BLOCK - off  # the first whole block's place in the reply
+    pos = (bl.start + idx.start) * BLOCK - off  # the first block's place in the reply
+    if len(views) == 1:  # one buffer: a slice per block, no walk over views
+        v = views[0]
+        for i in idx:
+            if crc32c.crc32c(v[pos:pos + BLOCK]) != crcs[i]:
+                raise ChecksumError(obj, (bl.start + i) * BLOCK,
+                                    "checksum mismatch in the bytes received")
+            pos += BLOCK
+        return
     vi, base = 0, 0  # the view holding ``pos`` and its place in the reply
-    for blk, want in zip(bl, crcs, strict=True):
+    for i in idx:
         crc, need, at = 0, BLOCK, pos
         while need:
             while at >= base + len(views[vi]):
@@ -300,8 +332,9 @@ def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
             crc = crc32c.crc32c(v[at - base:at - base + k], crc)
             at += k
             need -= k
-        if crc != want:
-            raise ChecksumError(obj, blk * BLOCK, "checksum mismatch in the bytes received")
+        if crc != crcs[i]:
+            raise ChecksumError(obj, (bl.start + i) * BLOCK,
+                                "checksum mismatch in the bytes received")
         pos += BLOCK
 
 

@@ -107,6 +107,12 @@ class Rate:
             await trio.sleep(max(0.0, self.t0 + self.done / self.rate - time.monotonic()))
 
 
+def _obj(row: list[Any]) -> ObjRec:
+    """A ``list_objects`` row: ``[ino, stripe, size, allocated]``, and from servers that
+    keep block maps ``written, holes`` (an older server's rows have four)."""
+    return ObjRec(*row[:6])
+
+
 class Fsck:
     def __init__(self, client: AsyncClient, *, verify: bool = True, rate: float = 0,
                  paths: bool = True) -> None:
@@ -158,8 +164,8 @@ class Fsck:
                 self.report.unreachable[sid] = f"listing its objects failed: {exc}"
                 self.down.add(sid)
                 return
-            for ino, stripe, size, allocated in r.objects:
-                yield ObjRec(ino, stripe, size, allocated)
+            for row in r.objects:
+                yield _obj(row)
             if r.end or not r.objects:
                 return
             after = (r.objects[-1][0], r.objects[-1][1])
@@ -250,9 +256,9 @@ class Fsck:
                     after=(ino - 1, MAX_STRIPE), limit=RECHECK_PAGE, cap=await self.cap()))
             except OSError:
                 return None
-            for i, stripe, size, allocated in lr.objects:
-                if i == ino:
-                    objs.setdefault(sid, {})[stripe] = ObjRec(i, stripe, size, allocated)
+            for row in lr.objects:
+                if row[0] == ino:
+                    objs.setdefault(sid, {})[row[1]] = _obj(row)
         if f is None:
             return [orphan(sid, o) for sid, by in objs.items() for o in by.values()]
         return classify(f, objs, self.down)[0]

@@ -42,12 +42,24 @@ class FileRec:
 class ObjRec:
     ino: int
     stripe: int
-    size: int
+    size: int  # -1: the object file is gone, its block map remains (``lost``)
     allocated: int
+    written: int = -1  # the block map's data end in the object; -1: no block map
+    holes: int = 0  # blocks before ``written`` never written
 
     @property
     def sparse(self) -> bool:
+        if self.written >= 0:
+            return self.holes > 0
         return self.allocated + SPARSE_SLACK <= self.size
+
+    @property
+    def lost(self) -> bool:
+        return self.size < 0
+
+    @property
+    def mapped(self) -> bool:
+        return self.written >= 0
 
 
 @dataclass(slots=True)
@@ -85,22 +97,51 @@ def classify(f: FileRec, objs: dict[str, dict[int, ObjRec]], down: set[str]
             if sid in down:
                 continue
             obj = left.get(sid, {}).pop(stripe, None)
-            if obj is not None:
+            if obj is not None and not obj.lost:
                 referenced.append((sid, obj))
             found.append((stripe, sid, expect, obj))
-    sparse = any(o.sparse for _, o in referenced)
+    present = [o for _, o in referenced]
+    sparse = any(o.sparse for o in present)
     # an object on a server not listed may be the one that shows the file sparse
     unknown = any(sid in down for sids in servers for sid in sids)
+    # with every object's block map: how far into the file data was ever written
+    mapped = bool(present) and all(o.mapped for o in present)
+    reach = max((_file_off(unit, count, o.stripe, o.written) for o in present
+                 if o.mapped and o.written > 0), default=0) if mapped else 0
     problems: list[Problem] = []
     for stripe, sid, expect, obj in found:
+        if obj is not None and obj.lost:
+            problems.append(Problem("missing", f.ino, stripe, sid,
+                                    f"the object file is gone; its block map says data "
+                                    f"was written up to {obj.written}"))
+            continue
+        if obj is not None and obj.mapped:  # the map tells a cut from a hole exactly
+            if obj.size < obj.written:
+                problems.append(Problem("short", f.ino, stripe, sid,
+                                        f"{obj.size} of {expect} bytes; its block map "
+                                        f"says data was written up to {obj.written}"))
+            continue
         have = 0 if obj is None else obj.size
         if have >= expect:
             continue
-        replica = max((o.size for s, _sid, _e, o in found if s == stripe and o is not None),
+        replica = max((o.written if o.lost else o.size  # a lost replica's map counts
+                       for s, _sid, _e, o in found if s == stripe and o is not None),
                       default=0)
-        lost = replica > have or not (sparse or unknown)
         what = (f"absent, {expect} bytes expected" if obj is None
                 else f"{have} of {expect} bytes")
+        if obj is None and mapped and replica <= 0:
+            # gone with its block map: lost if the file was written past it without a
+            # hole (its other objects' maps say so), else it may never have been written
+            if not sparse and not unknown and stripe * unit < reach:
+                problems.append(Problem("missing", f.ino, stripe, sid,
+                                        f"{what}; the file's other objects hold data "
+                                        f"written past it, without holes"))
+            else:
+                problems.append(Problem("hole?", f.ino, stripe, sid,
+                                        f"{what}; no block map and no replica: may be a "
+                                        "hole (never written) or lost with its block map"))
+            continue
+        lost = replica > have or not (sparse or unknown)
         if not lost:
             why = ("the file is sparse" if sparse
                    else "a server of the file could not be listed")
@@ -112,14 +153,26 @@ def classify(f: FileRec, objs: dict[str, dict[int, ObjRec]], down: set[str]
     for sid, by_stripe in left.items():
         for stripe, obj in by_stripe.items():
             problems.append(Problem("orphan", f.ino, stripe, sid,
-                                    f"{obj.size} bytes; file {f.ino}'s layout does not "
+                                    f"{_held(obj)}; file {f.ino}'s layout does not "
                                     f"place stripe {stripe} there"))
     return problems, referenced
 
 
+def _file_off(unit: int, count: int, stripe: int, obj_off: int) -> int:
+    """The file offset just past object byte ``obj_off - 1`` of ``stripe``."""
+    if not unit or not count:
+        return 0
+    last = obj_off - 1
+    return (last // unit) * unit * count + stripe * unit + last % unit + 1
+
+
+def _held(obj: ObjRec) -> str:
+    return "only a block map (the object file is gone)" if obj.lost else f"{obj.size} bytes"
+
+
 def orphan(sid: str, obj: ObjRec) -> Problem:
     return Problem("orphan", obj.ino, obj.stripe, sid,
-                   f"{obj.size} bytes; no file has inode {obj.ino}")
+                   f"{_held(obj)}; no file has inode {obj.ino}")
 
 
 class Peek:

@@ -127,6 +127,38 @@ def test_holes_and_sparse_files_read_right(client_toml, workdir, short_circuit: 
         assert _verify(c, path)["bad"] == []
 
 
+@pytest.mark.parametrize("short_circuit", [False, True], ids=["network", "local"])
+def test_large_reads_verified_in_steps(client_toml, cluster_dir, workdir,
+                                       short_circuit: bool) -> None:
+    """Reads large enough to be verified on worker threads (network replies in parts,
+    short-circuit reads in steps beside the next read): bit-exact, holes in the middle
+    of a step read as zeros, and a flipped byte in any step is EIO at its block."""
+    big = 16 << 20
+    with _client(client_toml, short_circuit) as c:
+        c.set_layout(workdir, count=1, unit=big)
+        path = f"{workdir}/large"
+        data = bytearray(random.Random(4).randbytes(big - 3 * BLOCK - 5))
+        with c.open(path, "wb") as f:
+            f.pwrite(data[:5 << 20], 0)
+            f.pwrite(data[(5 << 20) + 2 * BLOCK:], (5 << 20) + 2 * BLOCK)  # a 2-block hole
+        data[5 << 20:(5 << 20) + 2 * BLOCK] = bytes(2 * BLOCK)
+        with c.open(path, "rb") as f:
+            assert f.pread(len(data), 0) == data
+            buf = bytearray(len(data) - 777)
+            assert f.readinto(memoryview(buf)) == len(buf)
+            assert buf == data[:len(buf)]
+        (obj,) = _objects(cluster_dir, c.stat(path).st_ino)
+        for at in ((13 << 20) + 5, (1 << 20) + 3):  # a late step, then an early one
+            _flip(obj, at)
+            err = _expect_eio(c, path, 0, len(data))
+            assert f"offset {at - at % BLOCK}" in str(err)
+            _flip(obj, at)  # back: the file reads again
+            with c.open(path, "rb") as f:
+                assert f.pread(len(data), 0) == data
+        if short_circuit:
+            assert c.aio.local is not None and c.aio.local.stats["local_bytes"] > 0
+
+
 def test_aligned_network_read_of_a_flip_is_eio(client_toml, cluster_dir, workdir) -> None:
     """A read of whole blocks is sent from the file (sendfile) with their checksums:
     the reader verifies them, so a flipped byte is still EIO."""

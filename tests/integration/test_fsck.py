@@ -191,3 +191,49 @@ def test_no_metaserver_exits_2() -> None:
     r = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "fsck", "--meta",
                         "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "could not check" in r.stderr and "127.0.0.1:1" in r.stderr
+
+
+def test_the_block_map_tells_holes_cuts_and_losses_apart(private_cluster: Path) -> None:
+    """With block maps: a file extended by truncate and written in part has holes, not
+    losses; an object cut short is short by its map; an object gone while its map
+    remains is missing; one gone with its map is missing when the file's other objects
+    hold data written past it without holes (reads: tests/integration/test_checksums.py)."""
+    d = private_cluster
+    toml = cluster.up(d, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/d")
+        c.set_layout("/d", count=2, unit=UNIT)
+        with c.open("/d/ext", "wb") as f:  # extended by truncate, then written in part
+            f.truncate(8 * UNIT)
+            f.pwrite(os.urandom(UNIT // 2), 0)
+        c.write_file("/d/dense", os.urandom(6 * UNIT))
+        ext, dense = c.stat("/d/ext").st_ino, c.stat("/d/dense").st_ino
+    rc, rep = fsck(toml)
+    # ext's stripe 1 was never created (growing a file writes no object): the map of
+    # stripe 0 says nothing was written past it, so it is a possible hole, not counted
+    # (before block maps, stripe 0 being dense made it "missing")
+    hole = {("hole?", "/d/ext", 1)}
+    assert rc == 0 and kinds(rep) == hole, rep
+
+    obj = object_file(d, ext, 0)  # cut inside the data the map says was written
+    saved = obj.read_bytes()
+    os.truncate(obj, 1000)
+    rc, rep = fsck(toml)
+    # (verify finds the cut block too: "checksum")
+    assert rc == 1 and kinds(rep) - hole - {("checksum", "/d/ext", 0)} == {
+        ("short", "/d/ext", 0)}, rep
+    assert any("block map" in p["detail"] for p in rep["problems"] if p["kind"] == "short")
+    obj.write_bytes(saved)
+
+    obj = object_file(d, dense, 1)
+    saved = obj.read_bytes()
+    obj.unlink()  # the object file gone, its block map kept
+    rc, rep = fsck(toml)
+    assert rc == 1 and kinds(rep) - hole == {("missing", "/d/dense", 1)}, rep
+    assert any("block map" in p["detail"] for p in rep["problems"] if p["kind"] == "missing")
+
+    Path(f"{obj}.crc").unlink()
+    rc, rep = fsck(toml)  # gone with its map: the other stripe was written past it
+    assert rc == 1 and kinds(rep) - hole == {("missing", "/d/dense", 1)}, rep
+    assert any("written past it" in p["detail"] for p in rep["problems"])
+    obj.write_bytes(saved)  # back (without its map: now an unchecked object)

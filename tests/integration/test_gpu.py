@@ -145,6 +145,8 @@ def test_client_readinto_gpu_buffer_without_cuda(no_driver: None) -> None:
     class Handle:
         _check = FileHandle._check
         _read_chunk = FileHandle._read_chunk
+        _named = FileHandle._named
+        path = ""
         closed = False
         readable = True
         writable = False
@@ -265,6 +267,56 @@ def test_gpu_client_readinto(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_crc_kernel_matches_crc32c() -> None:
+    """The CRC32C kernel (pfs.core.gpu_crc) on a real device, against crc32c."""
+    cupy = _cupy()
+    import crc32c
+
+    from pfs.core import gpu_crc
+
+    data = bytearray(os.urandom(37 * gpu_crc.BLOCK))
+    data[5 * gpu_crc.BLOCK:6 * gpu_crc.BLOCK] = bytes(gpu_crc.BLOCK)
+    dev = cupy.asarray(memoryview(data), dtype=cupy.uint8)
+    hasher = gpu_crc.device_crc()
+    assert hasher is not None
+    got = hasher.blocks(dev.data.ptr, 37, dev)
+    assert got == [crc32c.crc32c(data[i:i + gpu_crc.BLOCK])
+                   for i in range(0, len(data), gpu_crc.BLOCK)]
+
+
+@pytest.mark.gpu
+def test_gpu_route_verifies_on_the_device(client_toml: Path, cluster_dir: Path,
+                                          workdir: str) -> None:
+    """A read of local objects into a CuPy array under the `load` profile: kvikio into
+    device memory, the CRC kernel verifies; a flipped byte is EIO naming the file."""
+    cupy = _cupy()
+    pytest.importorskip("kvikio")
+    import pfs
+    from pfs.core.config import ClientConfig, load
+
+    cfg = load(ClientConfig, client_toml)
+    cfg.short_circuit, cfg.profile = True, "load"
+    data = os.urandom((6 << 20) + 777)
+    with pfs.connect(config=cfg) as c:
+        c.set_layout(workdir, count=2, unit=1 << 20)
+        path = f"{workdir}/gv"
+        c.write_file(path, data)
+        with c.open(path, "rb") as f:
+            buf = cupy.empty(len(data) - 5, dtype=cupy.uint8)
+            assert f.preadinto(buf, 5) == len(data) - 5
+        assert cupy.asnumpy(buf).tobytes() == data[5:]
+        (obj,) = (cluster_dir / "data").glob(f"ds*/objects/*/{c.stat(path).st_ino}.0")
+        with open(obj, "r+b") as o:
+            o.seek(3 << 16)
+            b = o.read(1)
+            o.seek(3 << 16)
+            o.write(bytes([b[0] ^ 1]))
+        with c.open(path, "rb") as f, pytest.raises(OSError) as err:
+            f.readinto(cupy.empty(len(data), dtype=cupy.uint8))
+        assert err.value.errno == errno.EIO and path in str(err.value)
+
+
+@pytest.mark.gpu
 def test_gpu_loader_cuda(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -336,3 +388,159 @@ def test_loader_gds_plan_with_fake_kvikio(tmp_path: Path, monkeypatch: pytest.Mo
     part = trio.run(lambda: load(split={"a": 1}, rank=1, size=2))
     assert torch.equal(part["a"].view(torch.int16), torch.tensor_split(t["a"], 2, 1)[1]
                        .contiguous().view(torch.int16))
+
+
+# -- the direct route of local objects, verified (on a host-backed stand-in GPU) ----------
+class HostDeviceArray:
+    """A 'GPU buffer' in host memory: ``__cuda_array_interface__`` over a numpy array,
+    so the copies, kvikio and the CRC can be stood in for by host code."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.host = np.zeros(n, dtype=np.uint8)
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "version": 3,
+                                         "data": (self.host.ctypes.data, False)}
+
+    def bytes(self) -> bytes:
+        return self.host.tobytes()
+
+
+def _host(ptr: int, n: int) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_char * n).from_address(ptr)).cast("B")
+
+
+class HostCopies(device.Copies):
+    def h2d(self, dst_ptr: int, src: memoryview) -> None:
+        _host(dst_ptr, len(src))[:] = src
+
+    def d2h(self, dst: memoryview, src_ptr: int) -> None:
+        dst[:] = _host(src_ptr, len(dst))
+
+
+class FakeStager:
+    def __init__(self, size: int, device: int | None = None) -> None:
+        self.size, self.half = size, size // 2
+        self.view = memoryview(bytearray(size))
+
+    def copy(self, slot: int, dst_ptr: int, src_off: int, n: int) -> None:
+        _host(dst_ptr, n)[:] = self.view[src_off:src_off + n]
+
+    def wait(self, slot: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeKvikio:
+    reads = 0
+
+    class CuFile:
+        def __init__(self, path: str, flags: str) -> None:
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def pread(self, buf: Any, size: int, file_offset: int = 0,
+                  task_size: int | None = None) -> Any:  # kvikio's signature
+            FakeKvikio.reads += 1
+            cai = buf.__cuda_array_interface__
+            assert cai["shape"] == (size,)  # a view of just the bytes to read
+            ptr = cai["data"][0]
+            n = os.preadv(self.fd, [_host(ptr, size)], file_offset)
+
+            class Done:
+                def get(self) -> int:
+                    return n
+            return Done()
+
+        def close(self) -> None:
+            os.close(self.fd)
+
+
+class TwinCrc:
+    """The CRC kernel's algorithm (gpu_crc.crc_blocks_numpy) over 'device' memory."""
+
+    def blocks(self, ptr: int, nblocks: int, owner: Any = None) -> list[int]:
+        from pfs.core import gpu_crc
+
+        return gpu_crc.crc_blocks_numpy(_host(ptr, nblocks * gpu_crc.BLOCK))
+
+
+@pytest.fixture
+def host_gpu(driver: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pfs.core import gpu_crc
+
+    monkeypatch.setattr(device, "_copier", lambda: "cupy")
+    monkeypatch.setattr(device, "kvikio_module", lambda: FakeKvikio)
+    monkeypatch.setattr(device, "Copies", HostCopies)
+    monkeypatch.setattr(device, "DeviceStager", FakeStager)
+    monkeypatch.setattr(gpu_crc, "device_crc", lambda: None)  # no CuPy: bounce buffer
+
+
+@pytest.mark.parametrize("hasher", ["bounce", "kernel-twin"])
+def test_gpu_route_reads_local_objects_verified(host_gpu: None, client_toml: Path,
+                                                cluster_dir: Path, workdir: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture,
+                                                hasher: str) -> None:
+    """kvikio reads local objects straight into 'device' memory and the blocks are
+    verified there (the CRC kernel's algorithm, or a host bounce buffer without CuPy):
+    the right bytes, holes as zeros, and a flipped byte is EIO naming the file."""
+    import random
+
+    import pfs
+    from pfs.core import gpu_crc
+    from pfs.core.config import ClientConfig, load
+
+    if hasher == "kernel-twin":
+        monkeypatch.setattr(gpu_crc, "device_crc", TwinCrc)
+    cfg = load(ClientConfig, client_toml)
+    cfg.short_circuit, cfg.profile = True, "load"
+    block = 64 << 10
+    with pfs.connect(config=cfg) as c:
+        c.set_layout(workdir, count=2, unit=4 * block)
+        path = f"{workdir}/g"
+        data = bytearray(random.Random(7).randbytes(20 * block + 321))
+        with c.open(path, "wb") as f:
+            f.pwrite(data[:9 * block], 0)
+            f.pwrite(data[10 * block:], 10 * block)  # block 9 of the file: a hole
+        data[9 * block:10 * block] = bytes(block)
+        before = FakeKvikio.reads
+        with c.open(path, "rb") as f:
+            buf = HostDeviceArray(len(data) - 1000)
+            assert f.readinto(buf) == len(buf.host)
+            assert buf.bytes() == data[:len(buf.host)]
+            buf = HostDeviceArray(len(data))
+            assert f.preadinto(buf, 1000) == len(data) - 1000
+            assert buf.bytes()[:len(data) - 1000] == data[1000:]
+        assert FakeKvikio.reads > before  # the direct route, not staging
+        ino = c.stat(path).st_ino
+        (obj,) = (cluster_dir / "data").glob(f"ds*/objects/*/{ino}.1")
+        with open(obj, "r+b") as o:  # stripe 1's object offset block + 5: a whole block
+            o.seek(block + 5)
+            b = o.read(1)
+            o.seek(block + 5)
+            o.write(bytes([b[0] ^ 1]))
+        with c.open(path, "rb") as f, pytest.raises(OSError) as err:
+            f.readinto(HostDeviceArray(len(data)))
+        assert err.value.errno == errno.EIO and path in str(err.value)
+        assert "checksum mismatch (verified on the GPU route)" in caplog.text
+        # a file grown by truncate: past its objects' ends, zeros (holes), on the route
+        ext = f"{workdir}/ext"
+        with c.open(ext, "wb") as f:
+            f.write(data[:2 * block])
+            f.truncate(12 * block)
+        with c.open(ext, "rb") as f:
+            buf = HostDeviceArray(12 * block)
+            buf.host[:] = 0xEE
+            assert f.readinto(buf) == 12 * block
+        assert buf.bytes() == data[:2 * block] + bytes(10 * block)
+        # an object cut short where its block map says data was written: EIO
+        (obj0,) = (cluster_dir / "data").glob(f"ds*/objects/*/{ino}.0")
+        os.truncate(obj0, block + 10)
+        caplog.clear()
+        with c.open(path, "rb") as f, pytest.raises(OSError) as err:
+            f.readinto(HostDeviceArray(8 * block))
+        assert err.value.errno == errno.EIO and "short object" in caplog.text

@@ -184,3 +184,41 @@ def test_reads_inside_one_block_keep_holes_and_ends(tmp_path: Path) -> None:
     os.ftruncate(fd, BLOCK - 5)  # written past the object's end: short, never zeros
     with pytest.raises(ck.ChecksumError, match="short object"):
         ck.read_verified((1, 0), fd, cfd, BLOCK - 20, [memoryview(bytearray(10))])
+
+
+def test_a_reply_is_verified_in_parts() -> None:
+    """Parts of a reply (what worker threads check) cover it exactly; a bad block is
+    found by the part holding it, single buffer or scattered."""
+    data = bytearray(os.urandom(6 * BLOCK))
+    off = BLOCK
+    reply = data[off:]
+    crcs = [ck.crc_padded(bytes(data[b * BLOCK:(b + 1) * BLOCK])) for b in range(1, 6)]
+    reply[3 * BLOCK + 1] ^= 1  # block 4 of the object, index 3 of the reply's
+    for into in (reply, _views(reply, [BLOCK // 2, 2 * BLOCK + 3])):
+        ck.verify_reply((3, 1), off, len(reply), into, crcs, range(0, 3))
+        ck.verify_reply((3, 1), off, len(reply), into, crcs, range(4, 5))
+        with pytest.raises(ck.ChecksumError) as ei:
+            ck.verify_reply((3, 1), off, len(reply), into, crcs, range(3, 5))
+        assert ei.value.off == 4 * BLOCK
+
+
+def test_a_verified_read_in_steps_checks_each_once(tmp_path: Path) -> None:
+    """VerifiedRead.verify_mid (a driver's steps) then finish(): the same bytes as one
+    read; a flip in a step already verified is not missed, one later is found."""
+    data = os.urandom(8 * BLOCK + 10)
+    fd, cfd = _object(tmp_path, data, holes=(5,))
+    want = data[:5 * BLOCK] + bytes(BLOCK) + data[6 * BLOCK:]
+    buf = bytearray(len(data) - 30)
+    vr = ck.VerifiedRead((1, 0), fd, cfd, 30, _views(buf, [BLOCK + 7]))
+    vr.got = os.preadv(fd, vr.direct, vr.direct_off)
+    vr.verify_mid(0, 3)
+    vr.verify_mid(3, 5)
+    assert vr.checked == 5
+    assert sum(vr.finish()) == len(buf) and bytes(buf) == want[30:]
+    os.pwrite(fd, b"\x00" if data[7 * BLOCK] else b"\x01", 7 * BLOCK)
+    vr = ck.VerifiedRead((1, 0), fd, cfd, 30, [memoryview(bytearray(len(buf)))])
+    vr.got = os.preadv(fd, vr.direct, vr.direct_off)
+    vr.verify_mid(0, 4)
+    with pytest.raises(ck.ChecksumError) as ei:
+        vr.finish()
+    assert ei.value.off == 7 * BLOCK

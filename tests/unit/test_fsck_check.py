@@ -76,6 +76,45 @@ def test_an_empty_or_unplaced_file_expects_nothing() -> None:
     assert classify(FileRec(6, 100, None), {}, set())[0] == []
 
 
+def mapped(ino: int, stripe: int, size: int, written: int, holes: int = 0) -> ObjRec:
+    """An object with a block map (allocation does not matter then)."""
+    return ObjRec(ino, stripe, size, 0, written, holes)
+
+
+def test_the_block_map_tells_a_cut_from_a_hole() -> None:
+    f = FileRec(5, 4 * U, LAYOUT)
+    # stripe 0 grown by truncate past its data: a hole, even though it looks sparse
+    ok = {"a": {0: mapped(5, 0, 2 * U, U // 2)}, "b": {1: mapped(5, 1, 2 * U, 2 * U)}}
+    assert classify(f, ok, set())[0] == []
+    cut = {"a": {0: mapped(5, 0, 1000, U // 2)}, "b": {1: mapped(5, 1, 2 * U, 2 * U)}}
+    problems, _ = classify(f, cut, set())
+    assert kinds(problems) == [("short", 5, 0, "a")]
+    assert "block map says data was written up to 32768" in problems[0].detail
+
+
+def test_an_object_gone_with_or_without_its_block_map() -> None:
+    f = FileRec(5, 4 * U, LAYOUT)
+    lost = ObjRec(5, 1, -1, 0, 2 * U, 0)  # the file gone, the map kept
+    problems, ref = classify(f, {"a": {0: mapped(5, 0, 2 * U, 2 * U)}, "b": {1: lost}}, set())
+    assert kinds(problems) == [("missing", 5, 1, "b")] and len(ref) == 1  # not verified
+    # gone with its map: stripe 0 holds data past stripe 1's start, without holes
+    problems, _ = classify(f, {"a": {0: mapped(5, 0, 2 * U, 2 * U)}}, set())
+    assert kinds(problems) == [("missing", 5, 1, "b")]
+    assert "written past it" in problems[0].detail
+    # ... but not when nothing was written past it, or the file has holes
+    for obj in (mapped(5, 0, 2 * U, U), mapped(5, 0, 2 * U, 2 * U, holes=1)):
+        problems, _ = classify(f, {"a": {0: obj}}, set())
+        assert kinds(problems) == [("hole?", 5, 1, "b")]
+    # a stripe gone with its map whose replica kept its map: lost
+    layout = {"unit": U, "count": 1, "replicas": 2, "servers": [["a", "b"]]}
+    problems, _ = classify(FileRec(7, U, layout), {"a": {0: ObjRec(7, 0, -1, 0, U)}}, set())
+    assert kinds(problems) == [("missing", 7, 0, "a"), ("missing", 7, 0, "b")]
+    # a block map left of an object no file places there: an orphan, said so
+    problems, _ = classify(FileRec(7, U, layout), {"c": {0: ObjRec(7, 0, -1, 0, U)}}, set())
+    assert [p.detail.split(";")[0] for p in problems if p.kind == "orphan"] == [
+        "only a block map (the object file is gone)"]
+
+
 async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
     for x in items:
         yield x

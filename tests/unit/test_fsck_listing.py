@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pfs.core.config import LayoutDefaults
+from pfs.dataserver import checksums as dck
 from pfs.dataserver.objects import ObjectStore
 from pfs.metaserver.namespace import ROOT, Namespace
 from pfs.metaserver.store import LmdbStore, MemoryStore
@@ -69,16 +70,18 @@ def test_list_objects_in_id_order_a_page_at_a_time(tmp_path: Path) -> None:
     try:
         ids = [(ino, stripe) for ino in (3, 12, 7, 100) for stripe in (1, 0)]
         for obj in ids:
-            got = store.acquire(obj, create=True)
+            got = store.acquire_checked(obj, create=True)
             assert got is not None
-            fd, release = got
+            fd, cfd, release = got
+            assert cfd is not None
             os.pwrite(fd, b"x", 8191)  # one byte at the end: a sparse object
+            dck.update(fd, cfd, 8191, memoryview(b"x"))  # and its block map, as a write
             release()
         # names that are not objects are skipped (whatever else lives beside them)
         fan = next(p for p in (tmp_path / "a" / "objects").iterdir() if p.is_dir())
         (fan / "12.0.tmp").write_bytes(b"")
         (fan / "notes").write_bytes(b"")
-        listed: list[tuple[int, int, int, int]] = []
+        listed: list[tuple[int, int, int, int, int, int]] = []
         after: tuple[int, int] | None = None
         while True:
             page, end = store.list_objects(after, 3)
@@ -87,6 +90,13 @@ def test_list_objects_in_id_order_a_page_at_a_time(tmp_path: Path) -> None:
                 break
             after = page[-1][:2]
         assert [o[:2] for o in listed] == sorted(ids)
-        assert all(size == 8192 and alloc < size for _i, _s, size, alloc in listed)
+        assert all(o[2] == 8192 and o[3] < o[2] for o in listed)
+        # the block map's summary: written up to the byte at 8191, no hole before it
+        assert all(o[4:] == (8192, 0) for o in listed)
+        # an object whose file is gone but whose block map remains is listed, size -1
+        lost = store.path((7, 1))
+        os.unlink(lost)
+        page, _end = store.list_objects((7, 0), 1)
+        assert page == [(7, 1, -1, 0, 8192, 0)]
     finally:
         store.close()

@@ -169,8 +169,11 @@ def _after() -> Any:
 
 
 class ListObjectsReply(ReplyMessage):
-    objects: list[Any] = List(doc="[[ino, stripe, size, allocated], ...] in object id "
-                                  "order (`allocated`: bytes of disk the file holds)")
+    objects: list[Any] = List(doc="[[ino, stripe, size, allocated, written, holes], ...] "
+                                  "in object id order (`allocated`: bytes of disk the "
+                                  "file holds; `written`, `holes`: its block map's data "
+                                  "end and unwritten blocks before it, -1: no map; size "
+                                  "-1: the object is gone, its block map remains)")
     end: bool = Bool(doc="bool, no object after these")
 
 

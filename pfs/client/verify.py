@@ -1,0 +1,83 @@
+"""Checked reads off the event loop: large verifications on worker threads.
+
+CRC32C (the ``crc32c`` package) releases the GIL for each 64 KiB block, so a block hashed
+on a worker thread runs beside the trio thread, which meanwhile receives the next reply or
+submits the next read. Verifying a large reply inline instead stalls every other transfer
+of the client for as long as the hash takes (~100 µs per MiB): that was most of the
+checksum cost of large reads.
+
+- :func:`verify_read`: a network reply's whole blocks, in parts of :data:`PART` bytes on
+  threads when the reply is large (small replies inline: a thread hop costs more).
+- :func:`read_local`: a short-circuit read of whole blocks in steps of :data:`STEP`
+  bytes, each step verified on a thread while the engine reads the next.
+
+Nothing is returned as success before its bytes are verified: a failure raises
+``ChecksumError`` (EIO), and on the short-circuit route the bad bytes are zeroed first.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import trio
+
+from pfs.client.data import run_all
+from pfs.core.checksums import BLOCK, VerifiedRead, slice_views, verify_reply
+
+THREAD_MIN = 1 << 20  # smaller replies are verified inline
+PART = 4 << 20  # bytes of one verification job on a worker thread
+STEP = 4 << 20  # bytes of one short-circuit read step
+
+
+async def verify_read(msg: Any, n: int, into: Any, crcs: list[int]) -> None:
+    """Verify the reply of read request ``msg`` (``n`` bytes received into ``into``)
+    against ``crcs``: ChecksumError (EIO) on a mismatch."""
+    obj = tuple(msg.obj)
+    if n < THREAD_MIN:
+        verify_reply(obj, msg.off, n, into, crcs)
+        return
+    verify_reply(obj, msg.off, n, into, crcs, range(0))  # the count of checksums
+    per = PART // BLOCK
+    jobs: list[Any] = [partial(trio.to_thread.run_sync, verify_reply, obj, msg.off, n, into, crcs,
+                               range(i, min(i + per, len(crcs))))
+                       for i in range(0, len(crcs), per)]
+    await run_all(jobs)
+
+
+async def read_local(engine: Any, fd: int, vr: VerifiedRead) -> None:
+    """Read ``vr.direct`` (whole blocks of object ``fd``) with ``engine`` in steps,
+    verifying each step on a worker thread while the next is read; sets ``vr.got``.
+    The edge blocks and anything left are :meth:`VerifiedRead.finish`'s."""
+    from pfs.core.engine import Op
+
+    nblk = len(vr.mid)
+    per = STEP // BLOCK
+    vr.records()  # the block map in one read, before the steps use it
+    pending: tuple[int, int] | None = None
+    got = 0
+    for lo in range(0, nblk, per):
+        hi = min(lo + per, nblk)
+        ops, off = [], vr.direct_off + lo * BLOCK
+        for d in slice_views(vr.direct, lo * BLOCK, hi * BLOCK):
+            ops.append(Op(fd, off, len(d), d))
+            off += len(d)
+        step = [0]
+
+        async def read_step(ops: list[Any] = ops, step: list[int] = step) -> None:
+            step[0] = sum(await engine.submit(ops))
+
+        jobs: list[Any] = [read_step]
+        if pending is not None:
+            jobs.append(partial(trio.to_thread.run_sync, vr.verify_mid, *pending))
+        await run_all(jobs)
+        got += step[0]
+        if step[0] < (hi - lo) * BLOCK:  # the object shrank: finish() says so
+            pending = None
+            break
+        pending = (lo, hi)
+    if pending is not None:
+        if pending[1] - pending[0] >= THREAD_MIN // BLOCK:
+            await trio.to_thread.run_sync(vr.verify_mid, *pending)
+        else:
+            vr.verify_mid(*pending)
+    vr.got = got
