@@ -13,8 +13,9 @@ by ``hedge_max`` (a server that never answered yet, or has stalled for good, cos
 most that much before the next replica is asked).
 
 **Penalties**: a server that lost a hedge, timed out or refused is tried after the other
-replicas for ``penalty`` seconds, so one stalled server costs one deadline per penalty
-period, not one per read.
+replicas for ``penalty`` seconds, doubled at each failure in a row up to
+``MAX_PENALTY`` (an answer resets it), so a stalled server costs one deadline per
+penalty period, not one per read, and ever fewer while it stays stalled.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 # size classes: the largest request each covers
 CLASSES = (64 << 10, 1 << 20)
+MAX_PENALTY = 60.0  # seconds: the longest a failing server is read last
 
 
 def size_class(nbytes: int) -> int:
@@ -63,6 +65,7 @@ class Health:
         self.clock = clock
         self._est: dict[tuple[str, int], Estimate] = {}
         self._penalised: dict[str, float] = {}  # sid -> clock() until which it goes last
+        self._strikes: dict[str, int] = {}  # failures in a row
         self._reported: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -71,6 +74,7 @@ class Health:
         """A read of ``nbytes`` from ``sid`` answered in ``seconds``."""
         key = (sid, size_class(nbytes))
         with self._lock:
+            self._strikes.pop(sid, None)
             est = self._est.get(key)
             if est is None:
                 self._est[key] = Estimate(seconds, seconds / 2)
@@ -80,7 +84,10 @@ class Health:
     def failed(self, sid: str) -> None:
         """``sid`` stalled (lost a hedge, timed out) or refused: try it last for a while."""
         with self._lock:
-            self._penalised[sid] = self.clock() + self.penalty
+            n = self._strikes.get(sid, 0)
+            self._strikes[sid] = n + 1
+            self._penalised[sid] = self.clock() + min(self.penalty * 2 ** min(n, 16),
+                                                      MAX_PENALTY)
 
     def report_due(self, sid: str) -> bool:
         """Whether a refusal by ``sid`` should be reported to the metaserver now (at
@@ -102,6 +109,11 @@ class Health:
             est = self._est.get((sid, size_class(nbytes)))
             d = self.hedge_max if est is None else est.deadline
         return min(max(d, self.hedge_min), self.hedge_max)
+
+    def penalised(self, sid: str) -> bool:
+        """Whether ``sid`` failed lately (still in its penalty)."""
+        until = self._penalised.get(sid)
+        return until is not None and until > self.clock()
 
     def order(self, replicas: Sequence[str]) -> Sequence[str]:
         """``replicas`` with the penalised ones last (in their order), as given when none

@@ -120,8 +120,9 @@ class Report:
     errno: int
 
 
-# what a client reports: the server is not there at all (a hang is the lease's)
-REPORT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH})
+# what a client reports: the server is not there at all, or its process went (a reset);
+# a hang is the lease's
+REPORT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH})
 
 
 @dataclass(slots=True)

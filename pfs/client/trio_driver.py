@@ -48,6 +48,10 @@ if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# seconds a local data server has to hand over a descriptor (an open and a sendmsg)
+# before the read goes over the network instead
+LOCAL_FD_TIMEOUT = 1.0
+
 
 def spare_like(into: Any) -> Any:
     """A buffer (or list of buffers) of the same shape as ``into``, for a hedged read."""
@@ -164,6 +168,26 @@ class TrioDriver:
                 self.health.failed(h.first.sid)  # lost a race: asked last for a while
         return value, None
 
+    async def _local_fd(self, effect: LocalFd) -> int | None:
+        """A descriptor from a local server, within LOCAL_FD_TIMEOUT: a hung local
+        server (asked over a Unix socket, with no timeout of its own) must not stall the
+        read, which then goes over the network, hedged. Servers that failed lately are
+        not asked. A timeout penalises nobody: which replica hung is not known here, and
+        the network read's hedge finds out."""
+        health = self.health
+        if health is None:
+            return await effect.local.fd(effect.replicas, effect.ino, effect.stripe,  # type: ignore[no-any-return]
+                                         effect.cap)
+        replicas = tuple(s for s in effect.replicas if not health.penalised(s))
+        if not replicas:
+            return None
+        with trio.move_on_after(LOCAL_FD_TIMEOUT):
+            return await effect.local.fd(replicas, effect.ino, effect.stripe,  # type: ignore[no-any-return]
+                                         effect.cap)
+        log.info("no descriptor from local data server(s) %s in %g s: reading over the "
+                 "network", ", ".join(replicas), LOCAL_FD_TIMEOUT)
+        return None
+
     def _report(self, effect: Report) -> None:
         if self.meta is None or self._nursery is None or \
                 (self.health is not None and not self.health.report_due(effect.sid)):
@@ -198,7 +222,7 @@ class TrioDriver:
         if isinstance(effect, LocalRead):
             return await effect.local.read(effect.fd, effect.obj_off, effect.dests)
         if isinstance(effect, LocalFd):
-            return await effect.local.fd(effect.replicas, effect.ino, effect.stripe, effect.cap)
+            return await self._local_fd(effect)
         if isinstance(effect, Renew):
             await effect.owner.renew()
             return effect.owner.cap

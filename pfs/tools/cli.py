@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pfs.tools import admin_servers
+
 log = logging.getLogger(__name__)
 
 COPY_CHUNK = 32 << 20
@@ -218,7 +220,7 @@ def cmd_df(args: argparse.Namespace) -> None:
     print(f"{'server / directory':<40} {'size':>11} {'used':>11} {'avail':>11} {'use%':>5}  "
           "state")
     for sid, srv in sorted(servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"])):
-        state = "DOWN" if not srv["alive"] else "FULL" if srv.get("full") else "up"
+        state = admin_servers.state_of(srv)
         print(_df_row(f"{sid[:8]} {srv['host']}:{srv['port']}", srv["total"], srv["free"],
                       state))
         dirs = srv.get("dirs") or []
@@ -499,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
+    admin_servers.add_commands(adm, _client)  # servers, drain, undrain
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")

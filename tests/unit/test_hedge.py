@@ -166,6 +166,15 @@ def test_a_server_that_failed_lately_is_read_last() -> None:
     clock.now += 6  # the penalty is over
     eff = _reader(h)[0].send(None)
     assert isinstance(eff, Hedge) and eff.first.sid == "s0r0"
+    h.failed("s0r0")  # again: twice as long
+    clock.now += 6
+    assert h.penalised("s0r0")
+    clock.now += 5
+    assert not h.penalised("s0r0")
+    h.observe("s0r0", 100, 0.01)  # an answer: the next failure starts over
+    h.failed("s0r0")
+    clock.now += 5.5
+    assert not h.penalised("s0r0")
 
 
 def test_without_health_reads_are_plain_sends_in_order() -> None:
