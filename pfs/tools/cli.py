@@ -221,6 +221,7 @@ def cmd_df(args: argparse.Namespace) -> None:
           "state")
     for sid, srv in sorted(servers.items(), key=lambda kv: (kv[1]["host"], kv[1]["port"])):
         state = admin_servers.state_of(srv)
+        state = state if state == "up" else state.upper()  # what is wrong stands out
         print(_df_row(f"{sid[:8]} {srv['host']}:{srv['port']}", srv["total"], srv["free"],
                       state))
         dirs = srv.get("dirs") or []

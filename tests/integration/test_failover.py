@@ -178,7 +178,7 @@ def test_a_drained_server_gets_no_new_stripes_across_a_metaserver_restart(
     listing = _pfs("admin", "servers", "--config", str(toml))
     assert listing.returncode == 0 and "draining" in listing.stdout, listing
     df = _pfs("df", "--config", str(toml))
-    assert "draining" in df.stdout, df.stdout
+    assert "DRAINING" in df.stdout, df.stdout
     with pfs.connect(config=toml) as c:
         assert _servers(c)[sid]["draining"]
         _new_files_avoid(c, "/d", sid)
