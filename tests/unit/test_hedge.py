@@ -4,6 +4,7 @@ metaserver's probe of a reported server (metaserver/detector.py)."""
 from __future__ import annotations
 
 import errno
+import math
 from typing import Any
 
 import pytest
@@ -297,3 +298,70 @@ def test_a_report_is_checked_by_a_probe_before_anything_changes(outcome: str,
 
     trio.run(main)
     assert probes == [("h1", 1)]
+
+
+# ---------------------------------------------------------------------- the trio driver
+class SlowServers:
+    """A DataClient stand-in: each server answers a read after its delay, filling the
+    buffer with its own byte; ``None``: never (a stopped process)."""
+
+    def __init__(self, delays: dict[str, float | None]) -> None:
+        self.delays = delays
+        self.sent: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None) -> Any:
+        from pfs.core.wire.rpc import Result
+
+        self.sent.append(sid)
+        delay = self.delays[sid]
+        try:
+            await trio.sleep(math.inf if delay is None else delay)
+        except trio.Cancelled:
+            self.cancelled.append(sid)
+            raise
+        into[:] = sid[-1].encode() * len(into)
+        return Result({"n": len(into)}, None, len(into))
+
+
+def _drive(delays: dict[str, float | None], health: Health) -> tuple[bytes, SlowServers, float]:
+    from pfs.client.trio_driver import TrioDriver
+
+    servers = SlowServers(delays)
+    driver = TrioDriver(servers, health=health)  # type: ignore[arg-type]
+    buf = bytearray(64)
+    lay = Layout(UNIT, 1, 2, (("sa", "sb"),))
+
+    async def main() -> float:
+        t0 = trio.current_time()
+        await driver.run(plan.read(None, INO, lay, 0, memoryview(buf), b"c", health=health))
+        return trio.current_time() - t0
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return bytes(buf), servers, elapsed
+
+
+def test_the_trio_driver_takes_the_second_replica_when_the_first_is_stopped() -> None:
+    h = Health(hedge_min=0.1, hedge_max=2.0)
+    got, servers, elapsed = _drive({"sa": None, "sb": 0.01}, h)
+    assert got == b"b" * 64  # copied over from the spare buffer
+    assert 2.0 <= elapsed < 2.1  # no estimate of sa yet: hedge_max
+    assert sorted(servers.sent) == ["sa", "sa", "sb"] and servers.cancelled == ["sa", "sa"]
+    assert h.penalised("sa") and not h.penalised("sb")
+    # the next read asks sb first: no deadline to wait
+    got, servers, elapsed = _drive({"sa": None, "sb": 0.01}, h)
+    assert got == b"b" * 64 and elapsed < 0.1 and servers.sent == ["sb"]
+
+
+def test_a_first_replica_that_answers_in_time_is_all_it_takes() -> None:
+    h = Health(hedge_min=0.1, hedge_max=2.0)
+    got, servers, elapsed = _drive({"sa": 0.05, "sb": 0.01}, h)
+    assert got == b"a" * 64 and servers.sent == ["sa"] and elapsed < 0.1
+    assert h.deadline("sa", 64) == 0.1  # measured: 0.05 s, 4 * 0.025 deviation, bounded
+
+
+def test_a_slow_first_replica_still_wins_the_race_when_it_answers_first() -> None:
+    h = Health(hedge_min=0.1, hedge_max=0.2)
+    got, servers, _ = _drive({"sa": 0.3, "sb": 5.0}, h)
+    assert got == b"a" * 64 and sorted(servers.cancelled) == ["sa", "sb"]
+    assert not h.penalised("sa")
