@@ -130,7 +130,7 @@ class BlockingDriver:
                     continue
             if timed:
                 assert self.health is not None
-                self.health.observe(effect.sid, n, time.monotonic() - t0)
+                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
             return n
 
     def _hedge(self, effect: Hedge) -> tuple[int, None]:

@@ -123,7 +123,8 @@ class TrioDriver:
                     continue
             if timed:
                 assert self.health is not None
-                self.health.observe(effect.sid, r.nbytes, time.monotonic() - t0)
+                # by the size asked (a hole's short reply is no smaller request)
+                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
             return r.nbytes
 
     async def _hedge(self, h: Hedge) -> tuple[Any, list[OSError | None] | None]:
