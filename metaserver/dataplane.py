@@ -39,6 +39,9 @@ class DataPlane:
         self._nursery: trio.Nursery | None = None  # where the connections' readers run
         self._clients: dict[str, RpcClient] = {}
         self._connecting: dict[str, trio.Lock] = {}
+        # told when a connection to a server is refused (the metaserver's failure
+        # detection: a refusal it saw itself needs no probe)
+        self.on_refused: Callable[[str], None] = lambda sid: None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -69,10 +72,19 @@ class DataPlane:
             if addr is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
             assert self._nursery is not None, "DataPlane.run is not running"
-            client = await open_rpc(self._auth, self._nursery, addr[0], addr[1],
-                                    limits=self._limits, timeout=DATA_TIMEOUT)
+            try:
+                client = await self.open(self._nursery, *addr)
+            except OSError as exc:
+                if exc.errno == errno.ECONNREFUSED:
+                    self.on_refused(sid)
+                raise
             self._clients[sid] = client
             return client
+
+    async def open(self, nursery: trio.Nursery, host: str, port: int) -> RpcClient:
+        """A new authenticated connection to a data server (its reader in ``nursery``)."""
+        return await open_rpc(self._auth, nursery, host, port, limits=self._limits,
+                              timeout=DATA_TIMEOUT)
 
     async def call_servers(self, calls: Calls) -> dict[str, OSError]:
         """Run each server's calls in order, servers in parallel; errors by server."""

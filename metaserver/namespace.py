@@ -1119,8 +1119,24 @@ class Namespace:
     @staticmethod
     def register_server(txn: Txn, sid: str, host: str, port: int, total: int,
                         free: int) -> None:
-        txn.put(K.server(sid), pack({"host": host, "port": port, "total": total,
-                                     "free": free}))
+        rec = {"host": host, "port": port, "total": total, "free": free}
+        old = txn.get(K.server(sid))
+        if old is not None and unpack(old).get("draining"):
+            rec["draining"] = True  # the operator's, kept across registrations
+        txn.put(K.server(sid), pack(rec))
+
+    @staticmethod
+    def set_draining(txn: Txn, sid: str, on: bool) -> None:
+        """Mark server ``sid`` draining (placement skips it) or not; ENOENT if unknown."""
+        raw = txn.get(K.server(sid))
+        if raw is None:
+            raise _err(errno.ENOENT, f"unknown data server {sid!r}")
+        rec = unpack(raw)
+        if on:
+            rec["draining"] = True
+        else:
+            rec.pop("draining", None)
+        txn.put(K.server(sid), pack(rec))
 
     def list_servers(self, txn: Txn) -> dict[str, dict[str, Any]]:
         return {k[1:].decode("utf-8"): unpack(v) for k, v in self._scan(txn, K.SERVER)}

@@ -1,7 +1,18 @@
 """The data servers the metaserver knows are up: what each registered or last reported
-(address, total and free bytes, each data directory and its filesystem) and when. A
-server silent for ``timeout`` seconds counts as down: placement skips it, ``statfs``
-leaves its space out, nothing is sent to it.
+(address, total and free bytes, each data directory and its filesystem) and when, and
+the state of each (docs/architecture.md, "Failure detection").
+
+**Leases.** Each heartbeat renews a server's lease for ``lease`` seconds (data servers
+heartbeat every second by default, the lease is 5 s). A server whose lease ran out is
+*down*: placement skips it, ``statfs`` leaves its space out, nothing is sent to it. One
+whose connection was refused (a client reports it, the metaserver checks with a probe of
+its own, or the metaserver's own call was refused) is down at once, until its next
+heartbeat or registration. One silent for ``suspect_after`` seconds, or that did not
+answer a probe in time, is *suspect*: shown, still placed (a busy host's heartbeat can be
+late), down when its lease runs out.
+
+**Draining** is the operator's (``pfs admin drain``), durable in the namespace's server
+record; here it is a flag placement reads.
 
 Capacity is counted per filesystem, once (``lfs df``): data servers on one host whose
 directories share a disk report the same filesystem identity. A server that reports no
@@ -19,6 +30,7 @@ the namespace's placement during a commit, hence the lock.
 """
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +48,27 @@ class LiveServer:
     free: int
     seen: float  # clock() of the last register/heartbeat
     dirs: list[Volume]
+    refused: float | None = None  # clock() when its connection was refused (down)
+    unanswered: float | None = None  # clock() when a probe got no answer (suspect)
+    domain: str = ""  # failure domain: the host it registered from, unless it said
+
+
+class State(enum.Enum):
+    """What ``pfs df`` and ``pfs admin servers`` show of a server."""
+
+    UP = "up"
+    SUSPECT = "suspect"  # heartbeat late, or a probe unanswered: still placed
+    DOWN = "down"  # lease expired, or connection refused
+    DRAINING = "draining"  # alive; placement skips it (the operator's)
+    FULL = "full"  # alive; a directory is under the reserve
+
+
+@dataclass(frozen=True, slots=True)
+class Placeable:
+    """A server placement may choose: alive, not full, not draining."""
+
+    free: int  # bytes free (what placement weighs by)
+    domain: str  # failure domain (replicas of a stripe go to distinct ones)
 
 
 def _volumes(sid: str, total: int, free: int, dirs: list[Volume] | None) -> list[Volume]:
@@ -74,57 +107,128 @@ class Reserve:
 
 
 class Registry:
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic,
-                 reserve: Reserve | None = None) -> None:
-        self._timeout = timeout
+    """Liveness and space of the data servers. ``lease``: seconds a heartbeat keeps a
+    server alive (``MetaConfig.heartbeat_timeout``); ``suspect_after``: seconds of
+    silence before it is shown suspect."""
+
+    def __init__(self, lease: float, clock: Callable[[], float] = time.monotonic,
+                 reserve: Reserve | None = None, *, suspect_after: float | None = None
+                 ) -> None:
+        self._lease = lease
+        self._suspect_after = lease / 2 if suspect_after is None else suspect_after
         self._clock = clock
         self._reserve = reserve or Reserve()
         self._lock = threading.Lock()
         self._live: dict[str, LiveServer] = {}
+        self._draining: set[str] = set()
 
-    def _alive_since(self) -> float:
-        return self._clock() - self._timeout
+    def _alive(self, s: LiveServer, now: float) -> bool:
+        return s.refused is None and s.seen >= now - self._lease
 
     def register(self, sid: str, host: str, port: int, total: int, free: int,
-                 dirs: list[Volume] | None = None) -> None:
+                 dirs: list[Volume] | None = None, domain: str = "") -> None:
         """``sid`` is up at ``host:port`` (a registration, or a heartbeat from a server
-        registered before this metaserver started)."""
+        registered before this metaserver started); ``domain``: its failure domain
+        (default: its host)."""
         vols = _volumes(sid, total, free, dirs)
         with self._lock:
-            self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols)
+            self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols,
+                                         domain=domain or host)
 
     def heartbeat(self, sid: str, total: int, free: int,
                   dirs: list[Volume] | None = None) -> bool:
-        """``sid`` is still up; False when it has not registered since this start."""
+        """``sid`` is still up (its lease renewed; a refusal or unanswered probe
+        before is forgotten); False when it has not registered since this start."""
         vols = _volumes(sid, total, free, dirs)
         with self._lock:
             live = self._live.get(sid)
             if live is None:
                 return False
             live.total, live.free, live.seen, live.dirs = total, free, self._clock(), vols
+            live.refused = live.unanswered = None
             return True
+
+    def refused(self, sid: str) -> bool:
+        """A connection to ``sid`` was refused (checked by the caller): down now, until
+        its next heartbeat. True when that changed its state."""
+        with self._lock:
+            live = self._live.get(sid)
+            if live is None or live.refused is not None:
+                return False
+            live.refused = self._clock()
+            return True
+
+    def unanswered(self, sid: str) -> None:
+        """A probe of ``sid`` connected but got no answer in time: suspect."""
+        with self._lock:
+            live = self._live.get(sid)
+            if live is not None and live.unanswered is None:
+                live.unanswered = self._clock()
+
+    def set_draining(self, sids: set[str]) -> None:
+        """The servers being drained (from their durable records)."""
+        with self._lock:
+            self._draining = set(sids)
+
+    def draining(self, sid: str, on: bool) -> None:
+        with self._lock:
+            if on:
+                self._draining.add(sid)
+            else:
+                self._draining.discard(sid)
+
+    def state(self, sid: str) -> State:
+        now = self._clock()
+        with self._lock:
+            s = self._live.get(sid)
+            return State.DOWN if s is None else self._state(sid, s, now)
+
+    def _state(self, sid: str, s: LiveServer, now: float) -> State:
+        if not self._alive(s, now):
+            return State.DOWN
+        if sid in self._draining:
+            return State.DRAINING
+        if self._reserve.full(s.dirs):
+            return State.FULL
+        if s.unanswered is not None or s.seen < now - self._suspect_after:
+            return State.SUSPECT
+        return State.UP
 
     def address(self, sid: str) -> tuple[str, int] | None:
         """Where ``sid`` listens; None when it is down or unknown."""
+        now = self._clock()
         with self._lock:
             s = self._live.get(sid)
-        if s is None or s.seen < self._alive_since():
-            return None
-        return s.host, s.port
+            if s is None or not self._alive(s, now):
+                return None
+            return s.host, s.port
+
+    def known_address(self, sid: str) -> tuple[str, int] | None:
+        """Where ``sid`` last registered, up or down (what a probe connects to)."""
+        with self._lock:
+            s = self._live.get(sid)
+            return None if s is None else (s.host, s.port)
+
+    def placeable(self) -> dict[str, Placeable]:
+        """The servers new stripes may go to: alive (lease held, not refused), not full,
+        not draining — with the free bytes placement weighs by and the failure domain
+        replicas must differ in. Suspect servers stay in (a late heartbeat on a busy
+        host is no failure; the lease decides)."""
+        now = self._clock()
+        with self._lock:
+            return {sid: Placeable(s.free, s.domain) for sid, s in self._live.items()
+                    if self._alive(s, now) and sid not in self._draining
+                    and not self._reserve.full(s.dirs)}
 
     def free_space(self) -> dict[str, int]:
-        """Free bytes of each server that is up and not full (what placement chooses
-        among)."""
-        since = self._alive_since()
-        with self._lock:
-            return {sid: s.free for sid, s in self._live.items()
-                    if s.seen >= since and not self._reserve.full(s.dirs)}
+        """Free bytes of each placeable server (:meth:`placeable` without domains)."""
+        return {sid: p.free for sid, p in self.placeable().items()}
 
     def capacity(self) -> tuple[int, int]:
         """Total and free bytes of the servers that are up, each filesystem once."""
-        since = self._alive_since()
+        now = self._clock()
         with self._lock:
-            alive = {sid: s.dirs for sid, s in self._live.items() if s.seen >= since}
+            alive = {sid: s.dirs for sid, s in self._live.items() if self._alive(s, now)}
         return distinct(alive)
 
     def live(self) -> dict[str, tuple[int, int, float]]:
@@ -135,16 +239,23 @@ class Registry:
 
     def describe(self, stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """The stored servers' records, updated from what each last reported, with
-        ``alive``."""
-        since = self._alive_since()
+        ``alive``, ``state`` (:class:`State`'s value), ``draining``, ``domain`` and
+        ``age`` (seconds since its last heartbeat; absent when never seen here)."""
+        now = self._clock()
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
             for sid, rec in stored.items():
                 live = self._live.get(sid)
+                extra: dict[str, Any] = {"draining": sid in self._draining}
                 if live is not None:
                     rec = {"host": live.host, "port": live.port, "total": live.total,
                            "free": live.free, "full": self._reserve.full(live.dirs),
-                           "dirs": [list(v) for v in live.dirs if v.path],
-                           "age": round(self._clock() - live.seen, 3)}
-                out[sid] = {**rec, "alive": live is not None and live.seen >= since}
+                           "dirs": [list(v) for v in live.dirs if v.path]}
+                    extra.update(state=self._state(sid, live, now).value,
+                                 domain=live.domain, age=round(now - live.seen, 3))
+                else:
+                    rec = {k: v for k, v in rec.items() if k != "draining"}
+                    extra["state"] = State.DOWN.value
+                out[sid] = {**rec, **extra,
+                            "alive": live is not None and self._alive(live, now)}
         return out

@@ -8,7 +8,9 @@
 - :mod:`pfs.metaserver.handles`: open handles per connection, open counts per inode, orphans
   (unlinked while open) and their reclaim.
 - :mod:`pfs.metaserver.registry`: which data servers are up, from registrations and
-  heartbeats; placement and ``statfs`` read it.
+  heartbeats (leases), which are draining; placement and ``statfs`` read it.
+- :mod:`pfs.metaserver.detector`: a reported or seen connection refusal, checked with a
+  probe of our own before a server is taken out of placement.
 - :mod:`pfs.metaserver.dataplane`: the connections to data servers; truncation and deletion
   of objects. Shrinking a file (setattr size, O_TRUNC) first truncates its objects on the
   data servers, then commits the new size, so old bytes never reappear past a later
@@ -42,6 +44,7 @@ from pfs.metaserver import keys as K
 from pfs.metaserver.commit import CommitQueue, dry_run
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
+from pfs.metaserver.detector import Detector
 from pfs.metaserver.handles import OpenFiles, rights_of
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry, Reserve
@@ -92,7 +95,8 @@ class MetaService(RpcService):
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
         self.commit = CommitQueue(store, self._batch_committed)
         self.registry = Registry(cfg.heartbeat_timeout,
-                                 reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent))
+                                 reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent),
+                                 suspect_after=cfg.suspect_after)
         self.handles = OpenFiles(store, self.commit, self._reclaim)
         # data servers recorded by the previous run that have not reported since this
         # start (filled at start-up): placement waits for them (see _placeable)
@@ -102,6 +106,9 @@ class MetaService(RpcService):
                             opened=self.handles.opened, is_open=self.handles.is_open,
                             deleting=self._deleting_objects)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
+        self.detector = Detector(self.registry, self.dataplane.open,
+                                 probe_timeout=cfg.probe_timeout)
+        self.dataplane.on_refused = self._refused
         self.deleter = Deleter(store, self.ns, self.commit, self.dataplane)
 
     # ------------------------------------------------------------------ running
@@ -130,6 +137,8 @@ class MetaService(RpcService):
             log.info("formatted a new metadata store")
         self._awaited = set(self.ns.list_servers(txn))
         self._grace_end = time.monotonic() + self.config.heartbeat_timeout
+        self.registry.set_draining({sid for sid, rec in self.ns.list_servers(txn).items()
+                                    if rec.get("draining")})
         orphans = self.ns.orphans(txn)
         for ino in orphans:
             self.ns.reclaim(txn, ino)
@@ -497,6 +506,31 @@ class MetaService(RpcService):
         with self.store.read() as txn:
             stored = self.ns.list_servers(txn)
         return M.ServersReply(servers=self.registry.describe(stored))
+
+    # ------------------------------------------------------------------ failure detection
+    def _refused(self, sid: str) -> None:
+        """The data plane's own connection to ``sid`` was refused: that is our probe."""
+        if self.registry.refused(sid):
+            log.warning("data server %s refused the metaserver's connection: down (out of "
+                        "placement until its next heartbeat)", sid)
+
+    async def rpc_report_server(self, ctx: ConnContext, req: M.ReportServer
+                                ) -> M.ServerStateReply:
+        """A client could not reach ``sid``: probe it (rate-limited) and answer its
+        state after."""
+        log.debug("client %s reports data server %s: errno %d",
+                  ctx.state.get("client", "?"), req.sid, req.errno)
+        state = await self.detector.report(req.sid)
+        return M.ServerStateReply(state=state.value)
+
+    async def rpc_drain(self, ctx: ConnContext, req: M.Drain) -> M.ServerStateReply:
+        self._root_only(ctx, req)
+        sid, on = req.sid, req.on
+        await self.commit.mutate(lambda t: self.ns.set_draining(t, sid, on))
+        self.registry.draining(sid, on)
+        log.info("data server %s %s", sid, "draining: no new stripes" if on
+                 else "no longer draining")
+        return M.ServerStateReply(state=self.registry.state(sid).value)
 
     # ------------------------------------------------------------------ admin scans
     def _root_only(self, ctx: ConnContext, req: Any) -> None:

@@ -1,4 +1,5 @@
-"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | wire | loader | iops | close``.
+"""Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | wire | loader | iops | close |
+failover``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -26,6 +27,8 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,i
               local file, network path and short-circuit
   close       write + close latency: durable close vs --no-sync (scratch) vs a local
               file's fsync, at 1 MiB and 64 MiB
+  failover    reads of a 2-replica file while one replica is stopped (SIGSTOP) or
+              killed: time to the first read served, longest read, time to `down`
 """
 
 
@@ -54,6 +57,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.iops import main as run
     elif cmd == "close":
         from pfs.bench.closelat import main as run
+    elif cmd == "failover":
+        from pfs.bench.failover import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

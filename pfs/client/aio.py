@@ -23,6 +23,7 @@ from pfs.client import device, ops, plan
 from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient
 from pfs.client.direct import DirectData
+from pfs.client.health import Health
 from pfs.client.meta import MetaClient
 from pfs.client.ops import StatVFS
 from pfs.client.plan import HandOver, Plan
@@ -155,7 +156,8 @@ class FileHandle:
     # blocking driver in the sync client's calling thread --------------------------
     def _read_plan(self, view: memoryview, off: int) -> Plan[None]:
         return plan.read(self, self.ino, self.layout, off, view, self.cap,
-                         renew_due=time.monotonic() >= self._renew_at, local=self._objects)
+                         renew_due=time.monotonic() >= self._renew_at, local=self._objects,
+                         health=self.client.health)
 
     def _write_plan(self, view: memoryview, off: int) -> Plan[None]:
         return plan.write(self, self.ino, self.layout, off, view, self.cap,
@@ -203,11 +205,11 @@ class FileHandle:
         return n
 
     def _named(self, exc: OSError) -> OSError:
-        """A data error (EIO: a checksum mismatch, a missing or short object) naming
-        this file; other errors as they are."""
-        if exc.errno != errno.EIO:
+        """A data error (EIO: a checksum mismatch, a missing or short object;
+        ETIMEDOUT: no replica answered) naming this file; other errors as they are."""
+        if exc.errno not in (errno.EIO, errno.ETIMEDOUT):
             return exc
-        return OSError(errno.EIO, f"{self.path or f'inode {self.ino}'}: {exc.strerror}")
+        return OSError(exc.errno, f"{self.path or f'inode {self.ino}'}: {exc.strerror}")
 
     def _read_chunk(self, view: memoryview, off: int) -> Plan[int]:
         yield from self._read_plan(view, off)  # a fresh capability for each chunk
@@ -233,7 +235,8 @@ class FileHandle:
             view = view[:n]
         # a small read is one step (plan.read_step): no generator, unless it fails
         step = plan.read_step(self.ino, self.layout, off, view, self.cap,
-                              time.monotonic() >= self._renew_at, self._objects)
+                              time.monotonic() >= self._renew_at, self._objects,
+                              self.client.health)
         try:
             if step is None:
                 self.client.blocking.run(self._read_plan(view, off))
@@ -411,10 +414,13 @@ class AsyncClient:
         # short-circuit reads of objects on this host's data servers (pfs/client/shortcircuit.py)
         self.local = LocalServers(creds.for_data()) if config.short_circuit else None
         # plans carried out in the trio thread, and in the sync client's callers' threads
-        self.driver = TrioDriver(self.data, self.meta)
+        # what this client measured of each data server: hedge deadlines, replica order
+        self.health = Health(hedge_min=config.hedge_min, hedge_max=config.hedge_max,
+                             penalty=config.slow_penalty)
+        self.driver = TrioDriver(self.data, self.meta, self.health, nursery)
         self.blocking = BlockingDriver(
             DirectData(creds.for_data(), self.data.known_address, config.timeout)
-            if direct_meta else None, self.meta)
+            if direct_meta else None, self.meta, self.health)
         self._inodes: dict[int, _InodeState] = {}
         # the sync client opens and closes handles in its callers' threads as well
         self._inodes_lock = threading.Lock()

@@ -9,7 +9,11 @@ the event loop or the metaserver — renewing a capability of a file handle, ask
 local data server for a descriptor, reconnecting to a server that may have moved —
 raises
 :class:`~pfs.client.plan.HandOver` out of :meth:`BlockingDriver.run`, and the caller runs
-the operation again on the trio driver.
+the operation again on the trio driver. A :class:`~pfs.client.plan.Hedge` cannot race
+here: its first request is sent alone with the hedge deadline as its timeout; a timeout
+is a failed connection, so the operation goes to the trio driver, which tries the slow
+server last (:class:`~pfs.client.health.Health`). A :class:`~pfs.client.plan.Report` is
+left to that run too.
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pfs.client.direct import DirectData
+from pfs.client.health import Health
 from pfs.client.meta import MetaClient
 from pfs.client.plan import (
     Call,
     DeferClose,
     DeviceWait,
     HandOver,
+    Hedge,
     LocalFd,
     LocalRead,
     MetaCall,
@@ -31,6 +37,7 @@ from pfs.client.plan import (
     Plan,
     Reconnect,
     Renew,
+    Report,
     Send,
     Sleep,
     ToDevice,
@@ -42,18 +49,21 @@ from pfs.core.messages.base import parse_reply
 T = TypeVar("T")
 
 # the effects this driver leaves to the trio driver (HandOver)
-_HANDED_OVER = (Renew, Reconnect, LocalFd, Call)
+_HANDED_OVER = (Renew, LocalFd, Call)
 
 
 class BlockingDriver:
-    def __init__(self, data: DirectData | None, meta: MetaClient) -> None:
+    def __init__(self, data: DirectData | None, meta: MetaClient,
+                 health: Health | None = None) -> None:
         self.data = data  # None: data requests are the trio driver's
         self.meta = meta
+        self.health = health
         # by effect type: one dict look-up per effect, no chain of tests
         self._handlers: dict[type, Callable[[Any], Any]] = {
             LocalRead: self._local_read, Send: self._send, MetaCall: self._meta_call,
             Parallel: self._parallel, Sleep: self._sleep, DeferClose: self._defer_close,
             ToDevice: self._to_device, DeviceWait: self._device_wait,
+            Hedge: self._hedge, Reconnect: self._reconnect, Report: self._report,
             **{kind: self._hand_over for kind in _HANDED_OVER}}
 
     def run(self, plan: Plan[T]) -> T:
@@ -99,24 +109,42 @@ class BlockingDriver:
     def _local_read(self, effect: LocalRead) -> list[int]:
         return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)  # type: ignore[no-any-return]
 
-    def _send(self, effect: Send) -> int:
+    def _send(self, effect: Send, timeout: float | None = None) -> int:
         if self.data is None or type(effect.into) is list or type(effect.payload) is list:
             raise HandOver("scattered requests are the trio driver's")
         msg = effect.msg
+        timed = self.health is not None and msg.method == "read"
+        t0 = time.monotonic() if timed else 0.0
         while True:
             fields, n = self.data.send(effect.sid, msg, payload=effect.payload,
-                                       into=effect.into)
+                                       into=effect.into, timeout=timeout)
             parse_reply(msg, fields)  # checked: EPROTO when it does not fit
             crcs = fields.get("crcs")
-            if crcs is None:
-                return n
-            try:  # a read of a checked object: verify what came
-                verify_read(msg, n, effect.into, crcs)
-                return n
-            except ChecksumError:
-                msg = copied(msg)  # a write raced the sendfile? re-read once, copied
-                if msg is None:
-                    raise
+            if crcs is not None:
+                try:  # a read of a checked object: verify what came
+                    verify_read(msg, n, effect.into, crcs)
+                except ChecksumError:
+                    msg = copied(msg)  # a write raced the sendfile? re-read once, copied
+                    if msg is None:
+                        raise
+                    continue
+            if timed:
+                assert self.health is not None
+                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
+            return n
+
+    def _hedge(self, effect: Hedge) -> tuple[int, None]:
+        """The first request alone, with the hedge deadline as its timeout (no race in
+        one thread); its failure is raised, as the plan expects of such a driver."""
+        return self._send(effect.first, effect.after), None
+
+    def _reconnect(self, effect: Reconnect) -> None:
+        if self.health is not None:
+            self.health.failed(effect.sid)  # the trio driver's run tries it last
+        raise HandOver("Reconnect")
+
+    def _report(self, effect: Report) -> None:
+        return None  # the trio driver's run (after the Reconnect) reports it
 
     def _meta_call(self, effect: MetaCall) -> Any:
         return self.meta.request_blocking(effect.msg)

@@ -80,12 +80,19 @@ class DirectData:
                 self._idle.setdefault(sid, []).append(rpc)
             self._cond.notify()
 
-    def send(self, sid: str, msg: RequestMessage, *,
-             payload: Any = None, into: Any = None) -> tuple[dict[str, Any], int]:
-        """Request ``msg`` to server ``sid``: (reply fields, payload bytes received)."""
+    def send(self, sid: str, msg: RequestMessage, *, payload: Any = None, into: Any = None,
+             timeout: float | None = None) -> tuple[dict[str, Any], int]:
+        """Request ``msg`` to server ``sid``: (reply fields, payload bytes received).
+        ``timeout``: this call's, instead of the connection's (a hedge deadline; when it
+        passes the connection is closed and the call is ``ETIMEDOUT``)."""
         rpc = self._take(sid)
         try:
-            reply = rpc.send(msg, payload=payload, into=into)
+            if timeout is None:
+                reply = rpc.send(msg, payload=payload, into=into)
+            else:
+                rpc.conn.set_timeout(timeout)
+                reply = rpc.send(msg, payload=payload, into=into)
+                rpc.conn.set_timeout(self.timeout)
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
         return reply

@@ -9,12 +9,16 @@ data-path rule lives here once and is tested without a socket (tests/unit/test_p
 
 - a range is cut into per-stripe *runs* (contiguous in the object, at most MAX_REQUEST);
   one request per run, its reply scattered over the caller's buffer;
-- a read tries a stripe's replicas in order; a short reply is a hole, read as zeros;
+- a read tries a stripe's replicas in order (those that failed lately last); with a
+  :class:`~pfs.client.health.Health`, a replica that has not answered by its deadline
+  (measured latency, bounded) is *hedged*: the next one is asked too, the first good
+  answer wins (:class:`Hedge`); a short reply is a hole, read as zeros;
 - a write goes to every replica of its stripe (:func:`stripes_of` says which stripes a
   handle must sync for it); a sync (close, fsync) is one request per server listing the
   objects written there (:func:`sync_targets`), every replica must answer;
 - a failure is classified (:func:`classify`): renew the capability and retry here,
-  try the next replica, or give up with its errno.
+  try the next replica, or give up with its errno; a refused connection is reported to
+  the metaserver (:class:`Report`).
 
 A small request of one piece is planned as a *step* (:func:`read_step`,
 :func:`write_step`): the general plan's first effect, built by a plain call, when that
@@ -36,6 +40,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pfs.client.health import Health
 from pfs.core import errors as E
 from pfs.core.layout import Layout, Piece, stripe_extents
 from pfs.core.messages import data as D
@@ -89,6 +94,35 @@ class Send:
     msg: RequestMessage
     payload: Any = None
     into: Any = None
+
+
+@dataclass(slots=True)
+class Hedge:
+    """Send ``first``; when it has not answered after ``after`` seconds, send ``second``
+    as well and take the first good answer, cancelling the other (the trio driver puts
+    ``second``'s reply in a spare buffer, copied over when it wins). The result is
+    ``(value, errors)``: ``errors`` is None when one answered (``value``: its result),
+    else ``[first's error, second's error or None when it was never sent]``. A driver
+    that cannot race (the blocking one) carries ``first`` out alone with ``after`` as its
+    deadline and raises its error, which the plan reads as ``[error, None]``."""
+
+    first: Send
+    second: Send
+    after: float
+
+
+@dataclass(slots=True)
+class Report:
+    """Tell the metaserver that ``sid`` refused a connection (``errno``), without
+    waiting for it; the driver rate-limits (:meth:`Health.report_due`). Result: None."""
+
+    sid: str
+    errno: int
+
+
+# what a client reports: the server is not there at all, or its process went (a reset);
+# a hang is the lease's
+REPORT_ERRNOS = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH})
 
 
 @dataclass(slots=True)
@@ -302,22 +336,52 @@ def send(effect: Send) -> Plan[int]:
 
 
 def from_replicas(replicas: Sequence[str], msg: RequestMessage, *,
-                  payload: Any = None, into: Any = None) -> Plan[int]:
+                  payload: Any = None, into: Any = None,
+                  health: Health | None = None) -> Plan[int]:
     """Send to each replica in turn until one answers; a failure that is not the
-    server's (a refused capability, a bad request) ends it at once."""
+    server's (a refused capability, a bad request) ends it at once. With ``health`` (a
+    read): replicas that failed lately go last, and each but the last is hedged with the
+    next after its deadline."""
     err: OSError | None = None
-    for sid in replicas:
-        try:
-            return (yield Send(sid, msg, payload, into))
-        except OSError as exc:
-            kind = classify(exc)
+    last = ""
+    order = replicas if health is None else health.order(replicas)
+    i, n = 0, len(order)
+    while i < n:
+        sid = order[i]
+        if health is None or i + 1 == n:
+            tried: Sequence[str] = (sid,)
+            try:
+                return (yield Send(sid, msg, payload, into))
+            except OSError as exc:
+                errors: list[OSError | None] = [exc]
+        else:
+            tried = (sid, order[i + 1])
+            hedge = Hedge(Send(sid, msg, payload, into), Send(order[i + 1], msg, payload, into),
+                          health.deadline(sid, getattr(msg, "len", 0)))
+            try:
+                value, raced = yield hedge
+            except OSError as exc:  # a driver that sent only the first
+                value, raced = None, [exc, None]
+            if raced is None:
+                return value  # type: ignore[no-any-return]
+            errors = raced
+        for tsid, failed in zip(tried, errors, strict=False):
+            if failed is None:
+                continue
+            i += 1
+            kind = classify(failed)
             if kind is Failure.RECONNECT:
-                yield Reconnect(sid)
+                if failed.errno in REPORT_ERRNOS:
+                    yield Report(tsid, failed.errno)
+                yield Reconnect(tsid)
             elif kind is not Failure.ELSEWHERE:
-                raise
-            err = exc
+                raise failed
+            err = failed
+            last = tsid
     if err is None:
         raise OSError(errno.EIO, "no data server holds this stripe")
+    if err.errno == errno.ETIMEDOUT:
+        raise OSError(errno.ETIMEDOUT, f"data server {last}: {err.strerror}")
     raise err
 
 
@@ -343,9 +407,11 @@ def _all(plans: list[Plan[Any]]) -> Plan[Any]:
 
 
 def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Piece],
-             cap: bytes | None, local: LocalObjects | None = None) -> Plan[None]:
+             cap: bytes | None, local: LocalObjects | None = None,
+             health: Health | None = None) -> Plan[None]:
     """One stripe's run: from a local descriptor when there is one, else from the first
-    replica that answers; holes read as zeros."""
+    replica that answers (hedged, with ``health``); holes read as zeros. A stripe no
+    replica answered in time is ``ETIMEDOUT`` naming it and the server."""
     first = run[0]
     stripe, obj_off = first.stripe, first.obj_off
     if len(run) == 1:
@@ -366,41 +432,51 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
                 if exc.errno != errno.EIO:
                     raise
     total = first.length if len(run) == 1 else sum(p.length for p in run)
-    got = yield from from_replicas(layout.servers[stripe],
-                                   read_request(ino, stripe, obj_off, total, cap),
-                                   into=dests[0] if len(dests) == 1 else dests)
+    replicas = layout.servers[stripe]
+    try:
+        got = yield from from_replicas(replicas, read_request(ino, stripe, obj_off, total, cap),
+                                       into=dests[0] if len(dests) == 1 else dests,
+                                       health=health if len(replicas) > 1 else None)
+    except OSError as exc:
+        if exc.errno != errno.ETIMEDOUT:
+            raise
+        raise OSError(errno.ETIMEDOUT,
+                      f"inode {ino} stripe {stripe}: {exc.strerror}") from None
     if got < total:
         fill_hole(dests, got)
 
 
 def _read_all(ino: int, layout: Layout, off: int, buf: memoryview, rs: list[list[Piece]],
-              cap: bytes | None, local: LocalObjects | None) -> Plan[None]:
+              cap: bytes | None, local: LocalObjects | None,
+              health: Health | None) -> Plan[None]:
     if len(rs) == 1:
-        yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+        yield from read_run(ino, layout, off, buf, rs[0], cap, local, health)
     else:
-        yield Parallel([read_run(ino, layout, off, buf, run, cap, local) for run in rs])
+        yield Parallel([read_run(ino, layout, off, buf, run, cap, local, health)
+                        for run in rs])
 
 
 def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
          cap: bytes | None, *, renew_due: bool = False,
-         local: LocalObjects | None = None) -> Plan[None]:
+         local: LocalObjects | None = None, health: Health | None = None) -> Plan[None]:
     """Fill ``buf`` with the file's bytes from ``off`` (the caller bounds it by the size).
     The capability is renewed first when due, and once more when a server refuses it
-    (as :func:`with_cap`; written out here: this is the small reads' hot path)."""
+    (as :func:`with_cap`; written out here: this is the small reads' hot path).
+    ``health``: order replicas and hedge slow ones (:func:`from_replicas`)."""
     if renew_due:
         cap = yield Renew(owner)
     rs = runs(layout, off, len(buf))
     try:
         if len(rs) == 1:  # the small reads' case, without a level of generators
-            yield from read_run(ino, layout, off, buf, rs[0], cap, local)
+            yield from read_run(ino, layout, off, buf, rs[0], cap, local, health)
         else:
-            yield from _read_all(ino, layout, off, buf, rs, cap, local)
+            yield from _read_all(ino, layout, off, buf, rs, cap, local, health)
         return
     except OSError as exc:
         if cap is None or classify(exc) is not Failure.RENEW:
             raise
     cap = yield Renew(owner)
-    yield from _read_all(ino, layout, off, buf, rs, cap, local)
+    yield from _read_all(ino, layout, off, buf, rs, cap, local, health)
 
 
 def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[Piece],
@@ -482,8 +558,8 @@ def fsync(owner: Any, ino: int, layout: Layout, cap: bytes | None, *,
 # general plan does. When the effect fails, :func:`resume` picks the general plan up at
 # that effect with the error, so failover, renewal and hand-over are still written once.
 def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | None,
-              renew_due: bool = False,
-              local: LocalObjects | None = None) -> LocalRead | Send | None:
+              renew_due: bool = False, local: LocalObjects | None = None,
+              health: Health | None = None) -> LocalRead | Send | Hedge | None:
     """The step of :func:`read` (same arguments), or None: run the general plan (a
     capability due, more than one piece, a local descriptor not asked for yet)."""
     if renew_due:
@@ -498,16 +574,28 @@ def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | 
         fd = local.known_fd(stripe)
         if fd is not None:
             return LocalRead(local, fd, obj_off, [buf])
-    return Send(layout.servers[stripe][0], read_request(ino, stripe, obj_off, len(buf), cap),
-                None, buf)
+    replicas = layout.servers[stripe]
+    msg = read_request(ino, stripe, obj_off, len(buf), cap)
+    if health is None or len(replicas) == 1:
+        return Send(replicas[0], msg, None, buf)
+    order = health.order(replicas)  # as from_replicas: its first effect
+    return Hedge(Send(order[0], msg, None, buf), Send(order[1], msg, None, buf),
+                 health.deadline(order[0], len(buf)))
 
 
-def read_step_done(step: LocalRead | Send, result: Any) -> None:
-    """What :func:`read` does with its step's result: holes read as zeros."""
+def read_step_done(step: LocalRead | Send | Hedge, result: Any) -> None:
+    """What :func:`read` does with its step's result: holes read as zeros. A hedge's
+    result that is all errors raises the first (:func:`resume` goes on from it)."""
     if isinstance(step, LocalRead):
         if result[0] < len(step.dests[0]):  # a step reads into one destination
             zero_unread(step.dests, result)
-    elif result < len(step.into):
+        return
+    if isinstance(step, Hedge):
+        result, errors = result
+        if errors is not None:
+            raise next(e for e in errors if e is not None)
+        step = step.first
+    if result < len(step.into):
         fill_hole((step.into,), result)
 
 
@@ -534,6 +622,8 @@ def _same_effect(a: Any, b: Any) -> bool:
         return bool(a.sid == b.sid and a.msg.method == b.msg.method)
     if type(a) is LocalRead:
         return bool(a.fd == b.fd and a.obj_off == b.obj_off)
+    if type(a) is Hedge:
+        return _same_effect(a.first, b.first) and _same_effect(a.second, b.second)
     return False
 
 

@@ -4,20 +4,28 @@ flight, for ``AsyncClient``, the FUSE mount and the sync client's larger request
 Requests go over :class:`~pfs.client.data.DataClient`'s connections, short-circuit
 reads to the client's engine (:mod:`pfs.client.shortcircuit`), device destinations through a
 pinned staging buffer (:mod:`pfs.client.device`), metadata requests over the ``MetaClient``; a plan's :class:`~pfs.client.plan.Parallel` sub-plans run as tasks of a
-nursery, and the first ``OSError`` among them is raised as itself.
+nursery, and the first ``OSError`` among them is raised as itself. A
+:class:`~pfs.client.plan.Hedge` races two replicas (the second's reply into a spare
+buffer, copied over when it wins); each read's time feeds the client's
+:class:`~pfs.client.health.Health`, and a :class:`~pfs.client.plan.Report` goes to the
+metaserver in the background.
 """
 from __future__ import annotations
 
+import logging
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from pfs.client.data import DataClient, run_all
+from pfs.client.health import Health
 from pfs.client.plan import (
     Call,
     DeferClose,
     DeviceWait,
+    Hedge,
     LocalFd,
     LocalRead,
     MetaCall,
@@ -25,24 +33,54 @@ from pfs.client.plan import (
     Plan,
     Reconnect,
     Renew,
+    Report,
     Send,
     Sleep,
     ToDevice,
 )
 from pfs.client.verify import verify_read
 from pfs.core.checksums import ChecksumError, copied
+from pfs.core.messages import meta as M
 from pfs.core.messages.base import parse_reply
 
 if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
     from pfs.client.meta import MetaClient
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# seconds a local data server has to hand over a descriptor (an open and a sendmsg)
+# before the read goes over the network instead
+LOCAL_FD_TIMEOUT = 1.0
+
+
+def spare_like(into: Any) -> Any:
+    """A buffer (or list of buffers) of the same shape as ``into``, for a hedged read."""
+    if isinstance(into, list):
+        return [memoryview(bytearray(len(d))) for d in into]
+    return memoryview(bytearray(len(into)))
+
+
+def copy_into(dest: Any, src: Any, n: int) -> None:
+    """The first ``n`` bytes of ``src`` into ``dest`` (same shapes, as spare_like)."""
+    if not isinstance(dest, list):
+        dest[:n] = src[:n]
+        return
+    for d, s in zip(dest, src, strict=True):
+        k = min(n, len(d))
+        d[:k] = s[:k]
+        n -= k
+        if n <= 0:
+            break
 
 
 class TrioDriver:
-    def __init__(self, data: DataClient | None = None, meta: MetaClient | None = None) -> None:
+    def __init__(self, data: DataClient | None = None, meta: MetaClient | None = None,
+                 health: Health | None = None, nursery: trio.Nursery | None = None) -> None:
         self.data = data
         self.meta = meta
+        self.health = health
+        self._nursery = nursery  # where reports to the metaserver run
 
     async def run(self, plan: Plan[T]) -> T:
         value: Any = None
@@ -65,25 +103,113 @@ class TrioDriver:
         finally:
             plan.close()
 
-    async def _do(self, effect: Any) -> Any:
-        if isinstance(effect, Send):
-            assert self.data is not None
-            msg = effect.msg
-            while True:
-                r = await self.data.send(effect.sid, msg, payload=effect.payload,
-                                         into=effect.into)
-                parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
-                crcs = r.fields.get("crcs")
-                if crcs is None:
-                    return r.nbytes
+    async def _send(self, effect: Send) -> int:
+        assert self.data is not None
+        msg = effect.msg
+        timed = self.health is not None and msg.method == "read"
+        t0 = time.monotonic() if timed else 0.0
+        while True:
+            r = await self.data.send(effect.sid, msg, payload=effect.payload,
+                                     into=effect.into)
+            parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
+            crcs = r.fields.get("crcs")
+            if crcs is not None:
                 try:  # a read of a checked object: verify what came
                     await verify_read(msg, r.nbytes, effect.into if effect.into is not None
                                       else r.payload, crcs)
-                    return r.nbytes
                 except ChecksumError:
                     msg = copied(msg)  # a write raced the sendfile? re-read once, copied
                     if msg is None:
                         raise
+                    continue
+            if timed:
+                assert self.health is not None
+                # by the size asked (a hole's short reply is no smaller request)
+                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
+            return r.nbytes
+
+    async def _hedge(self, h: Hedge) -> tuple[Any, list[OSError | None] | None]:
+        """``h.first`` within ``h.after`` seconds (no task, no nursery: the common case
+        costs what a plain send does); past it, the first again and ``h.second`` at once,
+        the first good answer wins and the other is cancelled. The first's request is
+        sent again rather than kept: trio cannot detach a call running in this task, and
+        a task per read would cost several times the request (measured ~100 us here).
+        A failure of one while the other runs waits for the other."""
+        try:
+            with trio.move_on_after(h.after):
+                return await self._send(h.first), None
+        except OSError as exc:
+            return None, [exc, None]
+        log.debug("hedging a read: %s gave no answer in %.3f s, asking %s too",
+                  h.first.sid, h.after, h.second.sid)
+        errors: list[OSError | None] = [None, None]
+        won: list[tuple[int, Any]] = []
+        spare = spare_like(h.second.into) if h.second.into is not None else None
+        second = Send(h.second.sid, h.second.msg, h.second.payload, spare)
+
+        async def attempt(i: int, effect: Send, nursery: trio.Nursery) -> None:
+            try:
+                value = await self._send(effect)
+            except OSError as exc:
+                errors[i] = exc
+            else:
+                if not won:
+                    won.append((i, value))
+                    nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attempt, 0, h.first, nursery)
+            nursery.start_soon(attempt, 1, second, nursery)
+        if not won:
+            return None, errors
+        i, value = won[0]
+        if i == 1:
+            if spare is not None:
+                copy_into(h.second.into, spare, value)
+            if self.health is not None:
+                self.health.failed(h.first.sid)  # lost a race: asked last for a while
+        return value, None
+
+    async def _local_fd(self, effect: LocalFd) -> int | None:
+        """A descriptor from a local server, within LOCAL_FD_TIMEOUT: a hung local
+        server (asked over a Unix socket, with no timeout of its own) must not stall the
+        read, which then goes over the network, hedged. Servers that failed lately are
+        not asked. A timeout penalises nobody: which replica hung is not known here, and
+        the network read's hedge finds out."""
+        health = self.health
+        if health is None:
+            return await effect.local.fd(effect.replicas, effect.ino, effect.stripe,  # type: ignore[no-any-return]
+                                         effect.cap)
+        replicas = tuple(s for s in effect.replicas if not health.penalised(s))
+        if not replicas:
+            return None
+        with trio.move_on_after(LOCAL_FD_TIMEOUT):
+            return await effect.local.fd(replicas, effect.ino, effect.stripe,  # type: ignore[no-any-return]
+                                         effect.cap)
+        log.info("no descriptor from local data server(s) %s in %g s: reading over the "
+                 "network", ", ".join(replicas), LOCAL_FD_TIMEOUT)
+        return None
+
+    def _report(self, effect: Report) -> None:
+        if self.meta is None or self._nursery is None or \
+                (self.health is not None and not self.health.report_due(effect.sid)):
+            return
+        self._nursery.start_soon(self._send_report, effect, name="pfs-report-server")
+
+    async def _send_report(self, effect: Report) -> None:
+        assert self.meta is not None
+        try:
+            r = await self.meta.request(M.ReportServer(sid=effect.sid, errno=effect.errno))
+            log.info("reported data server %s (errno %d): now %s", effect.sid,
+                     effect.errno, r.state)
+        except OSError as exc:  # the metaserver is away: the lease will tell it
+            log.debug("report of data server %s failed: %s", effect.sid, exc)
+
+    async def _do(self, effect: Any) -> Any:
+        if isinstance(effect, Send):
+            return await self._send(effect)
+        if isinstance(effect, Hedge):
+            return await self._hedge(effect)
         if isinstance(effect, Parallel):
             results: list[Any] = [None] * len(effect.plans)
 
@@ -98,12 +224,17 @@ class TrioDriver:
         if isinstance(effect, LocalRead):
             return await effect.local.read(effect.fd, effect.obj_off, effect.dests)
         if isinstance(effect, LocalFd):
-            return await effect.local.fd(effect.replicas, effect.ino, effect.stripe, effect.cap)
+            return await self._local_fd(effect)
         if isinstance(effect, Renew):
             await effect.owner.renew()
             return effect.owner.cap
         if isinstance(effect, Reconnect):
+            if self.health is not None:
+                self.health.failed(effect.sid)  # tried last for a while
             return None  # DataClient reconnects on the next call, looking servers up again
+        if isinstance(effect, Report):
+            self._report(effect)
+            return None
         if isinstance(effect, Sleep):
             await trio.sleep(effect.seconds)
             return None

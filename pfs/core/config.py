@@ -101,6 +101,13 @@ class ClientConfig:
     # per call; docs/architecture.md). The async client and the FUSE mount always
     # multiplex on their event loop.
     direct_meta: bool = True
+    # hedged reads (docs/architecture.md, "Failure detection"): a read of a replicated
+    # stripe not answered within its server's measured deadline (srtt + 4 rttvar), kept
+    # within [hedge_min, hedge_max] seconds, is sent to the next replica too; the first
+    # answer wins. A server that lost a race or failed is read last for slow_penalty s.
+    hedge_min: float = 0.1
+    hedge_max: float = 2.0
+    slow_penalty: float = 5.0
     # authentication (docs/security.md): a key file (mode 0600) and the name the
     # metaserver knows it by, or TLS files from `pfs certs`; none: an unsecured cluster
     key_file: str = ""
@@ -173,7 +180,14 @@ class MetaConfig:
     host: str = "127.0.0.1"
     port: int = 9400
     map_size: int = 8 << 30  # LMDB map size in bytes
-    heartbeat_timeout: float = 15.0  # a data server silent this long is down
+    # failure detection (docs/architecture.md, "Failure detection"): a data server's
+    # heartbeat holds a lease this long; silent past it, the server is down (out of
+    # placement, its space out of statfs)
+    heartbeat_timeout: float = 5.0
+    suspect_after: float = 2.5  # silent this long: shown suspect (still placed)
+    # a client's report of a refused connection is checked with a probe (a connection and
+    # a statfs) that must answer within this: refused = down at once, no answer = suspect
+    probe_timeout: float = 1.0
     # a data server with less free space than this on a directory gets no new stripes:
     # reserve_bytes or reserve_percent of the filesystem, whichever is smaller
     reserve_bytes: int = 256 << 20
@@ -207,7 +221,7 @@ class DataConfig:
     port: int = 0
     meta: str = "127.0.0.1:9400"
     engine: str = "auto"  # auto (io_uring where the kernel has it, else posix), posix, uring
-    heartbeat: float = 2.0  # seconds between heartbeats
+    heartbeat: float = 1.0  # seconds between heartbeats (each renews the lease)
     local_socket: bool = True  # serve short-circuit reads to clients on this host
     free_override: int = -1  # TEST ONLY: report this many bytes free per directory
     checksums: bool = True  # block checksums (off only to measure what they cost)

@@ -198,7 +198,10 @@ def cmd_getstripe(args: argparse.Namespace, c: Any) -> None:
 
 # -- capacity --------------------------------------------------------------------------
 def server_state(s: dict[str, Any]) -> str:
-    return "down" if not s["alive"] else "full" if s.get("full") else "up"
+    """up, suspect, down, draining or full (from ``alive``/``full`` for an older
+    metaserver)."""
+    return str(s.get("state") or ("down" if not s.get("alive") else
+                                  "full" if s.get("full") else "up"))
 
 
 def _df_row(name: str, total: int, free: int, note: str = "") -> str:

@@ -178,3 +178,26 @@ def test_wire_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert set(res["reads"][label]) == {"none", "mac", "encrypt", "tls"}
         for r in res["reads"][label].values():
             assert _positive(r["reads_per_s"]) and _positive(r["cpu_us_per_read"]), r
+
+
+def test_failover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pfs.tools import cluster
+
+    out = tmp_path / "failover.json"
+    try:  # a cluster of its own: the benchmark stops and kills its servers
+        rc = bench_main(["failover", "--dir", str(tmp_path / "c"), "--size", "8M", "--unit",
+                         "1M", "--after", "2", "--paths", "network", "--local-dir",
+                         str(tmp_path), "--json", str(out)])
+    finally:
+        cluster.down(tmp_path / "c")
+    assert rc == 0
+    assert "first read" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [(p["fault"], p["path"]) for p in res["points"]] == [("sigstop", "network"),
+                                                               ("kill", "network")]
+    for p in res["points"]:
+        assert p["n_errors"] == 0 and p["reads_after"] > 0, p
+        assert p["first_read_s"] is not None and p["first_read_s"] < 10, p
+        assert p["up_again_s"] is not None, p
+    # a killed server is refused at once and reported: down well before its lease ends
+    assert res["points"][1]["down_s"] is not None and res["points"][1]["down_s"] < 4

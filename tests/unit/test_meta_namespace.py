@@ -617,6 +617,19 @@ def test_orphans_and_delete_queue(fs: FS) -> None:
         assert [e["ino"] for _, e in fs.ns.delq_entries(txn)] == [g]
 
 
+def test_draining_is_kept_across_registrations(fs: FS) -> None:
+    err(errno.ENOENT, fs.set_draining, "nobody", True)
+    fs.register_server("s1", "h", 1, 8192, 4096)
+    fs.set_draining("s1", True)
+    fs.register_server("s1", "h", 2, 8192, 4000)  # a restart: new port, still draining
+    with fs.store.read() as txn:
+        assert fs.ns.list_servers(txn)["s1"] == {"host": "h", "port": 2, "total": 8192,
+                                                  "free": 4000, "draining": True}
+    fs.set_draining("s1", False)
+    with fs.store.read() as txn:
+        assert "draining" not in fs.ns.list_servers(txn)["s1"]
+
+
 def test_statfs_and_registry(fs: FS) -> None:
     fs.register_server("s1", "h", 1, 8192, 4096)
     with fs.store.read() as txn:

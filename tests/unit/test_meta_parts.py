@@ -105,11 +105,12 @@ def test_registry_describes_stored_servers() -> None:
     reg.register("a", "h1", 1, 100, 50)
     assert reg.describe(stored) == {
         "a": {"host": "h1", "port": 1, "total": 100, "free": 50, "full": False, "dirs": [],
-              "age": 0.0, "alive": True},
-        "c": {"host": "hc", "port": 7, "total": 5, "free": 4, "alive": False}}
+              "alive": True, "state": "up", "draining": False, "domain": "h1", "age": 0.0},
+        "c": {"host": "hc", "port": 7, "total": 5, "free": 4, "alive": False,
+              "state": "down", "draining": False}}
     clock.now += 16
     assert reg.describe(stored)["a"]["alive"] is False
-    assert reg.describe(stored)["a"]["age"] == 16.0  # seconds since its last heartbeat
+    assert reg.describe(stored)["a"]["state"] == "down"
 
 
 # ---------------------------------------------------------------------- commit queue

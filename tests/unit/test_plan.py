@@ -35,6 +35,7 @@ class FakeCluster:
         self.log: list[tuple[str, str, int]] = []  # (sid, method, stripe)
         self.renewals = 0
         self.reconnects: list[str] = []
+        self.reports: list[tuple[str, int]] = []  # (sid, errno) told to the metaserver
         self.local_fds: dict[int, int | None] = {}  # stripe: descriptor a LocalFd gets
         self.local_reads: list[int] = []
         self.syncs: list[tuple[str, list[int]]] = []  # (sid, stripes) per sync request
@@ -68,6 +69,9 @@ class FakeCluster:
             return [self.run(sub) for sub in eff.plans]
         if isinstance(eff, plan.Reconnect):
             self.reconnects.append(eff.sid)
+            return None
+        if isinstance(eff, plan.Report):
+            self.reports.append((eff.sid, eff.errno))
             return None
         if isinstance(eff, Renew):
             self.renewals += 1
@@ -180,6 +184,7 @@ def test_read_fails_over_replicas_in_order() -> None:
     assert _read(cl, 0, 100) == b"x" * 100
     assert [s for s, _, _ in cl.log] == ["s0r0", "s0r1", "s0r2"]
     assert cl.reconnects == ["s0r0", "s0r1"]  # each broken connection renewed for later
+    assert cl.reports == [("s0r0", errno.ECONNRESET)]  # gone, not hung: the metaserver hears
     # all fail: the last error
     cl.log.clear()
     for r in range(3):

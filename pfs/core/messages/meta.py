@@ -145,7 +145,7 @@ class LayoutReply(ReplyMessage):
 class ServersReply(ReplyMessage):
     servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive", '
                                       '"full", "dirs": [[path, fs, total, free], ...], '
-                                      '"age"?: seconds since its last heartbeat}}')
+                                      '"state", "draining", "domain", "age"}}')
 
 
 class RegisterReply(ReplyMessage):
@@ -386,4 +386,25 @@ class ScanDeleting(MetaRequest, method="scan_deleting", reply=ScanDeletingReply)
 class ScanCap(MetaRequest, method="scan_cap", reply=CapReply):
     note = ("root only (`EPERM`): a read-only capability for every object on every data "
             "server (rights READ and SCAN, inode 0): what `list_objects` and `verify` take")
+    cred: WireCred = Cred()
+
+
+# ------------------------------------------------------------------ failure detection
+class ServerStateReply(ReplyMessage):
+    state: str = Str(doc='"up", "suspect", "down", "draining" or "full"')
+
+
+class ReportServer(MetaRequest, method="report_server", reply=ServerStateReply):
+    note = ("a client could not reach data server `sid` (`errno`: what it saw); the "
+            "metaserver probes it itself (at most once a second per server) before "
+            "taking it out of placement")
+    sid: str = Str(max_len=128)
+    errno: int = Int(lo=0, hi=4095)
+
+
+class Drain(MetaRequest, method="drain", reply=ServerStateReply):
+    note = ("root only (`EPERM`): mark data server `sid` draining (placement skips it; "
+            "durable) or, with `on` false, not; `ENOENT` for an unknown server")
+    sid: str = Str(max_len=128)
+    on: bool = Bool(default=True)
     cred: WireCred = Cred()
