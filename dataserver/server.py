@@ -79,6 +79,7 @@ class DataService(RpcService):
         # block-range locks: a write merges and hashes its blocks under them (checksums)
         self.locks = ck.RangeLocks()
         self.scrubber = Scrubber(store, self.locks)
+        self.domain = ""  # failure domain sent at registration ("": the host)
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
@@ -550,7 +551,8 @@ class DataService(RpcService):
             host = client.conn.sock.getsockname()[0]
         total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
-            sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols))
+            sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols,
+            domain=self.domain or None))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
@@ -624,6 +626,7 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         raise
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override)
+    service.domain = config.domain
     try:
         async with trio.open_nursery() as nursery:
             port: int = await nursery.start(service.serve, config.host, config.port)

@@ -482,8 +482,9 @@ class MetaService(RpcService):
                                         "certificate) may register")
         sid = req.sid or uuid.uuid4().hex  # port, sizes and sid: checked by the message
         host, port, total, free = req.host, req.port, req.total, req.free
+        domain = req.domain or ""
         await self.commit.mutate(
-            lambda t: self.ns.register_server(t, sid, host, port, total, free))
+            lambda t: self.ns.register_server(t, sid, host, port, total, free, domain))
         self.registry.register(sid, host, port, total, free, req.dirs)
         self.dataplane.forget(sid)
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
@@ -491,9 +492,18 @@ class MetaService(RpcService):
         # what it needs to check clients: the capability key, the generation floor
         # (capabilities from before this registration are stale for writing: it may have
         # restarted and lost its fences) and the node keys' data-plane keys
+        with self.store.read() as txn:  # chains it missed writes of: it serves none
+            stale = [c.cid for c in self.ns.chains.stale_on(txn, sid)]
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
-                               data_keys=self._data_keys)
+                               data_keys=self._data_keys, stale=stale or None)
+
+    async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
+        if ctx.identity is None or not ctx.identity.may_serve:
+            raise OSError(errno.EACCES, "chain_drop: only data servers report chain members")
+        cid, sid = req.chain, req.sid
+        chain = await self.commit.mutate(lambda t: self.ns.chains.remove(t, cid, sid))
+        return M.ChainReply(chain=chain.to_wire())
 
     async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
         if ctx.identity is None or not ctx.identity.may_serve:

@@ -157,6 +157,13 @@ class RegisterReply(ReplyMessage):
     cap_ttl: float | None = Anything(default=None)
     data_keys: dict[str, bytes] | None = Map(default=None,
                                              doc="{node key name: data-plane key}")
+    stale: list[int] | None = List(Int(), default=None,
+                                   doc="the chains this server was taken out of and is "
+                                       "not back in: it serves none of their objects")
+
+
+class ChainReply(ReplyMessage):
+    chain: list[Any] = List(doc="[chain id, version, [members, head first]]")
 
 
 # ------------------------------------------------------------------ requests
@@ -338,6 +345,16 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
     total: int = Int(lo=0)
     free: int = Int(lo=0)
     dirs: list[Any] | None = Volumes()
+    domain: str | None = Str(default=None, max_len=256,
+                             doc="its failure domain (a rack label); absent: its host")
+
+
+class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
+    note = ("data servers only: a chain member could not forward a write to `sid` (dead, "
+            "or no answer within the deadline): take it out of the chain (a new "
+            "version; it becomes stale). Idempotent; the chain as it is now")
+    chain: int = Int(lo=1)
+    sid: str = Str(max_len=128)
 
 
 class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
