@@ -30,6 +30,7 @@ from pfs.client.plan import (
     Parallel,
     Plan,
     Reconnect,
+    Refresh,
     Renew,
     Send,
     Sleep,
@@ -42,7 +43,7 @@ from pfs.core.messages.base import parse_reply
 T = TypeVar("T")
 
 # the effects this driver leaves to the trio driver (HandOver)
-_HANDED_OVER = (Renew, Reconnect, LocalFd, Call)
+_HANDED_OVER = (Renew, Refresh, Reconnect, LocalFd, Call)
 
 
 class BlockingDriver:

@@ -10,9 +10,13 @@ data-path rule lives here once and is tested without a socket (tests/unit/test_p
 - a range is cut into per-stripe *runs* (contiguous in the object, at most MAX_REQUEST);
   one request per run, its reply scattered over the caller's buffer;
 - a read tries a stripe's replicas in order; a short reply is a hole, read as zeros;
-- a write goes to every replica of its stripe (:func:`stripes_of` says which stripes a
-  handle must sync for it); a sync (close, fsync) is one request per server listing the
+- a write goes to its stripe's chain head only, naming the members after it: the head
+  applies it and forwards it down the chain, and answers once the tail has it
+  (docs/architecture.md "Replication"; :func:`stripes_of` says which stripes a handle
+  must sync for it); a sync (close, fsync) is one request per server listing the
   objects written there (:func:`sync_targets`), every replica must answer;
+- a server that says the chain version is stale (``CHAIN_STALE``) has the handle fetch
+  its layout again (:class:`Refresh`) and the operation retried;
 - a failure is classified (:func:`classify`): renew the capability and retry here,
   try the next replica, or give up with its errno.
 
@@ -102,6 +106,14 @@ class Parallel:
 @dataclass(slots=True)
 class Renew:
     """A fresh capability for ``owner`` (a file handle); the result is the new one."""
+
+    owner: Any
+
+
+@dataclass(slots=True)
+class Refresh:
+    """A server said the chain version is stale: fetch ``owner``'s layout again (the
+    chains' members and versions now); the result is the new :class:`Layout`."""
 
     owner: Any
 
@@ -198,12 +210,23 @@ class LocalObjects(Protocol):
 
 
 # -- requests: one builder per data RPC ------------------------------------------------
-def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None) -> D.Read:
+def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None,
+                 layout: Layout | None = None) -> D.Read:
+    if layout is not None and layout.chains:
+        cid, ver = layout.chain_of(stripe)
+        return D.Read(obj=(ino, stripe), off=off, len=length, cap=cap, chain=cid, ver=ver)
     return D.Read(obj=(ino, stripe), off=off, len=length, cap=cap)
 
 
-def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> D.Write:
-    return D.Write(obj=(ino, stripe), off=off, cap=cap)
+def write_request(ino: int, stripe: int, off: int, cap: bytes | None,
+                  layout: Layout | None = None) -> D.Write:
+    """A write of a stripe to its chain's head, naming the members after it."""
+    if layout is None:
+        return D.Write(obj=(ino, stripe), off=off, cap=cap)
+    cid, ver = layout.chain_of(stripe)
+    rest = list(layout.servers[stripe][1:])
+    return D.Write(obj=(ino, stripe), off=off, cap=cap, chain=cid or None,
+                   ver=ver if cid else None, fwd=rest or None)
 
 
 def sync_request(ino: int, stripes: Sequence[int], cap: bytes | None) -> D.Sync:
@@ -367,7 +390,7 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
                     raise
     total = first.length if len(run) == 1 else sum(p.length for p in run)
     got = yield from from_replicas(layout.servers[stripe],
-                                   read_request(ino, stripe, obj_off, total, cap),
+                                   read_request(ino, stripe, obj_off, total, cap, layout),
                                    into=dests[0] if len(dests) == 1 else dests)
     if got < total:
         fill_hole(dests, got)
@@ -397,6 +420,11 @@ def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
             yield from _read_all(ino, layout, off, buf, rs, cap, local)
         return
     except OSError as exc:
+        if exc.errno == D.CHAIN_STALE:  # every replica said so: the chains now, once
+            layout = yield Refresh(owner)
+            yield from _read_all(ino, layout, off, buf, runs(layout, off, len(buf)), cap,
+                                 local)
+            return
         if cap is None or classify(exc) is not Failure.RENEW:
             raise
     cap = yield Renew(owner)
@@ -405,20 +433,33 @@ def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
 
 def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[Piece],
               cap: bytes | None) -> Plan[Any]:
-    """One stripe's run to every replica: each must hold an acknowledged write."""
+    """One stripe's run to its chain's head; its answer means every member has it."""
     srcs = _views(data, base, run)
     payload = srcs[0] if len(srcs) == 1 else srcs
-    msg = write_request(ino, run[0].stripe, run[0].obj_off, cap)
-    return _all([send(Send(sid, msg, payload))
-                 for sid in layout.servers[run[0].stripe]])
+    stripe = run[0].stripe
+    msg = write_request(ino, stripe, run[0].obj_off, cap, layout)
+    return send(Send(layout.servers[stripe][0], msg, payload))
+
+
+MAX_REFRESH = 8  # layouts fetched again for one operation before its CHAIN_STALE stands
 
 
 def write(owner: Any, ino: int, layout: Layout, off: int, data: memoryview,
           cap: bytes | None, *, renew_due: bool = False) -> Plan[None]:
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([write_run(ino, layout, off, data, run, c)
-                     for run in runs(layout, off, len(data))])
-    yield from with_cap(owner, cap, renew_due, body)
+    """Each run to its chain's head; a stale chain version: the layout again, and the
+    write again (a write is idempotent: the bytes land where they landed)."""
+    for attempt in range(MAX_REFRESH + 1):
+        def body(c: bytes | None, lay: Layout = layout) -> Plan[Any]:
+            return _all([write_run(ino, lay, off, data, run, c)
+                         for run in runs(lay, off, len(data))])
+        try:
+            yield from with_cap(owner, cap, renew_due, body)
+            return
+        except OSError as exc:
+            if exc.errno != D.CHAIN_STALE or attempt == MAX_REFRESH:
+                raise
+        layout = yield Refresh(owner)
+        renew_due = False
 
 
 def stripes_of(layout: Layout, off: int, length: int) -> range | tuple[int, ...]:
@@ -498,8 +539,8 @@ def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | 
         fd = local.known_fd(stripe)
         if fd is not None:
             return LocalRead(local, fd, obj_off, [buf])
-    return Send(layout.servers[stripe][0], read_request(ino, stripe, obj_off, len(buf), cap),
-                None, buf)
+    return Send(layout.servers[stripe][0],
+                read_request(ino, stripe, obj_off, len(buf), cap, layout), None, buf)
 
 
 def read_step_done(step: LocalRead | Send, result: Any) -> None:
@@ -513,18 +554,16 @@ def read_step_done(step: LocalRead | Send, result: Any) -> None:
 
 def write_step(ino: int, layout: Layout, off: int, data: memoryview, cap: bytes | None,
                renew_due: bool = False) -> Send | None:
-    """The step of :func:`write` (same arguments): one piece to a stripe of one
-    replica; else None (with more replicas every one must answer: the general plan)."""
+    """The step of :func:`write` (same arguments): one piece to a stripe's chain head;
+    else None."""
     if renew_due:
         return None
     one = one_piece(layout, off, len(data))
     if one is None:
         return None
     stripe, obj_off = one
-    replicas = layout.servers[stripe]
-    if len(replicas) != 1:
-        return None
-    return Send(replicas[0], write_request(ino, stripe, obj_off, cap), data)
+    return Send(layout.servers[stripe][0], write_request(ino, stripe, obj_off, cap, layout),
+                data)
 
 
 def _same_effect(a: Any, b: Any) -> bool:

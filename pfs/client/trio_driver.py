@@ -24,6 +24,7 @@ from pfs.client.plan import (
     Parallel,
     Plan,
     Reconnect,
+    Refresh,
     Renew,
     Send,
     Sleep,
@@ -101,6 +102,8 @@ class TrioDriver:
         if isinstance(effect, Renew):
             await effect.owner.renew()
             return effect.owner.cap
+        if isinstance(effect, Refresh):
+            return await effect.owner.refresh_layout()
         if isinstance(effect, Reconnect):
             return None  # DataClient reconnects on the next call, looking servers up again
         if isinstance(effect, Sleep):

@@ -50,7 +50,7 @@ def test_flush_and_fsync_sync_too_and_the_opt_out_still_fsyncs(client: Client,
                                                                workdir: str) -> None:
     s = f"{workdir}/scratch"
     client.mkdir(s)
-    client.set_layout(s, count=2, unit=UNIT, durable=False)
+    client.set_layout(s, count=2, unit=UNIT, replicas=1, durable=False)
     with client.open(f"{s}/f", "wb") as f:
         f.write(os.urandom(3 * UNIT))
         f.flush()  # opted out: flush commits the size only
