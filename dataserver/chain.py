@@ -149,11 +149,15 @@ class Replicator:
 
     # -- what the metaserver says -------------------------------------------------
     def taken_out(self, chains: list[int]) -> None:
-        """At registration: the chains this server missed writes of."""
-        self.out = set(chains)
-        if chains:
+        """What the metaserver says at registration and each heartbeat: the chains this
+        server missed writes of (it serves none of their objects until caught up)."""
+        new = set(chains)
+        if new - self.out:
             log.warning("stale in chains %s: their objects are not served here until "
-                        "caught up", sorted(chains))
+                        "caught up", sorted(new - self.out))
+        if self.out - new:
+            log.info("caught up in chains %s", sorted(self.out - new))
+        self.out = new
 
     def _saw(self, cid: int, ver: int) -> None:
         if ver > self.view.get(cid, 0):
@@ -178,7 +182,9 @@ class Replicator:
         obj, off, data = req.obj, req.off, req.payload
         cid, ver = req.chain or 0, req.ver or 0
         if cid:
-            if cid in self.out:
+            # (a write forwarded by a member is taken: this server is joining again,
+            # and the catch-up copy comes after it in the head's order)
+            if cid in self.out and not req.seq:
                 raise stale(f"this server was taken out of chain {cid}")
             if ver < self.view.get(cid, 0):
                 raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")

@@ -555,8 +555,9 @@ class DataService(RpcService):
                             self.report_now = trio.Event()
                             total, free, vols = self.space()
                             assert self.sid is not None
-                            await client.request(M.Heartbeat(sid=self.sid, total=total,
-                                                             free=free, dirs=vols))
+                            beat = await client.request(M.Heartbeat(
+                                sid=self.sid, total=total, free=free, dirs=vols))
+                            self.replicator.taken_out(beat.stale or [])
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised

@@ -74,6 +74,19 @@ class DataPlane:
             self._clients[sid] = client
             return client
 
+    async def probe(self, sid: str, timeout: float) -> bool:
+        """Whether ``sid`` answers a ``statfs`` within ``timeout`` seconds (a client
+        reports a chain head it could not reach: is it really gone?)."""
+        with trio.move_on_after(timeout):
+            try:
+                await (await self._client(sid)).request(D.Statfs(), timeout=timeout)
+                return True
+            except OSError:
+                self.forget(sid)
+                return False
+        self.forget(sid)
+        return False
+
     async def call_servers(self, calls: Calls) -> dict[str, OSError]:
         """Run each server's calls in order, servers in parallel; errors by server."""
         errors: dict[str, OSError] = {}

@@ -49,6 +49,9 @@ from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 log = logging.getLogger(__name__)
 
 
+PROBE_TIMEOUT = 2.0  # seconds a chain head a client reports has to answer the metaserver
+
+
 class MetaService(RpcService):
     name = "meta"
     messages = M.REGISTRY
@@ -492,31 +495,37 @@ class MetaService(RpcService):
         # what it needs to check clients: the capability key, the generation floor
         # (capabilities from before this registration are stale for writing: it may have
         # restarted and lost its fences) and the node keys' data-plane keys
-        with self.store.read() as txn:  # chains it missed writes of: it serves none
-            stale = [c.cid for c in self.ns.chains.stale_on(txn, sid)]
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
-                               data_keys=self._data_keys, stale=stale or None)
+                               data_keys=self._data_keys, stale=self._stale_on(sid))
 
     async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
-        if ctx.identity is None or not ctx.identity.may_serve:
-            raise OSError(errno.EACCES, "chain_drop: only data servers report chain members")
         cid, sid = req.chain, req.sid
+        if ctx.identity is None or not ctx.identity.may_serve:
+            # a client that could not reach a chain's head: believed once it is confirmed
+            if await self.dataplane.probe(sid, PROBE_TIMEOUT):
+                raise OSError(errno.EAGAIN, f"chain_drop: data server {sid} answers; "
+                                            "try again")
         chain = await self.commit.mutate(lambda t: self.ns.chains.remove(t, cid, sid))
         return M.ChainReply(chain=chain.to_wire())
 
-    async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
+    def _stale_on(self, sid: str) -> list[int] | None:
+        """The chains ``sid`` was taken out of and is not back in (it serves none)."""
+        with self.store.read() as txn:
+            return [c.cid for c in self.ns.chains.stale_on(txn, sid)] or None
+
+    async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> M.HeartbeatReply:
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.sid, req.total, req.free
         if self.registry.heartbeat(sid, total, free, req.dirs):
-            return Empty()
+            return M.HeartbeatReply(stale=self._stale_on(sid))
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
         self.registry.register(sid, rec["host"], rec["port"], total, free, req.dirs)
-        return Empty()
+        return M.HeartbeatReply(stale=self._stale_on(sid))
 
 
 async def serve_meta(config: MetaConfig, *, store: Store | None = None,

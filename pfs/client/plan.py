@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar
 
 from pfs.core.layout import Layout, Piece, stripe_extents
 from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage
 
 T = TypeVar("T")
@@ -438,7 +439,18 @@ def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[P
     payload = srcs[0] if len(srcs) == 1 else srcs
     stripe = run[0].stripe
     msg = write_request(ino, stripe, run[0].obj_off, cap, layout)
-    return send(Send(layout.servers[stripe][0], msg, payload))
+    head = layout.servers[stripe][0]
+    try:
+        return (yield from send(Send(head, msg, payload)))
+    except OSError as exc:
+        cid, _ver = layout.chain_of(stripe)
+        if classify(exc) is not Failure.RECONNECT or not cid or len(msg.fwd or ()) == 0:
+            raise
+        # the head is gone: the metaserver (having checked) takes it out of the chain,
+        # and the write goes again to the new head
+        yield MetaCall(M.ChainDrop(chain=cid, sid=head))
+        raise OSError(D.CHAIN_STALE, f"chain {cid}: its head {head} is unreachable "
+                                     f"({exc.strerror or exc})") from exc
 
 
 MAX_REFRESH = 8  # layouts fetched again for one operation before its CHAIN_STALE stands
@@ -488,13 +500,46 @@ def sync(owner: Any, ino: int, layout: Layout, stripes: Iterable[int], cap: byte
          *, renew_due: bool = False) -> Plan[None]:
     """The objects of ``stripes``, on every replica, to stable storage: one request per
     server (batched like NFS's COMMIT), all at once; every one must answer."""
-    targets = sync_targets(layout, stripes)
-    if not targets:
-        return
+    stripes = sorted(set(stripes))
+    for attempt in range(MAX_REFRESH + 1):
+        targets = sync_targets(layout, stripes)
+        if not targets:
+            return
 
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([sync_server(sid, ino, ss, c) for sid, ss in targets.items()])
-    yield from with_cap(owner, cap, renew_due, body)
+        def body(c: bytes | None, lay: Layout = layout,
+                 ts: dict[str, list[int]] = targets) -> Plan[Any]:
+            return _all([_sync_member(lay, sid, ino, ss, c) for sid, ss in ts.items()])
+        try:
+            yield from with_cap(owner, cap, renew_due, body)
+            return
+        except OSError as exc:
+            if exc.errno != D.CHAIN_STALE or attempt == MAX_REFRESH:
+                raise
+        # a member was taken out: what the chains hold now is what must be synced
+        layout = yield Refresh(owner)
+        renew_due = False
+
+
+def _sync_member(layout: Layout, sid: str, ino: int, stripes: list[int],
+                 cap: bytes | None) -> Plan[Any]:
+    """:func:`sync_server`, and when ``sid`` cannot be reached and its chains have other
+    members: have the metaserver take it out of them (it checks), then CHAIN_STALE (the
+    sync goes again to the members left)."""
+    try:
+        return (yield from sync_server(sid, ino, stripes, cap))
+    except OSError as exc:
+        if classify(exc) is not Failure.RECONNECT:
+            raise
+        chains = {layout.chain_of(s)[0] for s in stripes
+                  if s < len(layout.servers) and len(layout.servers[s]) > 1}
+        chains.discard(0)
+        if not chains:
+            raise
+        for cid in sorted(chains):
+            yield MetaCall(M.ChainDrop(chain=cid, sid=sid))
+        raise OSError(D.CHAIN_STALE, f"data server {sid} is unreachable "
+                                     f"({exc.strerror or exc}): taken out of chains "
+                                     f"{sorted(chains)}") from exc
 
 
 def sync_server(sid: str, ino: int, stripes: list[int], cap: bytes | None) -> Plan[Any]:

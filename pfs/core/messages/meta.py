@@ -162,6 +162,11 @@ class RegisterReply(ReplyMessage):
                                        "not back in: it serves none of their objects")
 
 
+class HeartbeatReply(ReplyMessage):
+    stale: list[int] | None = List(Int(), default=None,
+                                   doc="as in `register`'s reply (absent: none)")
+
+
 class ChainReply(ReplyMessage):
     chain: list[Any] = List(doc="[chain id, version, [members, head first]]")
 
@@ -350,14 +355,15 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
 
 
 class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
-    note = ("data servers only: a chain member could not forward a write to `sid` (dead, "
-            "or no answer within the deadline): take it out of the chain (a new "
-            "version; it becomes stale). Idempotent; the chain as it is now")
+    note = ("a chain member could not forward a write to `sid` (dead, or no answer "
+            "within the deadline), or a client could not reach the head `sid` (the "
+            "metaserver checks: `EAGAIN` when it answers): take it out of the chain (a "
+            "new version; it becomes stale). Idempotent; the chain as it is now")
     chain: int = Int(lo=1)
     sid: str = Str(max_len=128)
 
 
-class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
+class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
     note = "data servers only"
     sid: str = Str(max_len=128)
     total: int = Int()

@@ -1,0 +1,197 @@
+"""Chain replication against real servers on loopback: one write order (replicas
+byte-identical after concurrent overlapping writers), degraded writes when a replica is
+killed mid-write (the write completes, the chain's version goes up), and a stale
+replica that comes back never serves its old bytes."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import pfs
+from pfs.core.layout import Layout
+from pfs.core.messages import data as D
+from pfs.tools import cluster
+from tests.conftest import run_threads
+
+UNIT = 1 << 20
+
+
+def _kill(d: Path, name: str) -> None:
+    pid = cluster.running(d)[name]
+    os.kill(pid, signal.SIGKILL)
+    while True:  # reap it (it is our child) or wait for it to go
+        try:
+            done, _ = os.waitpid(pid, 0)
+            if done == pid:
+                return
+        except ChildProcessError:
+            if not cluster._pid_alive(pid):
+                return
+
+
+def _sids(d: Path) -> dict[str, str]:
+    """sid -> the cluster's process name (data0, data1...)."""
+    out = {}
+    for ds in sorted((d / "data").glob("ds*")):
+        out[(ds / "server.id").read_text().strip()] = "data" + ds.name[2:]
+    return out
+
+
+def _replicas(d: Path, ino: int, stripe: int) -> list[Path]:
+    return sorted((d / "data").glob(f"ds*/objects/*/{ino}.{stripe}"))
+
+
+def _identical(d: Path, ino: int, stripes: int, replicas: int) -> None:
+    for stripe in range(stripes):
+        files = _replicas(d, ino, stripe)
+        assert len(files) == replicas, files
+        first = files[0].read_bytes()
+        for other in files[1:]:
+            assert other.read_bytes() == first, f"replicas of stripe {stripe} differ"
+
+
+def test_two_replicas_by_default_on_distinct_servers(client, workdir: str) -> None:
+    path = f"{workdir}/f"
+    client.write_file(path, b"x" * 100)
+    lay = Layout.from_wire(client.get_layout(path))
+    assert lay.replicas == 2 and len(lay.chains) == lay.count
+    for members in lay.servers:
+        assert len(set(members)) == 2
+
+
+def test_concurrent_overlapping_writers_leave_identical_replicas(
+        client, client_toml: Path, cluster_dir: Path, workdir: str) -> None:
+    path = f"{workdir}/f"
+    client.set_layout(workdir, count=2, unit=UNIT, replicas=2)
+    client.write_file(path, bytes(3 * UNIT))
+    ino = client.stat(path).st_ino
+    size = 3 * UNIT
+
+    def writer(i: int) -> None:
+        rng = random.Random(i)
+        with pfs.connect(config=client_toml) as c, c.open(path, "r+b") as f:
+            for _ in range(40):  # overlapping ranges, each writer its own byte
+                off = rng.randrange(0, size - 1)
+                n = min(rng.choice([100, 4096, 70_000, 300_000]), size - off)
+                f.pwrite(bytes([i + 1]) * n, off)
+
+    assert run_threads(writer, 4) == []
+    _identical(cluster_dir, ino, 2, 2)
+    # and a reader sees one of them
+    data = client.read_file(path)
+    assert len(data) == size and set(data) <= {0, 1, 2, 3, 4}
+
+
+def test_a_stale_chain_version_is_refused_with_its_own_errno(client, workdir: str) -> None:
+    path = f"{workdir}/f"
+    client.set_layout(workdir, count=1, unit=UNIT, replicas=2)
+    client.write_file(path, b"a" * 1000)
+    lay = Layout.from_wire(client.get_layout(path))
+    cid, ver = lay.chain_of(0)
+    ino = client.stat(path).st_ino
+    head = lay.servers[0][0]
+    with client.open(path, "r+b") as f:
+        cap = f.handle.cap
+        f.pwrite(b"b" * 10, 0)
+
+    async def call(msg: D.Write, payload: bytes) -> int:
+        res = await client.aio.data.send(head, msg, payload=payload)
+        return int(res.fields["n"])
+
+    # a version the head has not seen is newer: taken (the metaserver gave it)
+    assert client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid,
+                                            ver=ver + 5, fwd=list(lay.servers[0][1:])),
+                                    b"c")) == 1
+    with pytest.raises(OSError) as ei:  # and now the old one is stale
+        client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid, ver=ver,
+                                         fwd=list(lay.servers[0][1:])), b"d"))
+    assert ei.value.errno == D.CHAIN_STALE
+
+
+@pytest.mark.parametrize("victim", ["tail", "head"])
+def test_kill_9_of_a_replica_during_a_large_write(private_cluster: Path, victim: str) -> None:
+    toml = cluster.up(private_cluster, data_servers=2)
+    names = _sids(private_cluster)
+    data = random.Random(5).randbytes(48 * UNIT)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/r")
+        c.set_layout("/r", count=1, unit=UNIT, replicas=2)
+        c.write_file("/r/f", b"")
+        before = Layout.from_wire(c.get_layout("/r/f"))
+        cid, ver = before.chain_of(0)
+        gone = before.servers[0][1 if victim == "tail" else 0]
+        written = threading.Event()
+        errors: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                with c.open("/r/f", "r+b") as f:
+                    for off in range(0, len(data), UNIT):
+                        f.pwrite(data[off:off + UNIT], off)
+                        if off == 8 * UNIT:
+                            written.set()
+            except BaseException as exc:  # the test's assertion below reports it
+                errors.append(exc)
+                written.set()
+
+        t = threading.Thread(target=write)
+        t.start()
+        assert written.wait(60)
+        _kill(private_cluster, names[gone])
+        t.join(120)
+        assert not t.is_alive() and errors == []
+        assert c.read_file("/r/f") == data  # every byte, from the member left
+        after = Layout.from_wire(c.get_layout("/r/f"))
+        assert after.chain_of(0)[0] == cid and after.chain_of(0)[1] > ver
+        assert gone not in after.servers[0] and len(after.servers[0]) == 1
+
+
+def test_a_stale_replica_restarted_never_serves_old_bytes(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=2)
+    names = _sids(private_cluster)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/r")
+        c.set_layout("/r", count=1, unit=UNIT, replicas=2)
+        c.write_file("/r/f", b"old" * 1000)
+        old = Layout.from_wire(c.get_layout("/r/f"))
+        ino = c.stat("/r/f").st_ino
+        tail = old.servers[0][1]
+        _kill(private_cluster, names[tail])
+        with c.open("/r/f", "r+b") as f:  # the head finds the tail gone: taken out
+            f.pwrite(b"new" * 1000, 0)
+        assert tail not in Layout.from_wire(c.get_layout("/r/f")).servers[0]
+    cluster.up(private_cluster)  # the stale replica comes back, holding "old"
+    with pfs.connect(config=toml) as c:
+        with c.open("/r/f", "rb") as f:
+            cap = f.handle.cap
+
+        async def read_from_tail(ver: int | None) -> bytes:
+            buf = bytearray(3000)
+            cid = old.chain_of(0)[0] if ver is not None else None
+            await c.aio.data.send(tail, D.Read(obj=(ino, 0), off=0, len=3000, cap=cap,
+                                               chain=cid, ver=ver), into=memoryview(buf))
+            return bytes(buf)
+
+        deadline = time.monotonic() + 20
+        while True:  # it re-registers and learns it is stale
+            try:
+                got = c._run(lambda: read_from_tail(old.chain_of(0)[1]))
+            except OSError as exc:
+                assert exc.errno == D.CHAIN_STALE, exc
+                break
+            assert got != b"old" * 1000 or time.monotonic() < deadline, \
+                "the stale replica served its old bytes after registering"
+            time.sleep(0.1)
+        for ver in (None,):  # a read naming no chain is refused all the same
+            with pytest.raises(OSError) as ei:
+                c._run(lambda v=ver: read_from_tail(v))
+            assert ei.value.errno == D.CHAIN_STALE
+        assert c.read_file("/r/f") == b"new" * 1000
+    assert errno.EREMCHG == D.CHAIN_STALE
