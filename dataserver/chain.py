@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ DEAD_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
                          errno.ECONNABORTED, errno.EHOSTDOWN})
 META_TIMEOUT = 10.0
 COPY_CHUNK = 4 << 20  # bytes per request of a copy
+MAX_OBJ = (1 << 63) - 1  # the whole object, for its lock
 
 Apply = Callable[[tuple[int, int], int, Any], Awaitable[int]]
 
@@ -146,12 +148,17 @@ class Replicator:
         self.sid: str | None = None
         self.view: dict[int, int] = {}  # chain id -> newest version seen
         self.out: set[int] = set()  # chains this server was taken out of (stale here)
+        # False until the metaserver said which chains this server is stale in (at its
+        # registration): before that, a replica taken out while this server was down
+        # could be served; chained objects are refused meanwhile
+        self.ready = not peers.meta
 
     # -- what the metaserver says -------------------------------------------------
     def taken_out(self, chains: list[int]) -> None:
         """What the metaserver says at registration and each heartbeat: the chains this
         server missed writes of (it serves none of their objects until caught up)."""
         new = set(chains)
+        self.ready = True
         if new - self.out:
             log.warning("stale in chains %s: their objects are not served here until "
                         "caught up", sorted(new - self.out))
@@ -167,10 +174,15 @@ class Replicator:
     def check_read(self, obj: tuple[int, int], cid: int | None, ver: int | None) -> None:
         """CHAIN_STALE when this replica must not serve ``obj``: its chain is one this
         server was taken out of, or the reader's version is older than one seen."""
-        rec = self.store.chain_record(obj) if self.out else None
-        if rec is not None and rec[0] in self.out:
-            raise stale(f"this server was taken out of chain {rec[0]}")
+        rec = self.store.chain_record(obj) if self.out or not self.ready else None
+        if rec is not None and (rec[0] in self.out or not self.ready):
+            raise stale(f"this server was taken out of chain {rec[0]}" if self.ready else
+                        "this server has not registered with the metaserver since it "
+                        "started (it may have missed writes)")
         if cid:
+            if not self.ready:
+                raise stale("this server has not registered with the metaserver since it "
+                            "started (it may have missed writes)")
             if cid in self.out:
                 raise stale(f"this server was taken out of chain {cid}")
             if ver is not None and ver < self.view.get(cid, 0):
@@ -190,6 +202,8 @@ class Replicator:
                 raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
         bl = ck.blocks(off, len(data))
         async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
+            if cid and ver < self.view.get(cid, 0):  # changed while this write waited
+                raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
             rec = self.store.chain_record(obj) if cid else None
             held = rec if rec is not None and rec[0] == cid else None
             if held is not None and held[1] > ver:
@@ -232,6 +246,67 @@ class Replicator:
             raise stale(f"this server is no longer in chain {cid}")
         self._saw(cid, new_ver)
         return int(new_ver), list(members[members.index(self.sid) + 1:])
+
+
+    # -- catch-up ----------------------------------------------------------------
+    async def catch_up(self, cid: int, ver: int, target: str) -> int:
+        """Copy every object of chain ``cid`` held here to ``target``, which joined the
+        chain at version ``ver``: from now on writes naming an older version are refused
+        (their clients fetch the chain with ``target`` in it, so their writes reach it),
+        and each object is copied under its whole-object lock, after the writes before
+        it. The objects copied."""
+        self._saw(cid, ver)
+        copied = 0
+        after: tuple[int, int] | None = None
+        while True:
+            page, end = await trio.to_thread.run_sync(self.store.list_objects, after, 1024)
+            for ino, stripe, _size, _alloc in page:
+                obj = (ino, stripe)
+                after = obj
+                rec = self.store.chain_record(obj)
+                if rec is not None and rec[0] == cid:
+                    await self.copy_to(obj, target)
+                    copied += 1
+            if end or not page:
+                return copied
+
+    async def copy_to(self, obj: tuple[int, int], target: str) -> int:
+        """Copy this replica of ``obj`` whole to data server ``target`` (``install``),
+        with its chain record; the bytes copied. What catch-up and repair call."""
+        async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
+            got = self.store.acquire(obj)
+            if got is None:
+                return 0
+            fd, release = got
+            try:
+                rec = self.store.chain_record(obj) or (0, 0, 0)
+                size = os.fstat(fd).st_size
+
+                async def read_from(off: int, n: int) -> bytes:
+                    return await trio.to_thread.run_sync(os.pread, fd, n, off)
+
+                async def send(off: int, chunk: bytes, last: bool) -> None:
+                    await self.peers.request(target, D.Install(
+                        obj=obj, off=off, size=size, chain=rec[0] or 1, ver=rec[1],
+                        seq=rec[2], last=last), payload=chunk or None, timeout=META_TIMEOUT)
+
+                return await copy_object(read_from, size, send)
+            finally:
+                release()
+
+    async def install(self, req: D.Install, apply: Apply) -> int:
+        """A piece of a copy from the head (``copy_to``), under the whole object's lock."""
+        obj = req.obj
+        async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
+            if req.off == 0:
+                self.store.truncate(obj, 0)
+            n = await apply(obj, req.off, req.payload) if req.payload else 0
+            if req.last:
+                self.store.truncate(obj, req.size)
+                if req.size or self.store.chain_record(obj) is not None:
+                    self.store.set_chain_record(obj, (req.chain, req.ver, req.seq))
+                self._saw(req.chain, req.ver)
+        return n
 
 
 async def copy_object(read_from: Callable[[int, int], Awaitable[bytes]], size: int,

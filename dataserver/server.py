@@ -408,6 +408,20 @@ class DataService(RpcService):
         self.unsynced.add(obj)
         return n
 
+    async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CountReply:
+        cap = self._cap(ctx, req, caps.ADMIN, (0, 0))
+        if cap is not None and cap.ino != 0:
+            raise OSError(errno.EACCES, "capability refused: catch_up needs one for every "
+                                        "object")
+        return D.CountReply(n=await self.replicator.catch_up(req.chain, req.ver, req.target))
+
+    async def rpc_install(self, ctx: ConnContext, req: D.Install) -> D.CountReply:
+        if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):
+            raise OSError(errno.EACCES, "install: only data servers copy objects here")
+        n = await self.replicator.install(req, self._apply_locked)
+        self.unsynced.add(req.obj)
+        return D.CountReply(n=n)
+
     async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
         obj, size = req.obj, req.size
         cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True)

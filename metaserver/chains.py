@@ -115,16 +115,37 @@ class ChainTable:
                     new.version, list(new.members))
         return new
 
-    def add(self, txn: Txn, cid: int, sid: str) -> Chain:
-        """Put ``sid`` back at the tail of chain ``cid`` (it was caught up first)."""
+    def add(self, txn: Txn, cid: int, sid: str, caught_up: bool = True) -> Chain:
+        """Put ``sid`` at the tail of chain ``cid``. ``caught_up`` False: it *joins*
+        (writes are forwarded to it, it stays stale, serving nothing, until
+        :meth:`caught_up`: the copy of the chain's objects goes on meanwhile)."""
         chain = self._need(txn, cid)
         if sid in chain.members:
+            return self.caught_up(txn, cid, sid) if caught_up else chain
+        stale = chain.stale if not caught_up else tuple(s for s in chain.stale if s != sid)
+        if not caught_up and sid not in stale:
+            stale = (*stale, sid)
+        new = Chain(cid, chain.version + 1, (*chain.members, sid), stale)
+        self._put(txn, new)
+        log.info("chain %d: %s %s, version %d", cid, sid,
+                 "added" if caught_up else "joining", new.version)
+        return new
+
+    def caught_up(self, txn: Txn, cid: int, sid: str) -> Chain:
+        """``sid``, a member, holds every object of chain ``cid`` now: it serves again.
+        (No new version: the members did not change.)"""
+        chain = self._need(txn, cid)
+        if sid not in chain.stale or sid not in chain.members:
             return chain
-        new = Chain(cid, chain.version + 1, (*chain.members, sid),
+        new = Chain(cid, chain.version, chain.members,
                     tuple(s for s in chain.stale if s != sid))
         self._put(txn, new)
-        log.info("chain %d: %s added, version %d", cid, sid, new.version)
+        log.info("chain %d: %s caught up", cid, sid)
         return new
+
+    def joining(self, chain: Chain) -> tuple[str, ...]:
+        """Members still being caught up (stale: they serve nothing yet)."""
+        return tuple(m for m in chain.members if m in chain.stale)
 
     def set_members(self, txn: Txn, cid: int, members: tuple[str, ...]) -> Chain:
         """Any other change (repair, drain): the new members, head first; members

@@ -87,6 +87,13 @@ class DataPlane:
         self.forget(sid)
         return False
 
+    async def request(self, sid: str, build: Callable[..., RequestMessage],
+                      timeout: float) -> Any:
+        """One request to ``sid`` with an admin capability for every object (inode 0),
+        waiting up to ``timeout`` seconds (a catch-up copies a whole chain)."""
+        cap, _ = self._signer.issue(0, caps.ADMIN, ttl=timeout * 2, sid=sid)
+        return await (await self._client(sid)).request(build(cap=cap), timeout=timeout)
+
     async def call_servers(self, calls: Calls) -> dict[str, OSError]:
         """Run each server's calls in order, servers in parallel; errors by server."""
         errors: dict[str, OSError] = {}

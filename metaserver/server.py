@@ -37,6 +37,7 @@ from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.metaserver import keys as K
+from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, dry_run
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
@@ -93,6 +94,10 @@ class MetaService(RpcService):
                             deleting=self._deleting_objects)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
         self.deleter = Deleter(store, self.ns, self.commit, self.dataplane)
+        # stale chain members that are up again: joined, copied to, serving (catchup.py)
+        self.catchup = CatchUp(store, self.commit, self.ns.chains,
+                               lambda sid: self.registry.address(sid) is not None,
+                               self.dataplane)
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -104,6 +109,7 @@ class MetaService(RpcService):
                 await nursery.start(self.dataplane.run, name="meta-dataplane")
                 nursery.start_soon(self.commit.run, name="meta-writer")
                 nursery.start_soon(self.deleter.run, name="meta-deleter")
+                nursery.start_soon(self.catchup.run, name="meta-catchup")
                 task_status.started()
         finally:
             self.commit.close()

@@ -153,14 +153,18 @@ def test_kill_9_of_a_replica_during_a_large_write(private_cluster: Path, victim:
         assert gone not in after.servers[0] and len(after.servers[0]) == 1
 
 
-def test_a_stale_replica_restarted_never_serves_old_bytes(private_cluster: Path) -> None:
+def test_a_stale_replica_restarted_never_serves_old_bytes_and_is_caught_up(
+        private_cluster: Path) -> None:
     toml = cluster.up(private_cluster, data_servers=2)
     names = _sids(private_cluster)
     with pfs.connect(config=toml) as c:
         c.mkdir("/r")
         c.set_layout("/r", count=1, unit=UNIT, replicas=2)
         c.write_file("/r/f", b"old" * 1000)
+        c.write_file("/r/g", b"G" * 5000)  # a second file on the same chain
         old = Layout.from_wire(c.get_layout("/r/f"))
+        cid = old.chain_of(0)[0]
+        assert Layout.from_wire(c.get_layout("/r/g")).chain_of(0)[0] == cid  # reused
         ino = c.stat("/r/f").st_ino
         tail = old.servers[0][1]
         _kill(private_cluster, names[tail])
@@ -174,24 +178,29 @@ def test_a_stale_replica_restarted_never_serves_old_bytes(private_cluster: Path)
 
         async def read_from_tail(ver: int | None) -> bytes:
             buf = bytearray(3000)
-            cid = old.chain_of(0)[0] if ver is not None else None
             await c.aio.data.send(tail, D.Read(obj=(ino, 0), off=0, len=3000, cap=cap,
-                                               chain=cid, ver=ver), into=memoryview(buf))
+                                               chain=cid if ver is not None else None,
+                                               ver=ver), into=memoryview(buf))
             return bytes(buf)
 
-        deadline = time.monotonic() + 20
-        while True:  # it re-registers and learns it is stale
+        refused = 0
+        deadline = time.monotonic() + 30
+        while True:  # refused while stale; then caught up (copied from the head)
+            ver = Layout.from_wire(c.get_layout("/r/f")).chain_of(0)[1]
             try:
-                got = c._run(lambda: read_from_tail(old.chain_of(0)[1]))
+                got = c._run(lambda v=ver: read_from_tail(v))
             except OSError as exc:
                 assert exc.errno == D.CHAIN_STALE, exc
-                break
-            assert got != b"old" * 1000 or time.monotonic() < deadline, \
-                "the stale replica served its old bytes after registering"
-            time.sleep(0.1)
-        for ver in (None,):  # a read naming no chain is refused all the same
-            with pytest.raises(OSError) as ei:
-                c._run(lambda v=ver: read_from_tail(v))
-            assert ei.value.errno == D.CHAIN_STALE
+                refused += 1
+                assert time.monotonic() < deadline, "never caught up"
+                time.sleep(0.1)
+                continue
+            assert got == b"new" * 1000, "a stale replica served its old bytes"
+            break
+        assert refused, "the restarted replica was never refused (it was not stale?)"
+        lay = Layout.from_wire(c.get_layout("/r/f"))
+        assert lay.servers[0][-1] == tail and lay.chain_of(0)[1] > old.chain_of(0)[1]
         assert c.read_file("/r/f") == b"new" * 1000
+        _identical(private_cluster, ino, 1, 2)
+        _identical(private_cluster, c.stat("/r/g").st_ino, 1, 2)
     assert errno.EREMCHG == D.CHAIN_STALE

@@ -209,3 +209,30 @@ class ListObjects(DataRequest, method="list_objects", reply=ListObjectsReply):
     after: ObjId | None = _after()
     limit: int = Int(default=4096, lo=1, hi=MAX_LIST, doc=f"at most {MAX_LIST}")
     cap: Any = _cap("bytes, scan")
+
+
+# ------------------------------------------------------------------ chains: catch-up
+class CatchUp(DataRequest, method="catch_up", reply=CountReply):
+    note = ("the metaserver to a chain's head: copy every object of chain `chain` held "
+            "here to `target` (a member joining the chain again), each under its "
+            "whole-object lock; `n`: objects copied. A capability with ADMIN for inode 0")
+    chain: int = Int(lo=1, hi=MAX_ID - 1)
+    ver: int = Int(lo=0, hi=MAX_ID - 1, doc="the chain's version with `target` in it: "
+                                          "writes naming an older one are refused from now")
+    target: str = Str(max_len=128)
+    cap: Any = _cap("bytes, admin")
+
+
+class Install(DataRequest, method="install", reply=CountReply):
+    note = ("data servers only (the head of a catch-up): a piece of a whole object's "
+            "copy. `off` 0 empties the object first; `last` cuts it to `size` and "
+            "records the chain version")
+    payload_doc = "the bytes at `off`"
+    obj: ObjId = Obj()
+    off: int = _offset()
+    size: int = _offset()
+    chain: int = Int(lo=1, hi=MAX_ID - 1)
+    ver: int = Int(lo=0, hi=MAX_ID - 1)
+    seq: int = Int(lo=0, hi=MAX_ID - 1)
+    last: bool = Bool(default=False)
+    payload: Any = Payload(default=None)
