@@ -189,8 +189,9 @@ class Replicator:
                 raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
 
     # -- writes ------------------------------------------------------------------
-    async def write(self, req: D.Write, apply: Apply) -> int:
-        """Apply ``req`` here and pass it down the chain; the bytes written here."""
+    async def write(self, req: D.Write, apply: Apply) -> tuple[int, int | None]:
+        """Apply ``req`` here and pass it down the chain; the bytes written here, and
+        the chain's version when it changed meanwhile (else None)."""
         obj, off, data = req.obj, req.off, req.payload
         cid, ver = req.chain or 0, req.ver or 0
         if cid:
@@ -234,7 +235,7 @@ class Replicator:
                 self._saw(cid, ver)
                 self.store.set_chain_record(
                     obj, (cid, ver, max(seq, held[2] if held else 0)))
-        return n
+        return n, (ver if cid and ver != (req.ver or 0) else None)
 
     async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
         """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the

@@ -374,7 +374,8 @@ class DataService(RpcService):
         if off + len(data) > MAX_ID:
             raise OSError(errno.EFBIG, f"write: {off}+{len(data)} beyond the largest object")
         if req.chain or req.fwd:  # the chain's order: under the blocks' lock, down the chain
-            return D.CountReply(n=await self.replicator.write(req, self._apply_locked))
+            n, ver = await self.replicator.write(req, self._apply_locked)
+            return D.CountReply(n=n, ver=ver)
         return D.CountReply(n=await self._apply(obj, off, data, locked=False))
 
     async def _apply_locked(self, obj: tuple[int, int], off: int, data: Any) -> int:

@@ -100,7 +100,7 @@ class BlockingDriver:
     def _local_read(self, effect: LocalRead) -> list[int]:
         return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)  # type: ignore[no-any-return]
 
-    def _send(self, effect: Send) -> int:
+    def _send(self, effect: Send) -> Any:
         if self.data is None or type(effect.into) is list or type(effect.payload) is list:
             raise HandOver("scattered requests are the trio driver's")
         msg = effect.msg
@@ -108,6 +108,8 @@ class BlockingDriver:
             fields, n = self.data.send(effect.sid, msg, payload=effect.payload,
                                        into=effect.into)
             parse_reply(msg, fields)  # checked: EPROTO when it does not fit
+            if effect.reply:
+                return fields
             crcs = fields.get("crcs")
             if crcs is None:
                 return n

@@ -94,6 +94,7 @@ class Send:
     msg: RequestMessage
     payload: Any = None
     into: Any = None
+    reply: bool = False  # the result is the reply's fields, not the bytes received
 
 
 @dataclass(slots=True)
@@ -441,7 +442,7 @@ def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[P
     msg = write_request(ino, stripe, run[0].obj_off, cap, layout)
     head = layout.servers[stripe][0]
     try:
-        return (yield from send(Send(head, msg, payload)))
+        return (yield from send(Send(head, msg, payload, reply=True)))
     except OSError as exc:
         cid, _ver = layout.chain_of(stripe)
         if classify(exc) is not Failure.RECONNECT or not cid or len(msg.fwd or ()) == 0:
@@ -465,13 +466,17 @@ def write(owner: Any, ino: int, layout: Layout, off: int, data: memoryview,
             return _all([write_run(ino, lay, off, data, run, c)
                          for run in runs(lay, off, len(data))])
         try:
-            yield from with_cap(owner, cap, renew_due, body)
-            return
+            got = yield from with_cap(owner, cap, renew_due, body)
         except OSError as exc:
             if exc.errno != D.CHAIN_STALE or attempt == MAX_REFRESH:
                 raise
-        layout = yield Refresh(owner)
-        renew_due = False
+            layout = yield Refresh(owner)
+            renew_due = False
+            continue
+        if owner is not None and any(isinstance(r, dict) and r.get("ver") is not None
+                                     for r in got):
+            yield Refresh(owner)  # a chain changed under this write: the close syncs
+        return
 
 
 def stripes_of(layout: Layout, off: int, length: int) -> range | tuple[int, ...]:

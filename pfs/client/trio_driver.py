@@ -73,6 +73,8 @@ class TrioDriver:
                 r = await self.data.send(effect.sid, msg, payload=effect.payload,
                                          into=effect.into)
                 parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
+                if effect.reply:
+                    return r.fields
                 crcs = r.fields.get("crcs")
                 if crcs is None:
                     return r.nbytes

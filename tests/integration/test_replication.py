@@ -204,3 +204,43 @@ def test_a_stale_replica_restarted_never_serves_old_bytes_and_is_caught_up(
         _identical(private_cluster, ino, 1, 2)
         _identical(private_cluster, c.stat("/r/g").st_ino, 1, 2)
     assert errno.EREMCHG == D.CHAIN_STALE
+
+
+def test_a_hung_replica_is_taken_out_after_the_forward_deadline(private_cluster: Path) -> None:
+    toml = cluster.up(private_cluster, data_servers=2, data_args=["--forward-timeout", "1"])
+    names = _sids(private_cluster)
+    data = random.Random(9).randbytes(4 * UNIT)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/r")
+        c.set_layout("/r", count=1, unit=UNIT, replicas=2)
+        c.write_file("/r/f", b"")
+        before = Layout.from_wire(c.get_layout("/r/f"))
+        tail = before.servers[0][1]
+        pid = cluster.running(private_cluster)[names[tail]]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with c.open("/r/f", "r+b") as f:
+                t0 = time.monotonic()
+                f.pwrite(data, 0)  # the head waits 1 s for the tail, then goes on
+                assert time.monotonic() - t0 < 10
+                after = Layout.from_wire(c.get_layout("/r/f"))
+                assert after.servers[0] == (before.servers[0][0],)
+                assert after.chain_of(0)[1] > before.chain_of(0)[1]
+                t0 = time.monotonic()
+            # the write's reply said the chain changed: the close syncs the head alone
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert c.read_file("/r/f") == data
+        ino = c.stat("/r/f").st_ino
+        deadline = time.monotonic() + 30
+        while tail not in Layout.from_wire(c.get_layout("/r/f")).servers[0]:
+            assert time.monotonic() < deadline, "the resumed replica was never caught up"
+            time.sleep(0.2)
+        while True:  # joining, then caught up: the copy
+            try:
+                _identical(private_cluster, ino, 1, 2)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, "the replicas never became identical"
+                time.sleep(0.2)

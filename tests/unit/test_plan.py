@@ -39,6 +39,7 @@ class FakeCluster:
         self.local_reads: list[int] = []
         self.syncs: list[tuple[str, list[int]]] = []  # (sid, stripes) per sync request
         self.refreshed: list[Layout] = []  # what each Refresh returns, in turn
+        self.write_ver: int | None = None  # a head's reply: the chain changed meanwhile
 
     def store(self, data: bytes) -> None:
         """Lay ``data`` out as a file on every replica."""
@@ -129,7 +130,7 @@ class FakeCluster:
                 if len(obj) < off + len(data):
                     obj.extend(bytes(off + len(data) - len(obj)))
                 obj[off:off + len(data)] = data
-            return 0
+            return {"n": len(data), "ver": self.write_ver} if eff.reply else 0
         return 0
 
 
@@ -574,6 +575,9 @@ def test_a_stale_chain_version_refreshes_the_layout_and_writes_again() -> None:
     assert [(s, m) for s, m, _ in cl.log] == [("a", "write"), ("a", "write"),
                                               ("c", "forwarded")]
     assert bytes(cl.objects[("c", 0)]) == b"abc"
+    cl.write_ver, cl.refreshed = 4, [now]  # a member taken out during the write
+    cl.run(plan.write(object(), INO, now, 0, memoryview(b"abc"), b"c"))
+    assert cl.refreshed == []  # the layout was fetched again (the close syncs it)
     first = plan.write(None, INO, now, 0, memoryview(b"abc"), b"c").send(None)
     assert isinstance(first.msg, D.Write)
     assert (first.msg.chain, first.msg.ver, first.msg.fwd) == (5, 3, ["c"])

@@ -47,6 +47,9 @@ class DataRequest(RequestMessage, registry=REGISTRY):
 # ------------------------------------------------------------------ replies
 class CountReply(ReplyMessage):
     n: int = Int()
+    ver: int | None = Int(default=None, doc="a write's chain changed while it went down the "
+                                          "chain (a member taken out): the version it "
+                                          "finished under (the writer fetches the layout)")
 
 
 class ReadReply(ReplyMessage):
