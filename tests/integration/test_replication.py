@@ -244,3 +244,36 @@ def test_a_hung_replica_is_taken_out_after_the_forward_deadline(private_cluster:
             except AssertionError:
                 assert time.monotonic() < deadline, "the replicas never became identical"
                 time.sleep(0.2)
+
+
+def test_replicas_go_to_distinct_failure_domains(private_cluster: Path) -> None:
+    """Two servers on this host (its address is their domain) and two that say they are
+    in rack "b": every chain has one of each."""
+    toml = cluster.up(private_cluster, data_servers=2)
+    spec = cluster.load_spec(private_cluster)
+    assert spec is not None
+    for i in (2, 3):
+        ddir = private_cluster / "data" / f"ds{i}"
+        ddir.mkdir(parents=True)
+        cluster._start(private_cluster, f"data{i}", [
+            "pfs.dataserver", "--key-file", str(private_cluster / "keys" / "cluster.key"),
+            "--dir", str(ddir), "--port", "0", "--meta", f"127.0.0.1:{spec.meta_port}",
+            "--domain", "b"])
+    rack_b = {sid for sid, name in _sids(private_cluster).items()
+              if name in ("data2", "data3")}
+    with pfs.connect(config=toml) as c:
+        deadline = time.monotonic() + 20
+        c.mkdir("/r")
+        c.set_layout("/r", count=2, unit=UNIT, replicas=2)
+        while True:  # until all four registered
+            c.write_file("/r/probe", b"")
+            lay = Layout.from_wire(c.get_layout("/r/probe"))
+            if len({s for m in lay.servers for s in m}) == 4 or time.monotonic() > deadline:
+                break
+            c.remove("/r/probe")
+            time.sleep(0.2)
+        for n in range(12):
+            c.write_file(f"/r/f{n}", b"x")
+            for members in Layout.from_wire(c.get_layout(f"/r/f{n}")).servers:
+                assert len(members) == 2
+                assert len(set(members) & rack_b) == 1, members
