@@ -199,6 +199,11 @@ class Replicator:
             # and the catch-up copy comes after it in the head's order)
             if cid in self.out and not req.seq:
                 raise stale(f"this server was taken out of chain {cid}")
+            if ver > self.view.get(cid, 0) and not req.seq:
+                await self.learn(cid)  # a client's word is not taken: the metaserver's
+                if ver > self.view.get(cid, 0):
+                    raise stale(f"chain {cid} is at version {self.view.get(cid, 0)}, "
+                                f"not {ver}")
             if ver < self.view.get(cid, 0):
                 raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
         bl = ck.blocks(off, len(data))
@@ -236,6 +241,15 @@ class Replicator:
                 self.store.set_chain_record(
                     obj, (cid, ver, max(seq, held[2] if held else 0)))
         return n, (ver if cid and ver != (req.ver or 0) else None)
+
+    async def learn(self, cid: int) -> None:
+        """The chain's version now, from the metaserver (a client named one newer than
+        this server had seen: after a membership change, or after a restart)."""
+        reply = await self.peers.meta_request(M.GetChain(chain=cid))
+        _cid, ver, members = reply.chain
+        if self.sid not in members:
+            raise stale(f"this server is not in chain {cid}")
+        self._saw(cid, int(ver))
 
     async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
         """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 INTERVAL = 2.0  # seconds between passes over the stale members
 COPY_TIMEOUT = 3600.0  # seconds one chain's copy may take
+PROBE_TIMEOUT = 2.0  # seconds a stale member has to answer before it joins again
 
 
 class CatchUp:
@@ -68,14 +69,22 @@ class CatchUp:
         return done
 
     async def bring_back(self, cid: int, sid: str) -> None:
+        # up by its last heartbeat is not enough (it may have died since): it answers
+        if not await self.dataplane.probe(sid, PROBE_TIMEOUT):
+            return
         chain = await self.commit.mutate(lambda t: self.chains.add(t, cid, sid,
                                                                    caught_up=False))
         head = chain.members[0]
         if head == sid:  # no other member holds the chain's data: nothing to copy from
             log.error("chain %d: %s is its only member, stale; not served", cid, sid)
             return
-        reply = await self.dataplane.request(
-            head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid),
-            COPY_TIMEOUT)
+        try:
+            reply = await self.dataplane.request(
+                head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid),
+                COPY_TIMEOUT)
+        except OSError:
+            # out again, still stale: writes must not wait on a member that failed
+            await self.commit.mutate(lambda t: self.chains.remove(t, cid, sid))
+            raise
         await self.commit.mutate(lambda t: self.chains.caught_up(t, cid, sid))
         log.info("chain %d: %s caught up from %s (%d objects)", cid, sid, head, reply.n)

@@ -505,6 +505,15 @@ class MetaService(RpcService):
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
                                data_keys=self._data_keys, stale=self._stale_on(sid))
 
+    async def rpc_get_chain(self, ctx: ConnContext, req: M.GetChain) -> M.ChainReply:
+        if ctx.identity is None or not ctx.identity.may_serve:
+            raise OSError(errno.EACCES, "get_chain: data servers only")
+        with self.store.read() as txn:
+            chain = self.ns.chains.get(txn, req.chain)
+        if chain is None:
+            raise OSError(errno.ENOENT, f"no chain {req.chain}")
+        return M.ChainReply(chain=chain.to_wire())
+
     async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
         cid, sid = req.chain, req.sid
         if ctx.identity is None or not ctx.identity.may_serve:

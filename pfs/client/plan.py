@@ -449,7 +449,10 @@ def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[P
             raise
         # the head is gone: the metaserver (having checked) takes it out of the chain,
         # and the write goes again to the new head
-        yield MetaCall(M.ChainDrop(chain=cid, sid=head))
+        try:
+            yield MetaCall(M.ChainDrop(chain=cid, sid=head))
+        except OSError:  # it answers the metaserver, or is the last member: as it was
+            raise exc from None
         raise OSError(D.CHAIN_STALE, f"chain {cid}: its head {head} is unreachable "
                                      f"({exc.strerror or exc})") from exc
 
@@ -540,8 +543,11 @@ def _sync_member(layout: Layout, sid: str, ino: int, stripes: list[int],
         chains.discard(0)
         if not chains:
             raise
-        for cid in sorted(chains):
-            yield MetaCall(M.ChainDrop(chain=cid, sid=sid))
+        try:
+            for cid in sorted(chains):
+                yield MetaCall(M.ChainDrop(chain=cid, sid=sid))
+        except OSError:  # it answers the metaserver, or is the last member: as it was
+            raise exc from None
         raise OSError(D.CHAIN_STALE, f"data server {sid} is unreachable "
                                      f"({exc.strerror or exc}): taken out of chains "
                                      f"{sorted(chains)}") from exc

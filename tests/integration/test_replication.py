@@ -105,13 +105,17 @@ def test_a_stale_chain_version_is_refused_with_its_own_errno(client, workdir: st
         res = await client.aio.data.send(head, msg, payload=payload)
         return int(res.fields["n"])
 
-    # a version the head has not seen is newer: taken (the metaserver gave it)
+    fwd = list(lay.servers[0][1:])
+    # a newer version than the metaserver's is not believed (the head asks it)
+    with pytest.raises(OSError) as ei:
+        client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid,
+                                         ver=ver + 5, fwd=fwd), b"c"))
+    assert ei.value.errno == D.CHAIN_STALE
     assert client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid,
-                                            ver=ver + 5, fwd=list(lay.servers[0][1:])),
-                                    b"c")) == 1
-    with pytest.raises(OSError) as ei:  # and now the old one is stale
-        client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid, ver=ver,
-                                         fwd=list(lay.servers[0][1:])), b"d"))
+                                            ver=ver, fwd=fwd), b"c")) == 1
+    with pytest.raises(OSError) as ei:  # and an older one is stale
+        client._run(lambda: call(D.Write(obj=(ino, 0), off=0, cap=cap, chain=cid,
+                                         ver=ver - 1, fwd=fwd), b"d"))
     assert ei.value.errno == D.CHAIN_STALE
 
 
@@ -127,7 +131,7 @@ def test_kill_9_of_a_replica_during_a_large_write(private_cluster: Path, victim:
         before = Layout.from_wire(c.get_layout("/r/f"))
         cid, ver = before.chain_of(0)
         gone = before.servers[0][1 if victim == "tail" else 0]
-        written = threading.Event()
+        written, killed = threading.Event(), threading.Event()
         errors: list[BaseException] = []
 
         def write() -> None:
@@ -135,8 +139,9 @@ def test_kill_9_of_a_replica_during_a_large_write(private_cluster: Path, victim:
                 with c.open("/r/f", "r+b") as f:
                     for off in range(0, len(data), UNIT):
                         f.pwrite(data[off:off + UNIT], off)
-                        if off == 8 * UNIT:
+                        if off == 8 * UNIT:  # the rest goes after the kill
                             written.set()
+                            killed.wait(60)
             except BaseException as exc:  # the test's assertion below reports it
                 errors.append(exc)
                 written.set()
@@ -145,6 +150,7 @@ def test_kill_9_of_a_replica_during_a_large_write(private_cluster: Path, victim:
         t.start()
         assert written.wait(60)
         _kill(private_cluster, names[gone])
+        killed.set()
         t.join(120)
         assert not t.is_alive() and errors == []
         assert c.read_file("/r/f") == data  # every byte, from the member left
@@ -161,10 +167,15 @@ def test_a_stale_replica_restarted_never_serves_old_bytes_and_is_caught_up(
         c.mkdir("/r")
         c.set_layout("/r", count=1, unit=UNIT, replicas=2)
         c.write_file("/r/f", b"old" * 1000)
-        c.write_file("/r/g", b"G" * 5000)  # a second file on the same chain
         old = Layout.from_wire(c.get_layout("/r/f"))
         cid = old.chain_of(0)[0]
-        assert Layout.from_wire(c.get_layout("/r/g")).chain_of(0)[0] == cid  # reused
+        for n in range(20):  # a second file on the same chain (placement reuses it)
+            c.write_file(f"/r/g{n}", b"G" * 5000)
+            if Layout.from_wire(c.get_layout(f"/r/g{n}")).chain_of(0)[0] == cid:
+                other = f"/r/g{n}"
+                break
+        else:
+            raise AssertionError("placement never reused the chain of /r/f")
         ino = c.stat("/r/f").st_ino
         tail = old.servers[0][1]
         _kill(private_cluster, names[tail])
@@ -202,7 +213,7 @@ def test_a_stale_replica_restarted_never_serves_old_bytes_and_is_caught_up(
         assert lay.servers[0][-1] == tail and lay.chain_of(0)[1] > old.chain_of(0)[1]
         assert c.read_file("/r/f") == b"new" * 1000
         _identical(private_cluster, ino, 1, 2)
-        _identical(private_cluster, c.stat("/r/g").st_ino, 1, 2)
+        _identical(private_cluster, c.stat(other).st_ino, 1, 2)
     assert errno.EREMCHG == D.CHAIN_STALE
 
 

@@ -363,6 +363,12 @@ class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
     sid: str = Str(max_len=128)
 
 
+class GetChain(MetaRequest, method="get_chain", reply=ChainReply):
+    note = ("data servers only: a chain as it is now (a client named a version newer than "
+            "the server had seen)")
+    chain: int = Int(lo=1)
+
+
 class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
     note = "data servers only"
     sid: str = Str(max_len=128)
