@@ -220,14 +220,16 @@ class Replicator:
             while fwd:
                 nxt = D.Write(obj=obj, off=off, cap=req.cap, chain=cid or None,
                               ver=ver if cid else None, fwd=fwd[1:] or None, seq=seq)
+                # each member waits one deadline per member after it: the one next to
+                # a hung member gives up (and reports it) before those above it do
+                wait = self.forward_timeout * len(fwd)
                 try:
-                    with trio.fail_after(self.forward_timeout):
+                    with trio.fail_after(wait):
                         await self.peers.request(fwd[0], nxt, payload=data)
                     break
                 except trio.TooSlowError:
                     err = OSError(errno.ETIMEDOUT, f"data server {fwd[0]} did not take a "
-                                                   f"forwarded write within "
-                                                   f"{self.forward_timeout} s")
+                                                   f"forwarded write within {wait} s")
                     self.peers.forget(fwd[0])
                 except OSError as exc:
                     if exc.errno not in DEAD_ERRNOS:
