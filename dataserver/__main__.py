@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
     p.add_argument("--no-checksums", action="store_true",
                    help="MEASUREMENT ONLY: keep no block checksums (objects written so "
                         "read unchecked)")
+    p.add_argument("--domain", help="failure domain (a rack label; default: the host)")
+    p.add_argument("--forward-timeout", type=float, metavar="S",
+                   help="seconds a chain member waits for the next before reporting it")
     p.add_argument("--insecure-skip-caps", action="store_true",
                    help="TEST ONLY: do not check capabilities (the benchmark's off switch)")
     args = p.parse_args(argv)
@@ -57,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                                    ("key_file", args.key_file),
                                    ("scrub_rate", args.scrub_rate),
                                    ("metrics_port", args.metrics_port),
+                                   ("domain", args.domain),
+                                   ("forward_timeout", args.forward_timeout),
                                    ("checksums", False if args.no_checksums else None))
                  if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)

@@ -20,6 +20,12 @@ an older one that needs more than a stamp, is refused (naming ``pfs admin migrat
 formats were recorded (format 0) and is stamped on open rather than refused: format 1 is
 format 0 plus that file, which older servers ignore, so nothing is lost and an older
 server still opens it. Objects themselves carry no format.
+
+Each replica of a chained object records, in its extended attribute ``user.pfs.chain``,
+the chain it belongs to, the chain version of the last write (or catch-up) it holds and
+that write's sequence number (three little-endian u64): what tells a stale replica from
+a current one (docs/architecture.md "Replication"). It lives with the file, so it
+survives a restart and goes with a copy.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import errno
 import heapq
 import logging
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +51,10 @@ FORMAT_FILE = "FORMAT"
 MAX_SID_LEN = 256
 _OBJ_DIR = "objects"
 _MASK64 = (1 << 64) - 1
+CHAIN_XATTR = "user.pfs.chain"
+_CHAIN_REC = struct.Struct("<QQQ")
+ChainRecord = tuple[int, int, int]  # (chain id, version, write sequence)
+_UNREAD: ChainRecord = (-1, -1, -1)
 
 
 # -- format of a data directory ---------------------------------------------------
@@ -177,6 +188,7 @@ class _Open:
     cfd: int | None = None  # the checksum sidecar (None: an unchecked object)
     pins: int = 0
     dropped: bool = False  # evicted or deleted: close when the last pin goes
+    chain: ChainRecord | None = _UNREAD  # the replica's chain record, read once
 
     def close(self) -> None:
         os.close(self.fd)
@@ -209,6 +221,7 @@ class ObjectStore:
         self._open: OrderedDict[ObjId, _Open] = OrderedDict()
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
+        self._warned_xattr = False
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
             open_dir_format(d)
@@ -332,6 +345,40 @@ class ObjectStore:
                 entry.close()
 
         return entry.fd, entry.cfd, release
+
+    # -- chain records -------------------------------------------------------
+    def chain_record(self, obj: ObjId) -> ChainRecord | None:
+        """``(chain, version, sequence)`` of the last write this replica holds; None for
+        an absent object or one never written through a chain."""
+        entry = self._fd(obj, False)
+        if entry is None:
+            return None
+        if entry.chain == _UNREAD:
+            try:
+                raw = os.getxattr(entry.fd, CHAIN_XATTR)
+                entry.chain = _CHAIN_REC.unpack(raw) if len(raw) == _CHAIN_REC.size else None
+            except OSError as exc:
+                if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
+                    raise
+                entry.chain = None
+        return entry.chain
+
+    def set_chain_record(self, obj: ObjId, rec: ChainRecord) -> None:
+        """Record ``rec`` on the (existing) object; one ``fsetxattr`` when it changed."""
+        entry = self._fd(obj, True)
+        assert entry is not None
+        if entry.chain == rec:
+            return
+        try:
+            os.setxattr(entry.fd, CHAIN_XATTR, _CHAIN_REC.pack(*rec))
+        except OSError as exc:
+            if exc.errno != errno.ENOTSUP:
+                raise
+            if not self._warned_xattr:
+                self._warned_xattr = True
+                log.warning("data directories without user xattrs: chain versions are "
+                            "kept in memory only (lost at a restart)")
+        entry.chain = rec
 
     # -- operations ----------------------------------------------------------
     def size(self, obj: ObjId) -> int:

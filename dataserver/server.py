@@ -13,6 +13,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -32,6 +33,7 @@ from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
+from pfs.dataserver.chain import Peers, Replicator
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.scrub import Scrubber
 
@@ -52,7 +54,8 @@ class DataService(RpcService):
     def __init__(self, store: ObjectStore, engine: Engine, limits: Limits | None = None,
                  *, use_sendfile: bool = True, auth: ServerAuth | None = None,
                  own_auth: ClientAuth | None = None, verify_caps: bool | None = None,
-                 free_override: int = -1) -> None:
+                 free_override: int = -1, meta: str = "",
+                 forward_timeout: float = 5.0) -> None:
         super().__init__(limits, auth)
         self.store = store
         self.engine = engine
@@ -80,6 +83,11 @@ class DataService(RpcService):
         # block-range locks: a write merges and hashes its blocks under them (checksums)
         self.locks = ck.RangeLocks()
         self.scrubber = Scrubber(store, self.locks)
+        self.domain = ""  # failure domain sent at registration ("": the host)
+        # chain replication: version checks, forwarding writes, catch-up (chain.py)
+        self.peers = Peers(self.own_auth, meta, self.limits)
+        self.replicator = Replicator(store, self.locks, self.peers, forward_timeout)
+        self.replicator.sid = self.sid
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
@@ -149,6 +157,7 @@ class DataService(RpcService):
     async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
+        self.replicator.check_read(obj, req.chain, req.ver)
         if length > self.limits.max_payload:
             raise OSError(errno.EINVAL, f"read: len {length} out of range "
                                         f"[0, {self.limits.max_payload}]")
@@ -324,6 +333,7 @@ class DataService(RpcService):
                                        "data server's local socket")
         obj = req.obj
         self._cap(ctx, req, caps.READ, obj)
+        self.replicator.check_read(obj, None, None)
         got = self.store.acquire_checked(obj)
         if got is None:
             if self.store.checksums:
@@ -364,17 +374,34 @@ class DataService(RpcService):
     async def rpc_write(self, ctx: ConnContext, req: D.Write) -> D.CountReply:
         obj, off = req.obj, req.off
         data = req.payload
-        self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
+        if not (req.seq and ctx.identity is not None and ctx.identity.may_serve):
+            # (a write forwarded down a chain was checked by its head, against a
+            # placement the chain may have grown past since)
+            self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if not data:
             return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
             raise OSError(errno.EFBIG, f"write: {off}+{len(data)} beyond the largest object")
+        if req.chain or req.fwd:  # the chain's order: under the blocks' lock, down the chain
+            n, ver = await self.replicator.write(req, self._apply_locked)
+            return D.CountReply(n=n, ver=ver)
+        return D.CountReply(n=await self._apply(obj, off, data, locked=False))
+
+    async def _apply_locked(self, obj: tuple[int, int], off: int, data: Any) -> int:
+        return await self._apply(obj, off, data, locked=True)
+
+    async def _apply(self, obj: tuple[int, int], off: int, data: Any, locked: bool) -> int:
+        """Write ``data`` at ``off`` of ``obj`` and its checksums, under the blocks'
+        exclusive lock (taken here unless the caller holds it)."""
         got = self.store.acquire_checked(obj, create=True)
         assert got is not None
         fd, cfd, release = got
         try:
             if cfd is None:
                 n = await self.engine.write(fd, off, data)
+            elif locked:
+                n = await self.engine.write(fd, off, data)
+                ck.update(fd, cfd, off, memoryview(data)[:n])
             else:
                 bl = ck.blocks(off, len(data))
                 async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
@@ -389,6 +416,20 @@ class DataService(RpcService):
         finally:
             release()
         self.unsynced.add(obj)
+        return n
+
+    async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CountReply:
+        cap = self._cap(ctx, req, caps.ADMIN, (0, 0))
+        if cap is not None and cap.ino != 0:
+            raise OSError(errno.EACCES, "capability refused: catch_up needs one for every "
+                                        "object")
+        return D.CountReply(n=await self.replicator.catch_up(req.chain, req.ver, req.target))
+
+    async def rpc_install(self, ctx: ConnContext, req: D.Install) -> D.CountReply:
+        if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):
+            raise OSError(errno.EACCES, "install: only data servers copy objects here")
+        n = await self.replicator.install(req, self._apply_locked)
+        self.unsynced.add(req.obj)
         return D.CountReply(n=n)
 
     async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
@@ -538,8 +579,9 @@ class DataService(RpcService):
                             self.report_now = trio.Event()
                             total, free, vols = self.space()
                             assert self.sid is not None
-                            await client.request(M.Heartbeat(sid=self.sid, total=total,
-                                                             free=free, dirs=vols))
+                            beat = await client.request(M.Heartbeat(
+                                sid=self.sid, total=total, free=free, dirs=vols))
+                            self.replicator.taken_out(beat.stale or [])
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised
@@ -558,7 +600,8 @@ class DataService(RpcService):
             host = client.conn.sock.getsockname()[0]
         total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
-            sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols))
+            sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols,
+            domain=self.domain or None))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
@@ -577,7 +620,9 @@ class DataService(RpcService):
                             self.sid, sid)
             self.store.save_sid(sid)
             self.sid = sid
+            self.replicator.sid = sid
             self.sid_known.set()
+        self.replicator.taken_out(res.stale or [])
         log.info("registered with the metaserver as %s (%s:%d)", sid, host, port)
         self.registrations += 1
 
@@ -642,7 +687,9 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         store.close()
         raise
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
-                          verify_caps=verify_caps, free_override=config.free_override)
+                          verify_caps=verify_caps, free_override=config.free_override,
+                          meta=config.meta, forward_timeout=config.forward_timeout)
+    service.domain = config.domain
     # what the object cache may hold (two descriptors an object: data and checksums)
     # is not left to connections
     service.apply_limits(config.connections, nofile - FD_RESERVE - 2 * max_open)
@@ -653,6 +700,7 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                            lambda: {v.path: v.free for v in service.space()[2]})
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(service.peers.run)
             port: int = await nursery.start(service.serve, config.host, config.port)
             if config.meta:
                 await nursery.start(service.keep_registered, config.meta, config.host, port,

@@ -85,6 +85,25 @@ class DataPlane:
         """A new authenticated connection to a data server (its reader in ``nursery``)."""
         return await open_rpc(self._auth, nursery, host, port, limits=self._limits,
                               timeout=DATA_TIMEOUT)
+    async def probe(self, sid: str, timeout: float) -> bool:
+        """Whether ``sid`` answers a ``statfs`` within ``timeout`` seconds (a client
+        reports a chain head it could not reach: is it really gone?)."""
+        with trio.move_on_after(timeout):
+            try:
+                await (await self._client(sid)).request(D.Statfs(), timeout=timeout)
+                return True
+            except OSError:
+                self.forget(sid)
+                return False
+        self.forget(sid)
+        return False
+
+    async def request(self, sid: str, build: Callable[..., RequestMessage],
+                      timeout: float) -> Any:
+        """One request to ``sid`` with an admin capability for every object (inode 0),
+        waiting up to ``timeout`` seconds (a catch-up copies a whole chain)."""
+        cap, _ = self._signer.issue(0, caps.ADMIN, ttl=timeout * 2, sid=sid)
+        return await (await self._client(sid)).request(build(cap=cap), timeout=timeout)
 
     async def call_servers(self, calls: Calls) -> dict[str, OSError]:
         """Run each server's calls in order, servers in parallel; errors by server."""

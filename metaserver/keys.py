@@ -20,6 +20,9 @@ prefix  key                             value                                   
 ``R``   ``R`` sid (utf-8)               data server: ``host port total free``
 ``Q``   ``Q`` seq                       deletion queue entry: ``ino layout``          [3]
 ``O``   ``O`` ino                       b"": orphan, unlinked while open              [4]
+``H``   ``H`` chain id                  replication chain: ``version``,             [6]
+                                        ``members`` (head first), ``stale`` (taken
+                                        out, not yet caught up)
 ======  ==============================  ===========================================  =====
 
 [1] The root is inode 1, created when an empty store is first opened.
@@ -33,6 +36,8 @@ prefix  key                             value                                   
     connection's end, or the next start of the server) reclaims it.
 [5] Written when the store is created (``pfs.core.versions.METADATA_FORMAT``); a store
     without it predates format numbers and is format 0 (metaserver/store.py).
+[6] metaserver/chains.py; a file's layout names a chain per stripe (``chains``); ids
+    come from the counter ``nchain``. A membership change bumps the version.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ COUNTER = b"C"
 SERVER = b"R"
 DELQ = b"Q"
 ORPHAN = b"O"
+CHAIN = b"H"
 
 ROOT_INO = 1
 FORMAT = COUNTER + b"format"  # the store's format number, u64 (pfs/core/versions.py)
@@ -103,3 +109,7 @@ def delq(seq: int) -> bytes:
 
 def orphan(ino: int) -> bytes:
     return ORPHAN + _Q.pack(ino)
+
+
+def chain(cid: int) -> bytes:
+    return CHAIN + _Q.pack(cid)

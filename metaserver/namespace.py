@@ -21,6 +21,7 @@ Hooks the server supplies:
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import random
@@ -51,7 +52,10 @@ from pfs.core.messages.records import (  # the POSIX limits, defined once with t
     XATTR_SIZE_MAX,
 )
 from pfs.metaserver import keys as K
+from pfs.metaserver.chains import ChainTable
 from pfs.metaserver.store import Txn
+
+log = logging.getLogger(__name__)
 
 R_OK, W_OK, X_OK = 4, 2, 1
 
@@ -152,6 +156,11 @@ class Namespace:
         self.deleting = deleting
         self.clock = clock
         self.rng = rng or random.Random()
+        self.chains = ChainTable()
+        # each data server's failure domain (its host, or the rack its config names),
+        # from registrations; placement keeps a chain's replicas in distinct ones
+        self.domains: dict[str, str] = {}
+        self.placement_note = ""  # why the last placement could not separate domains
 
     # ------------------------------------------------------------------ records
     def format(self, txn: Txn) -> bool:
@@ -306,7 +315,7 @@ class Namespace:
         self._bump(txn, b"inodes", -1)
         layout = rec.get("layout")
         if stat.S_ISREG(rec["mode"]) and layout and layout.get("servers"):
-            self._queue_delete(txn, ino, layout)
+            self._queue_delete(txn, ino, self.chains.holders(txn, layout))
 
     def _queue_delete(self, txn: Txn, ino: int, layout: dict[str, Any]) -> None:
         """Queue the objects of ``layout`` (``[ino, stripe]`` on each of its servers)."""
@@ -392,7 +401,7 @@ class Namespace:
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
-        layout = self.place(unit, count, replicas, what)
+        layout = self.place(unit, count, replicas, what, txn)
         if dir_ino is not None and not self.durable(txn, dir_ino):
             layout["durable"] = False  # absent: durable (what older records mean)
         return layout
@@ -411,11 +420,15 @@ class Namespace:
             node = rec.get("parent", K.ROOT_INO)
         return True
 
-    def place(self, unit: int, count: int, replicas: int, what: str = "") -> dict[str, Any]:
+    def place(self, unit: int, count: int, replicas: int, what: str = "",
+              txn: Txn | None = None) -> dict[str, Any]:
         """Choose servers: ``count`` distinct stripes (fewer if fewer servers are alive
-        and not full), picked at random weighted by free space; a stripe's replicas on
-        distinct servers, and apart from other stripes' while there are enough servers.
-        ENOSPC only when no server can take a stripe."""
+        and not full), heads picked at random weighted by free space; a stripe's replicas
+        on distinct servers in distinct failure domains (distinct servers only, with a
+        note, when there are fewer domains than replicas), the least used first so that
+        stripes stay apart while there are enough servers. With ``txn`` each stripe gets
+        the chain of its servers (made or reused). ENOSPC only when no server can take
+        a stripe."""
         alive = self.servers()
         if not alive:
             raise _err(errno.ENOSPC, f"{what + ': ' if what else ''}no data server can take "
@@ -431,10 +444,53 @@ class Namespace:
             return math.log(1.0 - rng.random()) / w  # Efraimidis-Spirakis, in log form
 
         order = sorted(sorted(alive), key=key, reverse=True)
-        spread = count * replicas <= n
-        servers = [[order[(i + r * count) % n if spread else (i + r) % n]
-                    for r in range(replicas)] for i in range(count)]
-        return {"unit": unit, "count": count, "replicas": replicas, "servers": servers}
+        used = dict.fromkeys(order, 0)
+        heads: set[str] = set()
+        servers: list[list[str]] = []
+        short = False
+        for i in range(count):
+            ring = order[i % n:] + order[:i % n]
+            head = min(ring, key=lambda sid: (sid in heads, used[sid]))  # first of the least
+            heads.add(head)
+            members, doms = [head], {self._domain(txn, head)}
+            rest = sorted((sid for sid in ring if sid != head), key=used.__getitem__)
+            for sid in rest:
+                if len(members) == replicas:
+                    break
+                dom = self._domain(txn, sid)
+                if dom not in doms:
+                    members.append(sid)
+                    doms.add(dom)
+            if len(members) < replicas:  # fewer domains than replicas: distinct servers
+                short = True
+                members += [sid for sid in rest if sid not in members][:replicas - len(members)]
+            for sid in members:
+                used[sid] += 1
+            servers.append(members)
+        self._note(short, replicas)
+        out: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
+                               "servers": servers}
+        if txn is not None:
+            out["chains"] = [self.chains.make_or_reuse(txn, tuple(m)).cid for m in servers]
+        return out
+
+    def _domain(self, txn: Txn | None, sid: str) -> str:
+        dom = self.domains.get(sid)
+        if dom is None and txn is not None:
+            raw = txn.get(K.server(sid))
+            if raw is not None:
+                rec = unpack(raw)
+                dom = rec.get("domain") or rec.get("host")
+                if dom:
+                    self.domains[sid] = dom
+        return dom or sid
+
+    def _note(self, short: bool, replicas: int) -> None:
+        note = (f"fewer failure domains than {replicas} replicas among the data servers "
+                "up: some replicas share a host (or rack)") if short else ""
+        if note and note != self.placement_note:
+            log.warning("placement: %s", note)
+        self.placement_note = note
 
     # ------------------------------------------------------------------ lookups
     def getattr(self, txn: Txn, ino: int) -> dict[str, Any]:
@@ -649,7 +705,7 @@ class Namespace:
             return None
         self.check_perm(cred, rec, W_OK)
         if size < rec["size"] and rec.get("layout") and rec["layout"].get("servers"):
-            return rec["layout"], rec["size"]
+            return self.chains.resolve(txn, rec["layout"]) or {}, rec["size"]
         return None
 
     def commit_size(self, txn: Txn, ino: int, written_end: int | None,
@@ -770,7 +826,7 @@ class Namespace:
             rec["mtime"] = rec["ctime"] = now
             self._save(txn, ino, rec)
         layout = rec.get("layout") if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else None
-        return self.attr(ino, rec), layout
+        return self.attr(ino, rec), self.chains.resolve(txn, layout)
 
     def open(self, txn: Txn, cred: Cred, ino: int, flags: int
              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -829,7 +885,7 @@ class Namespace:
         layout = self.file_layout(txn, parent, what=_show(name))
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
-        return self.attr(ino, rec), layout, True
+        return self.attr(ino, rec), self.chains.resolve(txn, layout), True
 
     # ------------------------------------------------------------------ removal
     def unlink(self, txn: Txn, cred: Cred, parent: int, name: bytes) -> None:
@@ -1055,7 +1111,7 @@ class Namespace:
     def get_layout(self, txn: Txn, ino: int) -> dict[str, Any] | None:
         rec = self._rec(txn, ino)
         if stat.S_ISREG(rec["mode"]) or stat.S_ISDIR(rec["mode"]):
-            return rec.get("layout")
+            return self.chains.resolve(txn, rec.get("layout"))
         return None
 
     def set_layout(self, txn: Txn, cred: Cred, ino: int, unit: int = 0, count: int = 0,
@@ -1104,26 +1160,32 @@ class Namespace:
                 # so one the new layout puts on the same server is its object too: only
                 # the others are queued, else the deleter would remove the new data.
                 new = layout["servers"]
+                held = self.chains.holders(txn, old)
                 stale = [[sid for sid in sids if s >= len(new) or sid not in new[s]]
-                         for s, sids in enumerate(old["servers"])]
+                         for s, sids in enumerate(held["servers"])]
                 if any(stale):
-                    self._queue_delete(txn, ino, {**old, "servers": stale})
+                    self._queue_delete(txn, ino, {**held, "servers": stale})
         else:
             raise _err(errno.EINVAL, "layouts are for files and directories")
         rec["layout"] = layout
         rec["ctime"] = self.clock()
         self._save(txn, ino, rec)
-        return layout
+        return self.chains.resolve(txn, layout) or layout
 
     # ------------------------------------------------------------------ registry, queue
-    @staticmethod
-    def register_server(txn: Txn, sid: str, host: str, port: int, total: int,
-                        free: int) -> None:
-        rec = {"host": host, "port": port, "total": total, "free": free}
+    def register_server(self, txn: Txn, sid: str, host: str, port: int, total: int,
+                        free: int, domain: str = "") -> None:
+        """Record data server ``sid``; its failure domain is ``domain`` (a rack label
+        from its config) or else its host. A draining mark (the operator's) is kept
+        across registrations."""
+        rec: dict[str, Any] = {"host": host, "port": port, "total": total, "free": free}
+        if domain:
+            rec["domain"] = domain
         old = txn.get(K.server(sid))
         if old is not None and unpack(old).get("draining"):
-            rec["draining"] = True  # the operator's, kept across registrations
+            rec["draining"] = True
         txn.put(K.server(sid), pack(rec))
+        self.domains[sid] = domain or host
 
     @staticmethod
     def set_draining(txn: Txn, sid: str, on: bool) -> None:
@@ -1183,7 +1245,8 @@ class Namespace:
             last = K.read_u64(k, 1)
             rec = unpack(v)
             if stat.S_ISREG(rec["mode"]):
-                files.append([last, rec["size"], rec.get("layout") or None])
+                files.append([last, rec["size"],
+                              self.chains.resolve(txn, rec.get("layout")) or None])
         return files, last, len(rows) <= limit
 
     def scan_deleting(self, txn: Txn, start: int, limit: int

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 # Methods a peer with the "server" role (a data server) may call; every other one
 # needs a client (or, on an unsecured cluster, anyone).
-SERVER_METHODS = frozenset({"hello", "register", "heartbeat", "servers", "statfs"})
+SERVER_METHODS = frozenset({"hello", "register", "heartbeat", "servers", "statfs",
+                            "chain_drop", "get_chain"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.metaserver import keys as K
+from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, dry_run
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
@@ -58,6 +59,9 @@ from pfs.metaserver.security import (
 from pfs.metaserver.store import LmdbStore, Store, WriteTxn
 
 log = logging.getLogger(__name__)
+
+
+PROBE_TIMEOUT = 2.0  # seconds a chain head a client reports has to answer the metaserver
 
 
 class MetaService(RpcService):
@@ -110,6 +114,10 @@ class MetaService(RpcService):
                                  probe_timeout=cfg.probe_timeout)
         self.dataplane.on_refused = self._refused
         self.deleter = Deleter(store, self.ns, self.commit, self.dataplane)
+        # stale chain members that are up again: joined, copied to, serving (catchup.py)
+        self.catchup = CatchUp(store, self.commit, self.ns.chains,
+                               lambda sid: self.registry.address(sid) is not None,
+                               self.dataplane)
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -121,6 +129,7 @@ class MetaService(RpcService):
                 await nursery.start(self.dataplane.run, name="meta-dataplane")
                 nursery.start_soon(self.commit.run, name="meta-writer")
                 nursery.start_soon(self.deleter.run, name="meta-deleter")
+                nursery.start_soon(self.catchup.run, name="meta-catchup")
                 task_status.started()
         finally:
             self.commit.close()
@@ -565,8 +574,9 @@ class MetaService(RpcService):
                                         "certificate) may register")
         sid = req.sid or uuid.uuid4().hex  # port, sizes and sid: checked by the message
         host, port, total, free = req.host, req.port, req.total, req.free
+        domain = req.domain or ""
         await self.commit.mutate(
-            lambda t: self.ns.register_server(t, sid, host, port, total, free))
+            lambda t: self.ns.register_server(t, sid, host, port, total, free, domain))
         self.registry.register(sid, host, port, total, free, req.dirs)
         self.dataplane.forget(sid)
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
@@ -576,20 +586,45 @@ class MetaService(RpcService):
         # restarted and lost its fences) and the node keys' data-plane keys
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
-                               data_keys=self._data_keys, cap_format=caps.VERSION)
+                               data_keys=self._data_keys, stale=self._stale_on(sid),
+                               cap_format=caps.VERSION)
 
-    async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> Empty:
+    async def rpc_get_chain(self, ctx: ConnContext, req: M.GetChain) -> M.ChainReply:
+        if ctx.identity is None or not ctx.identity.may_serve:
+            raise OSError(errno.EACCES, "get_chain: data servers only")
+        with self.store.read() as txn:
+            chain = self.ns.chains.get(txn, req.chain)
+        if chain is None:
+            raise OSError(errno.ENOENT, f"no chain {req.chain}")
+        return M.ChainReply(chain=chain.to_wire())
+
+    async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
+        cid, sid = req.chain, req.sid
+        if ctx.identity is None or not ctx.identity.may_serve:
+            # a client that could not reach a chain's head: believed once it is confirmed
+            if await self.dataplane.probe(sid, PROBE_TIMEOUT):
+                raise OSError(errno.EAGAIN, f"chain_drop: data server {sid} answers; "
+                                            "try again")
+        chain = await self.commit.mutate(lambda t: self.ns.chains.remove(t, cid, sid))
+        return M.ChainReply(chain=chain.to_wire())
+
+    def _stale_on(self, sid: str) -> list[int] | None:
+        """The chains ``sid`` was taken out of and is not back in (it serves none)."""
+        with self.store.read() as txn:
+            return [c.cid for c in self.ns.chains.stale_on(txn, sid)] or None
+
+    async def rpc_heartbeat(self, ctx: ConnContext, req: M.Heartbeat) -> M.HeartbeatReply:
         if ctx.identity is None or not ctx.identity.may_serve:
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.sid, req.total, req.free
         if self.registry.heartbeat(sid, total, free, req.dirs):
-            return Empty()
+            return M.HeartbeatReply(stale=self._stale_on(sid))
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
         self.registry.register(sid, rec["host"], rec["port"], total, free, req.dirs)
-        return Empty()
+        return M.HeartbeatReply(stale=self._stale_on(sid))
 
 
 def _registry_gauges(reg: Registry) -> None:

@@ -129,6 +129,14 @@ class FileHandle:
             if self._cap_gen == gen:  # else another task renewed (or reopened) meanwhile
                 await self.client.driver.run(ops.renew(self))
 
+    async def refresh_layout(self) -> Layout:
+        """The layout again (a data server said a chain version is stale): its chains'
+        members and versions now."""
+        got = await self.client.driver.run(ops.meta_get_layout(self.ino))
+        if got:
+            self.layout = Layout.from_wire(got)
+        return self.layout
+
     def renew_due(self) -> bool:
         return time.monotonic() >= self._renew_at
 

@@ -36,6 +36,7 @@ from pfs.client.plan import (
     Parallel,
     Plan,
     Reconnect,
+    Refresh,
     Renew,
     Report,
     Send,
@@ -49,7 +50,7 @@ from pfs.core.messages.base import parse_reply
 T = TypeVar("T")
 
 # the effects this driver leaves to the trio driver (HandOver)
-_HANDED_OVER = (Renew, LocalFd, Call)
+_HANDED_OVER = (Renew, Refresh, LocalFd, Call)
 
 
 class BlockingDriver:
@@ -109,7 +110,7 @@ class BlockingDriver:
     def _local_read(self, effect: LocalRead) -> list[int]:
         return effect.local.read_blocking(effect.fd, effect.obj_off, effect.dests)  # type: ignore[no-any-return]
 
-    def _send(self, effect: Send, timeout: float | None = None) -> int:
+    def _send(self, effect: Send, timeout: float | None = None) -> Any:
         if self.data is None or type(effect.into) is list or type(effect.payload) is list:
             raise HandOver("scattered requests are the trio driver's")
         msg = effect.msg
@@ -119,6 +120,8 @@ class BlockingDriver:
             fields, n = self.data.send(effect.sid, msg, payload=effect.payload,
                                        into=effect.into, timeout=timeout)
             parse_reply(msg, fields)  # checked: EPROTO when it does not fit
+            if effect.reply:
+                return fields
             crcs = fields.get("crcs")
             if crcs is not None:
                 try:  # a read of a checked object: verify what came

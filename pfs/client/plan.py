@@ -13,9 +13,13 @@ data-path rule lives here once and is tested without a socket (tests/unit/test_p
   :class:`~pfs.client.health.Health`, a replica that has not answered by its deadline
   (measured latency, bounded) is *hedged*: the next one is asked too, the first good
   answer wins (:class:`Hedge`); a short reply is a hole, read as zeros;
-- a write goes to every replica of its stripe (:func:`stripes_of` says which stripes a
-  handle must sync for it); a sync (close, fsync) is one request per server listing the
+- a write goes to its stripe's chain head only, naming the members after it: the head
+  applies it and forwards it down the chain, and answers once the tail has it
+  (docs/architecture.md "Replication"; :func:`stripes_of` says which stripes a handle
+  must sync for it); a sync (close, fsync) is one request per server listing the
   objects written there (:func:`sync_targets`), every replica must answer;
+- a server that says the chain version is stale (``CHAIN_STALE``) has the handle fetch
+  its layout again (:class:`Refresh`) and the operation retried;
 - a failure is classified (:func:`classify`): renew the capability and retry here,
   try the next replica, or give up with its errno; a refused connection is reported to
   the metaserver (:class:`Report`).
@@ -44,6 +48,7 @@ from pfs.client.health import Health
 from pfs.core import errors as E
 from pfs.core.layout import Layout, Piece, stripe_extents
 from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage
 
 T = TypeVar("T")
@@ -94,6 +99,7 @@ class Send:
     msg: RequestMessage
     payload: Any = None
     into: Any = None
+    reply: bool = False  # the result is the reply's fields, not the bytes received
 
 
 @dataclass(slots=True)
@@ -136,6 +142,14 @@ class Parallel:
 @dataclass(slots=True)
 class Renew:
     """A fresh capability for ``owner`` (a file handle); the result is the new one."""
+
+    owner: Any
+
+
+@dataclass(slots=True)
+class Refresh:
+    """A server said the chain version is stale: fetch ``owner``'s layout again (the
+    chains' members and versions now); the result is the new :class:`Layout`."""
 
     owner: Any
 
@@ -232,12 +246,23 @@ class LocalObjects(Protocol):
 
 
 # -- requests: one builder per data RPC ------------------------------------------------
-def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None) -> D.Read:
+def read_request(ino: int, stripe: int, off: int, length: int, cap: bytes | None,
+                 layout: Layout | None = None) -> D.Read:
+    if layout is not None and layout.chains:
+        cid, ver = layout.chain_of(stripe)
+        return D.Read(obj=(ino, stripe), off=off, len=length, cap=cap, chain=cid, ver=ver)
     return D.Read(obj=(ino, stripe), off=off, len=length, cap=cap)
 
 
-def write_request(ino: int, stripe: int, off: int, cap: bytes | None) -> D.Write:
-    return D.Write(obj=(ino, stripe), off=off, cap=cap)
+def write_request(ino: int, stripe: int, off: int, cap: bytes | None,
+                  layout: Layout | None = None) -> D.Write:
+    """A write of a stripe to its chain's head, naming the members after it."""
+    if layout is None:
+        return D.Write(obj=(ino, stripe), off=off, cap=cap)
+    cid, ver = layout.chain_of(stripe)
+    rest = list(layout.servers[stripe][1:])
+    return D.Write(obj=(ino, stripe), off=off, cap=cap, chain=cid or None,
+                   ver=ver if cid else None, fwd=rest or None)
 
 
 def sync_request(ino: int, stripes: Sequence[int], cap: bytes | None) -> D.Sync:
@@ -434,7 +459,8 @@ def read_run(ino: int, layout: Layout, base: int, buf: memoryview, run: list[Pie
     total = first.length if len(run) == 1 else sum(p.length for p in run)
     replicas = layout.servers[stripe]
     try:
-        got = yield from from_replicas(replicas, read_request(ino, stripe, obj_off, total, cap),
+        got = yield from from_replicas(replicas, read_request(ino, stripe, obj_off, total, cap,
+                                                        layout),
                                        into=dests[0] if len(dests) == 1 else dests,
                                        health=health if len(replicas) > 1 else None)
     except OSError as exc:
@@ -473,6 +499,11 @@ def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
             yield from _read_all(ino, layout, off, buf, rs, cap, local, health)
         return
     except OSError as exc:
+        if exc.errno == D.CHAIN_STALE:  # every replica said so: the chains now, once
+            layout = yield Refresh(owner)
+            yield from _read_all(ino, layout, off, buf, runs(layout, off, len(buf)), cap,
+                                 local, health)
+            return
         if cap is None or classify(exc) is not Failure.RENEW:
             raise
     cap = yield Renew(owner)
@@ -481,20 +512,51 @@ def read(owner: Any, ino: int, layout: Layout, off: int, buf: memoryview,
 
 def write_run(ino: int, layout: Layout, base: int, data: memoryview, run: list[Piece],
               cap: bytes | None) -> Plan[Any]:
-    """One stripe's run to every replica: each must hold an acknowledged write."""
+    """One stripe's run to its chain's head; its answer means every member has it."""
     srcs = _views(data, base, run)
     payload = srcs[0] if len(srcs) == 1 else srcs
-    msg = write_request(ino, run[0].stripe, run[0].obj_off, cap)
-    return _all([send(Send(sid, msg, payload))
-                 for sid in layout.servers[run[0].stripe]])
+    stripe = run[0].stripe
+    msg = write_request(ino, stripe, run[0].obj_off, cap, layout)
+    head = layout.servers[stripe][0]
+    try:
+        return (yield from send(Send(head, msg, payload, reply=True)))
+    except OSError as exc:
+        cid, _ver = layout.chain_of(stripe)
+        if classify(exc) is not Failure.RECONNECT or not cid or len(msg.fwd or ()) == 0:
+            raise
+        # the head is gone: the metaserver (having checked) takes it out of the chain,
+        # and the write goes again to the new head
+        try:
+            yield MetaCall(M.ChainDrop(chain=cid, sid=head))
+        except OSError:  # it answers the metaserver, or is the last member: as it was
+            raise exc from None
+        raise OSError(D.CHAIN_STALE, f"chain {cid}: its head {head} is unreachable "
+                                     f"({exc.strerror or exc})") from exc
+
+
+MAX_REFRESH = 8  # layouts fetched again for one operation before its CHAIN_STALE stands
 
 
 def write(owner: Any, ino: int, layout: Layout, off: int, data: memoryview,
           cap: bytes | None, *, renew_due: bool = False) -> Plan[None]:
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([write_run(ino, layout, off, data, run, c)
-                     for run in runs(layout, off, len(data))])
-    yield from with_cap(owner, cap, renew_due, body)
+    """Each run to its chain's head; a stale chain version: the layout again, and the
+    write again (a write is idempotent: the bytes land where they landed)."""
+    for attempt in range(MAX_REFRESH + 1):
+        def body(c: bytes | None, lay: Layout = layout) -> Plan[Any]:
+            return _all([write_run(ino, lay, off, data, run, c)
+                         for run in runs(lay, off, len(data))])
+        try:
+            got = yield from with_cap(owner, cap, renew_due, body)
+        except OSError as exc:
+            if exc.errno != D.CHAIN_STALE or attempt == MAX_REFRESH:
+                raise
+            layout = yield Refresh(owner)
+            renew_due = False
+            continue
+        if owner is not None and any(isinstance(r, dict) and r.get("ver") is not None
+                                     for r in got):
+            yield Refresh(owner)  # a chain changed under this write: the close syncs
+        return
 
 
 def stripes_of(layout: Layout, off: int, length: int) -> range | tuple[int, ...]:
@@ -523,13 +585,49 @@ def sync(owner: Any, ino: int, layout: Layout, stripes: Iterable[int], cap: byte
          *, renew_due: bool = False) -> Plan[None]:
     """The objects of ``stripes``, on every replica, to stable storage: one request per
     server (batched like NFS's COMMIT), all at once; every one must answer."""
-    targets = sync_targets(layout, stripes)
-    if not targets:
-        return
+    stripes = sorted(set(stripes))
+    for attempt in range(MAX_REFRESH + 1):
+        targets = sync_targets(layout, stripes)
+        if not targets:
+            return
 
-    def body(c: bytes | None) -> Plan[Any]:
-        return _all([sync_server(sid, ino, ss, c) for sid, ss in targets.items()])
-    yield from with_cap(owner, cap, renew_due, body)
+        def body(c: bytes | None, lay: Layout = layout,
+                 ts: dict[str, list[int]] = targets) -> Plan[Any]:
+            return _all([_sync_member(lay, sid, ino, ss, c) for sid, ss in ts.items()])
+        try:
+            yield from with_cap(owner, cap, renew_due, body)
+            return
+        except OSError as exc:
+            if exc.errno != D.CHAIN_STALE or attempt == MAX_REFRESH:
+                raise
+        # a member was taken out: what the chains hold now is what must be synced
+        layout = yield Refresh(owner)
+        renew_due = False
+
+
+def _sync_member(layout: Layout, sid: str, ino: int, stripes: list[int],
+                 cap: bytes | None) -> Plan[Any]:
+    """:func:`sync_server`, and when ``sid`` cannot be reached and its chains have other
+    members: have the metaserver take it out of them (it checks), then CHAIN_STALE (the
+    sync goes again to the members left)."""
+    try:
+        return (yield from sync_server(sid, ino, stripes, cap))
+    except OSError as exc:
+        if classify(exc) is not Failure.RECONNECT:
+            raise
+        chains = {layout.chain_of(s)[0] for s in stripes
+                  if s < len(layout.servers) and len(layout.servers[s]) > 1}
+        chains.discard(0)
+        if not chains:
+            raise
+        try:
+            for cid in sorted(chains):
+                yield MetaCall(M.ChainDrop(chain=cid, sid=sid))
+        except OSError:  # it answers the metaserver, or is the last member: as it was
+            raise exc from None
+        raise OSError(D.CHAIN_STALE, f"data server {sid} is unreachable "
+                                     f"({exc.strerror or exc}): taken out of chains "
+                                     f"{sorted(chains)}") from exc
 
 
 def sync_server(sid: str, ino: int, stripes: list[int], cap: bytes | None) -> Plan[Any]:
@@ -575,7 +673,7 @@ def read_step(ino: int, layout: Layout, off: int, buf: memoryview, cap: bytes | 
         if fd is not None:
             return LocalRead(local, fd, obj_off, [buf])
     replicas = layout.servers[stripe]
-    msg = read_request(ino, stripe, obj_off, len(buf), cap)
+    msg = read_request(ino, stripe, obj_off, len(buf), cap, layout)
     if health is None or len(replicas) == 1:
         return Send(replicas[0], msg, None, buf)
     order = health.order(replicas)  # as from_replicas: its first effect
@@ -601,18 +699,16 @@ def read_step_done(step: LocalRead | Send | Hedge, result: Any) -> None:
 
 def write_step(ino: int, layout: Layout, off: int, data: memoryview, cap: bytes | None,
                renew_due: bool = False) -> Send | None:
-    """The step of :func:`write` (same arguments): one piece to a stripe of one
-    replica; else None (with more replicas every one must answer: the general plan)."""
+    """The step of :func:`write` (same arguments): one piece to a stripe's chain head;
+    else None."""
     if renew_due:
         return None
     one = one_piece(layout, off, len(data))
     if one is None:
         return None
     stripe, obj_off = one
-    replicas = layout.servers[stripe]
-    if len(replicas) != 1:
-        return None
-    return Send(replicas[0], write_request(ino, stripe, obj_off, cap), data)
+    return Send(layout.servers[stripe][0], write_request(ino, stripe, obj_off, cap, layout),
+                data)
 
 
 def _same_effect(a: Any, b: Any) -> bool:

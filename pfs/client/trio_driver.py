@@ -32,6 +32,7 @@ from pfs.client.plan import (
     Parallel,
     Plan,
     Reconnect,
+    Refresh,
     Renew,
     Report,
     Send,
@@ -103,7 +104,7 @@ class TrioDriver:
         finally:
             plan.close()
 
-    async def _send(self, effect: Send) -> int:
+    async def _send(self, effect: Send) -> Any:
         assert self.data is not None
         msg = effect.msg
         timed = self.health is not None and msg.method == "read"
@@ -112,6 +113,8 @@ class TrioDriver:
             r = await self.data.send(effect.sid, msg, payload=effect.payload,
                                      into=effect.into)
             parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
+            if effect.reply:
+                return r.fields
             crcs = r.fields.get("crcs")
             if crcs is not None:
                 try:  # a read of a checked object: verify what came
@@ -228,6 +231,8 @@ class TrioDriver:
         if isinstance(effect, Renew):
             await effect.owner.renew()
             return effect.owner.cap
+        if isinstance(effect, Refresh):
+            return await effect.owner.refresh_layout()
         if isinstance(effect, Reconnect):
             if self.health is not None:
                 self.health.failed(effect.sid)  # tried last for a while

@@ -131,7 +131,9 @@ class ClientConfig:
 class LayoutDefaults:
     unit: int = 1 << 20
     count: int = 4
-    replicas: int = 1
+    # two copies where the cluster has two data servers or more (placement never gives
+    # a stripe more replicas than there are servers up: one on a one-server cluster)
+    replicas: int = 2
 
 
 @dataclass
@@ -226,6 +228,11 @@ class DataConfig:
     free_override: int = -1  # TEST ONLY: report this many bytes free per directory
     checksums: bool = True  # block checksums (off only to measure what they cost)
     scrub_rate: int = 4 << 20  # bytes/s the scrubber re-reads and verifies (0: off)
+    # failure domain (a rack label): a chain's replicas go to distinct ones; "": the host
+    domain: str = ""
+    # seconds a chain member waits for the next one to take a forwarded write before
+    # reporting it to the metaserver (taken out of the chain; the write goes on)
+    forward_timeout: float = 5.0
     key_file: str = ""  # the cluster key (docs/security.md)
     tls_cert: str = ""
     tls_key: str = ""

@@ -33,10 +33,16 @@ class Layout:
     unit: int
     count: int
     replicas: int = 1
+    # each stripe's replicas, head first: the chain's members serving now (placed
+    # before chains: the servers chosen at placement, an implicit chain of version 0)
     servers: tuple[tuple[str, ...], ...] = field(default=())
     # close() syncs the data written to stable storage before the size is committed;
     # False (scratch data, ``pfs setstripe --no-sync``): only fsync() does
     durable: bool = True
+    # each stripe's chain id and that chain's version when this layout was read (empty:
+    # a layout from before chains; docs/architecture.md "Replication")
+    chains: tuple[int, ...] = field(default=())
+    versions: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         check_geometry(self.unit, self.count, self.replicas)
@@ -46,14 +52,27 @@ class Layout:
         # a record without "durable" (older metaservers) is durable
         return cls(int(d["unit"]), int(d["count"]), int(d.get("replicas", 1)),
                    tuple(tuple(s) for s in d.get("servers", ())),
-                   d.get("durable", True) is not False)
+                   d.get("durable", True) is not False,
+                   tuple(int(c) for c in d.get("chains", ())),
+                   tuple(int(v) for v in d.get("versions", ())))
 
     def to_wire(self) -> dict[str, Any]:
         out = {"unit": self.unit, "count": self.count, "replicas": self.replicas,
                "servers": [list(s) for s in self.servers]}
+        if self.chains:
+            out["chains"] = list(self.chains)
+            out["versions"] = list(self.versions)
         if not self.durable:
             out["durable"] = False
         return out
+
+    def chain_of(self, stripe: int) -> tuple[int, int]:
+        """(chain id, version) of ``stripe``; (0, 0): an implicit chain (a layout from
+        before chains, its servers in the order placed)."""
+        if stripe < len(self.chains):
+            return self.chains[stripe], (self.versions[stripe]
+                                         if stripe < len(self.versions) else 0)
+        return 0, 0
 
     def locate(self, off: int) -> tuple[int, int]:
         """(stripe index, object offset) of file byte ``off``."""

@@ -67,7 +67,7 @@ def _expect_eio(c, path: str, off: int, n: int) -> OSError:
 def test_flipped_byte_is_eio_naming_the_file(client_toml, cluster_dir, workdir,
                                              short_circuit: bool) -> None:
     with _client(client_toml, short_circuit) as c:
-        c.set_layout(workdir, count=1, unit=UNIT)
+        c.set_layout(workdir, count=1, unit=UNIT, replicas=1)
         path = f"{workdir}/f"
         data = random.Random(1).randbytes(5 * BLOCK + 100)
         c.write_file(path, data)
@@ -91,7 +91,7 @@ def test_flipped_byte_is_eio_naming_the_file(client_toml, cluster_dir, workdir,
 def test_short_object_is_eio_not_zeros(client_toml, cluster_dir, workdir,
                                        short_circuit: bool) -> None:
     with _client(client_toml, short_circuit) as c:
-        c.set_layout(workdir, count=1, unit=UNIT)
+        c.set_layout(workdir, count=1, unit=UNIT, replicas=1)
         path = f"{workdir}/short"
         data = random.Random(2).randbytes(4 * BLOCK)
         c.write_file(path, data)
@@ -163,7 +163,7 @@ def test_aligned_network_read_of_a_flip_is_eio(client_toml, cluster_dir, workdir
     """A read of whole blocks is sent from the file (sendfile) with their checksums:
     the reader verifies them, so a flipped byte is still EIO."""
     with _client(client_toml) as c:
-        c.set_layout(workdir, count=1, unit=UNIT)
+        c.set_layout(workdir, count=1, unit=UNIT, replicas=1)
         path = f"{workdir}/aligned"
         data = random.Random(3).randbytes(6 * BLOCK + 300)
         c.write_file(path, data)
@@ -184,7 +184,7 @@ def test_concurrent_writes_and_aligned_reads_never_eio(client_toml, workdir) -> 
     blocks never makes a checksum and the bytes sent disagree."""
     n = 8 * BLOCK
     with _client(client_toml) as c0, _client(client_toml) as c1:
-        c0.set_layout(workdir, count=1, unit=UNIT)
+        c0.set_layout(workdir, count=1, unit=UNIT, replicas=1)
         path = f"{workdir}/race"
         c0.write_file(path, b"\0" * n)
         deadline = time.monotonic() + 3
@@ -209,7 +209,7 @@ def test_concurrent_writes_and_aligned_reads_never_eio(client_toml, workdir) -> 
 
 def test_concurrent_partial_writes_to_one_block(client_toml, workdir) -> None:
     with _client(client_toml) as c0, _client(client_toml) as c1:
-        c0.set_layout(workdir, count=1, unit=UNIT)
+        c0.set_layout(workdir, count=1, unit=UNIT, replicas=1)
         path = f"{workdir}/shared"
         c0.write_file(path, b"")
         clients = (c0, c1)

@@ -77,7 +77,7 @@ def test_dead_data_server_gives_a_clear_error_not_a_hang(private_cluster: Path) 
     toml = cluster.up(private_cluster, data_servers=2)
     with pfs.connect(config=toml) as c:
         c.mkdir("/x")
-        c.set_layout("/x", count=2, unit=UNIT)
+        c.set_layout("/x", count=2, unit=UNIT, replicas=1)  # no other copy to read
         c.write_file("/x/f", os.urandom(4 * UNIT))
         _kill(private_cluster, "data1")
         with pytest.raises(OSError) as ei:

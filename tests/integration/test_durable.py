@@ -50,7 +50,7 @@ def test_flush_and_fsync_sync_too_and_the_opt_out_still_fsyncs(client: Client,
                                                                workdir: str) -> None:
     s = f"{workdir}/scratch"
     client.mkdir(s)
-    client.set_layout(s, count=2, unit=UNIT, durable=False)
+    client.set_layout(s, count=2, unit=UNIT, replicas=1, durable=False)
     with client.open(f"{s}/f", "wb") as f:
         f.write(os.urandom(3 * UNIT))
         f.flush()  # opted out: flush commits the size only
@@ -106,6 +106,10 @@ def _kill(d: Path, name: str) -> None:
         pass
 
 
+def _sid(d: Path, i: int) -> str:
+    return (d / "data" / f"ds{i}" / "server.id").read_text().strip()
+
+
 def test_kill_9_of_data_servers_right_after_close_keeps_the_data(private_cluster: Path
                                                                  ) -> None:
     toml = cluster.up(private_cluster, data_servers=2)
@@ -124,18 +128,36 @@ def test_kill_9_of_data_servers_right_after_close_keeps_the_data(private_cluster
 
 def test_a_replica_failing_the_sync_fails_close_and_commits_no_size(private_cluster: Path
                                                                     ) -> None:
+    """The last member of a chain failing the sync fails close (no size committed); one
+    of two members failing it is taken out of the chain, and the close is durable on the
+    member left (docs/architecture.md "Replication")."""
     toml = cluster.up(private_cluster, data_servers=2)
     with pfs.connect(config=toml) as c:
         c.mkdir("/d")
         c.set_layout("/d", count=1, unit=UNIT, replicas=2)
+        c.mkdir("/one")
+        c.set_layout("/one", count=1, unit=UNIT, replicas=1)
         f = c.open("/d/f", "wb")
-        f.write(os.urandom(2 * UNIT))  # acknowledged by both replicas
-        _kill(private_cluster, "data1")  # one replica dies before the close's sync
+        data = os.urandom(2 * UNIT)
+        f.write(data)  # acknowledged by both replicas
+        for n in range(20):  # a one-replica file on data1
+            g = c.open(f"/one/g{n}", "wb")
+            if g.handle.layout.servers[0][0] == _sid(private_cluster, 1):
+                break
+            g.close()
+        g.write(os.urandom(UNIT))
+        _kill(private_cluster, "data1")  # a replica dies before the close's sync
         with pytest.raises(OSError) as err:
-            f.close()
+            g.close()
         assert err.value.errno in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOTCONN,
                                    errno.EPIPE, errno.EIO)
-        assert c.stat("/d/f").st_size == 0  # the size was not committed
+        assert c.stat(f"/one/g{n}").st_size == 0  # the size was not committed
+        f.close()  # data1 is taken out of /d/f's chain; synced on the member left
+        assert c.stat("/d/f").st_size == 2 * UNIT
+        lay = c.get_layout("/d/f")
+        assert lay["servers"] == [[_sid(private_cluster, 0)]]
+        assert set(unsynced(c, "/d/f").values()) == {0}
+        assert c.read_file("/d/f") == data
 
 
 def test_a_close_syncs_what_every_handle_of_the_client_wrote(client: Client,

@@ -48,7 +48,7 @@ def fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, i
         toml = cluster.up(d, data_servers=2)
         with pfs.connect(config=toml) as c:
             c.mkdir("/d")
-            c.set_layout("/d", count=2, unit=UNIT)
+            c.set_layout("/d", count=2, unit=UNIT, replicas=1)
             c.write_file("/d/dense", os.urandom(4 * UNIT))
             with c.open("/d/sparse", "wb") as f:
                 f.seek(4 * UNIT - 1)

@@ -17,7 +17,7 @@ BLOCK = 64 << 10
 def test_a_flipped_byte_is_eio_through_the_mount(mdir: Path, client: Client,
                                                  cluster_dir: Path) -> None:
     pdir = "/" + mdir.name
-    client.set_layout(pdir, count=1, unit=1 << 20)
+    client.set_layout(pdir, count=1, unit=1 << 20, replicas=1)
     data = os.urandom(4 * BLOCK)
     client.write_file(f"{pdir}/f", data)  # not through the mount: no page cached there
     ino = client.stat(f"{pdir}/f").st_ino

@@ -39,6 +39,8 @@ class FakeCluster:
         self.local_fds: dict[int, int | None] = {}  # stripe: descriptor a LocalFd gets
         self.local_reads: list[int] = []
         self.syncs: list[tuple[str, list[int]]] = []  # (sid, stripes) per sync request
+        self.refreshed: list[Layout] = []  # what each Refresh returns, in turn
+        self.write_ver: int | None = None  # a head's reply: the chain changed meanwhile
 
     def store(self, data: bytes) -> None:
         """Lay ``data`` out as a file on every replica."""
@@ -76,6 +78,9 @@ class FakeCluster:
         if isinstance(eff, Renew):
             self.renewals += 1
             return b"cap%d" % self.renewals
+        if isinstance(eff, plan.Refresh):
+            self.layout = self.refreshed.pop(0)
+            return self.layout
         if isinstance(eff, LocalFd):
             return self.local_fds.get(eff.stripe)
         if isinstance(eff, LocalRead):
@@ -119,10 +124,17 @@ class FakeCluster:
             srcs = eff.payload if isinstance(eff.payload, list) else [eff.payload]
             data = b"".join(bytes(s) for s in srcs)
             off = msg.off
-            if len(obj) < off + len(data):
-                obj.extend(bytes(off + len(data) - len(obj)))
-            obj[off:off + len(data)] = data
-            return 0
+            for i, sid in enumerate([eff.sid, *(msg.fwd or ())]):  # the head, down the chain
+                if i:
+                    self.log.append((sid, "forwarded", stripe))
+                    errs = self.fail.get((sid, "forwarded"))
+                    if errs:
+                        raise OSError(errs.pop(0), f"injected on {sid}")
+                obj = self.objects.setdefault((sid, stripe), bytearray())
+                if len(obj) < off + len(data):
+                    obj.extend(bytes(off + len(data) - len(obj)))
+                obj[off:off + len(data)] = data
+            return {"n": len(data), "ver": self.write_ver} if eff.reply else 0
         return 0
 
 
@@ -253,13 +265,15 @@ def test_classify(classes: tuple[int, Failure]) -> None:
     assert classify(OSError(code, "x")) is kind
 
 
-def test_write_goes_to_every_replica_of_each_stripe() -> None:
+def test_a_write_goes_to_each_chain_head_which_passes_it_down() -> None:
     lay = _layout(count=3, replicas=2)
     cl = FakeCluster(lay)
     data = os.urandom(5 * UNIT + 7)
     cl.run(plan.write(None, INO, lay, 300, memoryview(data), b"c"))
-    assert sorted((s, st) for s, m, st in cl.log) == sorted(
-        (f"s{st}r{r}", st) for st in range(3) for r in range(2))
+    assert sorted((s, st) for s, m, st in cl.log if m == "write") == sorted(
+        (f"s{st}r0", st) for st in range(3))  # the client sends to the heads only
+    assert sorted((s, st) for s, m, st in cl.log if m == "forwarded") == sorted(
+        (f"s{st}r1", st) for st in range(3))
     for r in range(2):  # each replica alone reads back the data
         solo = Layout(UNIT, 3, 1, tuple((f"s{st}r{r}",) for st in range(3)))
         cl2 = FakeCluster(solo)
@@ -270,11 +284,11 @@ def test_write_goes_to_every_replica_of_each_stripe() -> None:
 def test_a_failed_replica_fails_the_write_and_a_refusal_renews() -> None:
     lay = _layout(count=1, replicas=2)
     cl = FakeCluster(lay)
-    cl.fail[("s0r1", "write")] = [errno.EIO]
+    cl.fail[("s0r1", "forwarded")] = [errno.EIO]
     with pytest.raises(OSError) as err:
         cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
-    assert err.value.errno == errno.EIO  # not acknowledged by every replica: an error
-    cl.fail[("s0r1", "write")] = [errno.EACCES]
+    assert err.value.errno == errno.EIO  # not acknowledged down the chain: an error
+    cl.fail[("s0r0", "write")] = [errno.EACCES]
     cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
     assert cl.renewals == 1
     cl.fail[("s0r0", "write")] = [errno.EPIPE]  # no failover for a write: the error
@@ -551,7 +565,30 @@ def test_a_small_write_to_one_replica_is_one_step() -> None:
     assert (step.sid, step.msg.method, step.payload) == ("s1r0", "write", view)
     assert plan.write_step(INO, lay, UNIT - 1, view, b"c") is None  # two pieces
     assert plan.write_step(INO, lay, 0, view, b"c", True) is None  # renew first
-    assert plan.write_step(INO, _layout(count=1, replicas=2), 0, view, b"c") is None
+    chained = plan.write_step(INO, _layout(count=1, replicas=2), 0, view, b"c")
+    assert isinstance(chained, Send) and chained.sid == "s0r0"  # the head passes it on
+    assert isinstance(chained.msg, D.Write) and chained.msg.fwd == ["s0r1"]
+
+
+def test_a_stale_chain_version_refreshes_the_layout_and_writes_again() -> None:
+    lay = Layout(UNIT, 1, 2, (("a", "b"),), chains=(5,), versions=(1,))
+    cl = FakeCluster(lay)
+    cl.fail[("a", "write")] = [D.CHAIN_STALE]
+    now = Layout(UNIT, 1, 2, (("a", "c"),), chains=(5,), versions=(3,))
+    cl.refreshed = [now]
+    cl.run(plan.write(None, INO, lay, 0, memoryview(b"abc"), b"c"))
+    assert [(s, m) for s, m, _ in cl.log] == [("a", "write"), ("a", "write"),
+                                              ("c", "forwarded")]
+    assert bytes(cl.objects[("c", 0)]) == b"abc"
+    cl.write_ver, cl.refreshed = 4, [now]  # a member taken out during the write
+    cl.run(plan.write(object(), INO, now, 0, memoryview(b"abc"), b"c"))
+    assert cl.refreshed == []  # the layout was fetched again (the close syncs it)
+    first = plan.write(None, INO, now, 0, memoryview(b"abc"), b"c").send(None)
+    assert isinstance(first.msg, D.Write)
+    assert (first.msg.chain, first.msg.ver, first.msg.fwd) == (5, 3, ["c"])
+    read = plan.read_step(INO, now, 0, memoryview(bytearray(3)), b"c")
+    assert isinstance(read, Send) and isinstance(read.msg, D.Read)
+    assert (read.msg.chain, read.msg.ver) == (5, 3)
 
 
 @pytest.mark.parametrize("codes", [[], [errno.EIO], [errno.EPIPE], [errno.EACCES],

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from pfs.core.messages.base import (
@@ -18,12 +19,17 @@ from pfs.core.messages.base import (
     Registry,
     ReplyMessage,
     RequestMessage,
+    Str,
 )
 from pfs.core.messages.records import MAX_ID, Obj, ObjId, ObjIdField
 
 REGISTRY = Registry("dataserver")
 MAX_DELETE = 1 << 16  # object ids in one delete request
 MAX_SYNC = 1 << 16  # object ids in one sync request
+MAX_CHAIN = 16  # members a forwarded write names after the receiver
+# a chain version the data server does not agree with (the client's is older, or this
+# server was taken out of the chain): refresh the layout (get_layout) and retry
+CHAIN_STALE = errno.EREMCHG
 
 
 def _offset(doc: str = "") -> Any:
@@ -41,6 +47,9 @@ class DataRequest(RequestMessage, registry=REGISTRY):
 # ------------------------------------------------------------------ replies
 class CountReply(ReplyMessage):
     n: int = Int()
+    ver: int | None = Int(default=None, doc="a write's chain changed while it went down the "
+                                          "chain (a member taken out): the version it "
+                                          "finished under (the writer fetches the layout)")
 
 
 class ReadReply(ReplyMessage):
@@ -95,11 +104,24 @@ class VerifyReply(ReplyMessage):
 
 
 # ------------------------------------------------------------------ requests
+def _chain() -> Any:
+    return Int(default=None, lo=0, hi=MAX_ID - 1,
+               doc="the stripe's chain id (absent: a layout from before chains)")
+
+
+def _ver() -> Any:
+    return Int(default=None, lo=0, hi=MAX_ID - 1,
+               doc="the chain's version the sender knows; an older one than the "
+                   f"server's, or a chain it was taken out of: `EREMCHG` ({CHAIN_STALE})")
+
+
 class Read(DataRequest, method="read", reply=ReadReply):
     obj: ObjId = Obj()
     off: int = _offset()
     len: int = Int(lo=0, doc="at most Limits.max_payload")
     cap: Any = _cap()
+    chain: int | None = _chain()
+    ver: int | None = _ver()
     copy: bool = Bool(default=False, sparse=True,
                       doc="copy the bytes under the blocks' lock, never sendfile: the "
                           "re-read after a checksum mismatch (a block sent from the file "
@@ -107,11 +129,21 @@ class Read(DataRequest, method="read", reply=ReadReply):
 
 
 class Write(DataRequest, method="write", reply=CountReply):
+    note = ("to a chain's head, which applies it and forwards it down `fwd`; "
+            "acknowledged once the tail has it (docs/architecture.md \"Replication\")")
     payload_doc = "the bytes"
     obj: ObjId = Obj()
     off: int = _offset()
     cap: Any = _cap()
     payload: Any = Payload(default=None)
+    chain: int | None = _chain()
+    ver: int | None = _ver()
+    fwd: list[str] | None = List(Str(max_len=128), default=None, max_len=MAX_CHAIN,
+                                 doc="the chain's members after the receiver, in order: "
+                                     "it forwards the write to the first")
+    seq: int | None = Int(default=None, lo=1, hi=MAX_ID - 1,
+                          doc="the write's sequence number in its object, given by the "
+                              "head (absent: from a client, the receiver is the head)")
 
 
 class Truncate(DataRequest, method="truncate", reply=Empty):
@@ -183,3 +215,30 @@ class ListObjects(DataRequest, method="list_objects", reply=ListObjectsReply):
     after: ObjId | None = _after()
     limit: int = Int(default=4096, lo=1, hi=MAX_LIST, doc=f"at most {MAX_LIST}")
     cap: Any = _cap("bytes, scan")
+
+
+# ------------------------------------------------------------------ chains: catch-up
+class CatchUp(DataRequest, method="catch_up", reply=CountReply):
+    note = ("the metaserver to a chain's head: copy every object of chain `chain` held "
+            "here to `target` (a member joining the chain again), each under its "
+            "whole-object lock; `n`: objects copied. A capability with ADMIN for inode 0")
+    chain: int = Int(lo=1, hi=MAX_ID - 1)
+    ver: int = Int(lo=0, hi=MAX_ID - 1, doc="the chain's version with `target` in it: "
+                                          "writes naming an older one are refused from now")
+    target: str = Str(max_len=128)
+    cap: Any = _cap("bytes, admin")
+
+
+class Install(DataRequest, method="install", reply=CountReply):
+    note = ("data servers only (the head of a catch-up): a piece of a whole object's "
+            "copy. `off` 0 empties the object first; `last` cuts it to `size` and "
+            "records the chain version")
+    payload_doc = "the bytes at `off`"
+    obj: ObjId = Obj()
+    off: int = _offset()
+    size: int = _offset()
+    chain: int = Int(lo=1, hi=MAX_ID - 1)
+    ver: int = Int(lo=0, hi=MAX_ID - 1)
+    seq: int = Int(lo=0, hi=MAX_ID - 1)
+    last: bool = Bool(default=False)
+    payload: Any = Payload(default=None)

@@ -161,6 +161,18 @@ class RegisterReply(ReplyMessage):
     cap_format: int | None = Int(default=None, doc="the capability format it signs (2: "
                                  "bound, pfs/core/caps.py); absent: 1, from an older "
                                  "metaserver")
+    stale: list[int] | None = List(Int(), default=None,
+                                   doc="the chains this server was taken out of and is "
+                                       "not back in: it serves none of their objects")
+
+
+class HeartbeatReply(ReplyMessage):
+    stale: list[int] | None = List(Int(), default=None,
+                                   doc="as in `register`'s reply (absent: none)")
+
+
+class ChainReply(ReplyMessage):
+    chain: list[Any] = List(doc="[chain id, version, [members, head first]]")
 
 
 # ------------------------------------------------------------------ requests
@@ -342,9 +354,26 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
     total: int = Int(lo=0)
     free: int = Int(lo=0)
     dirs: list[Any] | None = Volumes()
+    domain: str | None = Str(default=None, max_len=256,
+                             doc="its failure domain (a rack label); absent: its host")
 
 
-class Heartbeat(MetaRequest, method="heartbeat", reply=Empty):
+class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
+    note = ("a chain member could not forward a write to `sid` (dead, or no answer "
+            "within the deadline), or a client could not reach the head `sid` (the "
+            "metaserver checks: `EAGAIN` when it answers): take it out of the chain (a "
+            "new version; it becomes stale). Idempotent; the chain as it is now")
+    chain: int = Int(lo=1)
+    sid: str = Str(max_len=128)
+
+
+class GetChain(MetaRequest, method="get_chain", reply=ChainReply):
+    note = ("data servers only: a chain as it is now (a client named a version newer than "
+            "the server had seen)")
+    chain: int = Int(lo=1)
+
+
+class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
     note = "data servers only"
     sid: str = Str(max_len=128)
     total: int = Int()

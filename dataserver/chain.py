@@ -1,0 +1,344 @@
+"""A data server's part in chain replication: version checks, forwarding, catch-up.
+
+A client sends a stripe's write to its chain's head only. Each member applies the write
+under the blocks' exclusive lock, records ``(chain, version, sequence)`` on its replica
+(dataserver/objects.py), forwards it to the next member and answers once that one did,
+so the head's answer means the tail has it; the lock is held until then, so overlapping
+writes reach every member in the one order the head applied them (replicas stay
+byte-identical). A member the next one refuses (connection refused or broken) or keeps
+waiting past ``forward_timeout`` reports it to the metaserver (``chain_drop``), which
+takes it out of the chain (a new version); the write then goes on to the member after
+it, and is acknowledged by the rest. The member taken out is *stale*: the metaserver
+tells it at its next registration, and it serves nothing of that chain until it has
+been caught up (:func:`copy_object`, the machinery repair uses too) and put back.
+
+Versions: a request names the chain version its sender knows. A server refuses one
+older than what it has seen of that chain (from requests, replies of the metaserver or
+its replicas' records), and anything of a chain it was taken out of, with
+``CHAIN_STALE`` (``EREMCHG``): the client fetches the layout again and retries.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from pfs.core.auth import ClientAuth
+from pfs.core.config import parse_addr
+from pfs.core.messages import data as D
+from pfs.core.messages import meta as M
+from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.protocol import Limits
+from pfs.core.wire.rpc import RpcClient
+from pfs.dataserver import checksums as ck
+from pfs.dataserver.objects import ObjectStore
+
+log = logging.getLogger(__name__)
+
+CHAIN_STALE = D.CHAIN_STALE
+# the next member is gone (or hung): take it out of the chain
+DEAD_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
+                         errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH,
+                         errno.ECONNABORTED, errno.EHOSTDOWN})
+META_TIMEOUT = 10.0
+COPY_CHUNK = 4 << 20  # bytes per request of a copy
+MAX_OBJ = (1 << 63) - 1  # the whole object, for its lock
+
+Apply = Callable[[tuple[int, int], int, Any], Awaitable[int]]
+
+
+def stale(what: str) -> OSError:
+    return OSError(CHAIN_STALE, f"chain version stale: {what}; refresh the layout")
+
+
+class Peers:
+    """Connections to the metaserver and to other data servers (looked up by sid through
+    the metaserver's ``servers``), opened on first use, their readers in ``run``'s
+    nursery."""
+
+    def __init__(self, auth: ClientAuth, meta: str, limits: Limits | None = None) -> None:
+        self.auth = auth
+        self.meta = meta
+        self.limits = limits
+        self._nursery: trio.Nursery | None = None
+        self._clients: dict[str, RpcClient] = {}  # "" = the metaserver
+        self._locks: dict[str, trio.Lock] = {}
+        self._addrs: dict[str, tuple[str, int]] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            for c in self._clients.values():
+                c.close()
+
+    async def _client(self, key: str) -> RpcClient:
+        lock = self._locks.setdefault(key, trio.Lock())
+        async with lock:
+            client = self._clients.get(key)
+            if client is not None and client.alive:
+                return client
+            if self._nursery is None:
+                raise OSError(errno.ENOTCONN, "no connections to peers here (not serving)")
+            if key:
+                host, port = await self._address(key)
+            else:
+                if not self.meta:
+                    raise OSError(errno.ENOTCONN, "no metaserver configured")
+                host, port = parse_addr(self.meta)
+            client = await open_rpc(self.auth, self._nursery, host, port, limits=self.limits,
+                                    timeout=META_TIMEOUT)
+            self._clients[key] = client
+            return client
+
+    async def _address(self, sid: str) -> tuple[str, int]:
+        addr = self._addrs.get(sid)
+        if addr is None:
+            meta = await self._client("")
+            reply = await meta.request(M.Servers(), timeout=META_TIMEOUT)
+            for s, rec in reply.servers.items():
+                self._addrs[s] = (rec["host"], int(rec["port"]))
+            addr = self._addrs.get(sid)
+        if addr is None:
+            raise OSError(errno.EHOSTDOWN, f"data server {sid} is not known to the metaserver")
+        return addr
+
+    def forget(self, sid: str) -> None:
+        """A call to ``sid`` failed: connect anew next time, looking it up again."""
+        old = self._clients.pop(sid, None)
+        if old is not None:
+            old.close()
+        self._addrs.pop(sid, None)
+
+    async def meta_request(self, msg: Any) -> Any:
+        try:
+            return await (await self._client("")).request(msg, timeout=META_TIMEOUT)
+        except OSError:
+            self.forget("")
+            raise
+
+    async def request(self, sid: str, msg: Any, payload: Any = None,
+                      timeout: float | None = None) -> Any:
+        try:
+            client = await self._client(sid)
+            return await client.request(msg, payload=payload, timeout=timeout)
+        except OSError as exc:
+            if exc.errno in DEAD_ERRNOS:
+                self.forget(sid)
+            raise
+
+
+class Replicator:
+    """This server's view of chains, and its writes down them."""
+
+    def __init__(self, store: ObjectStore, locks: ck.RangeLocks, peers: Peers,
+                 forward_timeout: float = 5.0) -> None:
+        self.store = store
+        self.locks = locks
+        self.peers = peers
+        self.forward_timeout = forward_timeout
+        self.sid: str | None = None
+        self.view: dict[int, int] = {}  # chain id -> newest version seen
+        self.out: set[int] = set()  # chains this server was taken out of (stale here)
+        # False until the metaserver said which chains this server is stale in (at its
+        # registration): before that, a replica taken out while this server was down
+        # could be served; chained objects are refused meanwhile
+        self.ready = not peers.meta
+
+    # -- what the metaserver says -------------------------------------------------
+    def taken_out(self, chains: list[int]) -> None:
+        """What the metaserver says at registration and each heartbeat: the chains this
+        server missed writes of (it serves none of their objects until caught up)."""
+        new = set(chains)
+        self.ready = True
+        if new - self.out:
+            log.warning("stale in chains %s: their objects are not served here until "
+                        "caught up", sorted(new - self.out))
+        if self.out - new:
+            log.info("caught up in chains %s", sorted(self.out - new))
+        self.out = new
+
+    def _saw(self, cid: int, ver: int) -> None:
+        if ver > self.view.get(cid, 0):
+            self.view[cid] = ver
+
+    # -- checks ------------------------------------------------------------------
+    def check_read(self, obj: tuple[int, int], cid: int | None, ver: int | None) -> None:
+        """CHAIN_STALE when this replica must not serve ``obj``: its chain is one this
+        server was taken out of, or the reader's version is older than one seen."""
+        rec = self.store.chain_record(obj) if self.out or not self.ready else None
+        if rec is not None and (rec[0] in self.out or not self.ready):
+            raise stale(f"this server was taken out of chain {rec[0]}" if self.ready else
+                        "this server has not registered with the metaserver since it "
+                        "started (it may have missed writes)")
+        if cid:
+            if not self.ready:
+                raise stale("this server has not registered with the metaserver since it "
+                            "started (it may have missed writes)")
+            if cid in self.out:
+                raise stale(f"this server was taken out of chain {cid}")
+            if ver is not None and ver < self.view.get(cid, 0):
+                raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
+
+    # -- writes ------------------------------------------------------------------
+    async def write(self, req: D.Write, apply: Apply) -> tuple[int, int | None]:
+        """Apply ``req`` here and pass it down the chain; the bytes written here, and
+        the chain's version when it changed meanwhile (else None)."""
+        obj, off, data = req.obj, req.off, req.payload
+        cid, ver = req.chain or 0, req.ver or 0
+        if cid:
+            # (a write forwarded by a member is taken: this server is joining again,
+            # and the catch-up copy comes after it in the head's order)
+            if cid in self.out and not req.seq:
+                raise stale(f"this server was taken out of chain {cid}")
+            if ver > self.view.get(cid, 0) and not req.seq:
+                await self.learn(cid)  # a client's word is not taken: the metaserver's
+                if ver > self.view.get(cid, 0):
+                    raise stale(f"chain {cid} is at version {self.view.get(cid, 0)}, "
+                                f"not {ver}")
+            if ver < self.view.get(cid, 0):
+                raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
+        bl = ck.blocks(off, len(data))
+        async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
+            if cid and ver < self.view.get(cid, 0):  # changed while this write waited
+                raise stale(f"chain {cid} is at version {self.view[cid]}, not {ver}")
+            rec = self.store.chain_record(obj) if cid else None
+            held = rec if rec is not None and rec[0] == cid else None
+            if held is not None and held[1] > ver:
+                raise stale(f"object {list(obj)} holds chain {cid} version {held[1]}")
+            seq = req.seq or ((held[2] if held else 0) + 1)
+            n = await apply(obj, off, data)
+            fwd = list(req.fwd or ())
+            while fwd:
+                nxt = D.Write(obj=obj, off=off, cap=req.cap, chain=cid or None,
+                              ver=ver if cid else None, fwd=fwd[1:] or None, seq=seq)
+                # each member waits one deadline per member after it: the one next to
+                # a hung member gives up (and reports it) before those above it do
+                wait = self.forward_timeout * len(fwd)
+                try:
+                    with trio.fail_after(wait):
+                        await self.peers.request(fwd[0], nxt, payload=data)
+                    break
+                except trio.TooSlowError:
+                    err = OSError(errno.ETIMEDOUT, f"data server {fwd[0]} did not take a "
+                                                   f"forwarded write within {wait} s")
+                    self.peers.forget(fwd[0])
+                except OSError as exc:
+                    if exc.errno not in DEAD_ERRNOS:
+                        raise
+                    err = exc
+                if not cid:  # a layout from before chains: nobody to tell, fail it
+                    raise err
+                ver, fwd = await self.drop(cid, ver, fwd[0], err)
+            if cid:
+                self._saw(cid, ver)
+                self.store.set_chain_record(
+                    obj, (cid, ver, max(seq, held[2] if held else 0)))
+        return n, (ver if cid and ver != (req.ver or 0) else None)
+
+    async def learn(self, cid: int) -> None:
+        """The chain's version now, from the metaserver (a client named one newer than
+        this server had seen: after a membership change, or after a restart)."""
+        reply = await self.peers.meta_request(M.GetChain(chain=cid))
+        _cid, ver, members = reply.chain
+        if self.sid not in members:
+            raise stale(f"this server is not in chain {cid}")
+        self._saw(cid, int(ver))
+
+    async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
+        """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the
+        members after this server."""
+        log.warning("chain %d: forwarding to %s failed (%s): taking it out", cid, sid, why)
+        reply = await self.peers.meta_request(M.ChainDrop(chain=cid, sid=sid))
+        _cid, new_ver, members = reply.chain
+        if self.sid not in members:
+            raise stale(f"this server is no longer in chain {cid}")
+        self._saw(cid, new_ver)
+        return int(new_ver), list(members[members.index(self.sid) + 1:])
+
+
+    # -- catch-up ----------------------------------------------------------------
+    async def catch_up(self, cid: int, ver: int, target: str) -> int:
+        """Copy every object of chain ``cid`` held here to ``target``, which joined the
+        chain at version ``ver``: from now on writes naming an older version are refused
+        (their clients fetch the chain with ``target`` in it, so their writes reach it),
+        and each object is copied under its whole-object lock, after the writes before
+        it. The objects copied."""
+        self._saw(cid, ver)
+        copied = 0
+        after: tuple[int, int] | None = None
+        while True:
+            page, end = await trio.to_thread.run_sync(self.store.list_objects, after, 1024)
+            for ino, stripe, *_ in page:  # (size, allocated, block map summary...)
+                obj = (ino, stripe)
+                after = obj
+                rec = self.store.chain_record(obj)
+                if rec is not None and rec[0] == cid:
+                    await self.copy_to(obj, target)
+                    copied += 1
+            if end or not page:
+                return copied
+
+    async def copy_to(self, obj: tuple[int, int], target: str) -> int:
+        """Copy this replica of ``obj`` whole to data server ``target`` (``install``),
+        with its chain record; the bytes copied. What catch-up and repair call."""
+        async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
+            got = self.store.acquire(obj)
+            if got is None:
+                return 0
+            fd, release = got
+            try:
+                rec = self.store.chain_record(obj) or (0, 0, 0)
+                size = os.fstat(fd).st_size
+
+                async def read_from(off: int, n: int) -> bytes:
+                    return await trio.to_thread.run_sync(os.pread, fd, n, off)
+
+                async def send(off: int, chunk: bytes, last: bool) -> None:
+                    await self.peers.request(target, D.Install(
+                        obj=obj, off=off, size=size, chain=rec[0] or 1, ver=rec[1],
+                        seq=rec[2], last=last), payload=chunk or None, timeout=META_TIMEOUT)
+
+                return await copy_object(read_from, size, send)
+            finally:
+                release()
+
+    async def install(self, req: D.Install, apply: Apply) -> int:
+        """A piece of a copy from the head (``copy_to``), under the whole object's lock."""
+        obj = req.obj
+        async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
+            if req.off == 0:
+                self.store.truncate(obj, 0)
+            n = await apply(obj, req.off, req.payload) if req.payload else 0
+            if req.last:
+                self.store.truncate(obj, req.size)
+                if req.size or self.store.chain_record(obj) is not None:
+                    self.store.set_chain_record(obj, (req.chain, req.ver, req.seq))
+                self._saw(req.chain, req.ver)
+        return n
+
+
+async def copy_object(read_from: Callable[[int, int], Awaitable[bytes]], size: int,
+                      send: Callable[[int, bytes, bool], Awaitable[None]]) -> int:
+    """Copy an object of ``size`` bytes, ``COPY_CHUNK`` at a time: ``read_from(off, n)``
+    reads from the source replica, ``send(off, chunk, last)`` writes to the target
+    (``last``: cut it to ``size`` and record its chain version). The caller holds what
+    keeps writes out meanwhile (the head's lock on the whole object). The bytes copied.
+    Catch-up and repair are both built on it."""
+    off = 0
+    while True:
+        n = min(COPY_CHUNK, size - off)
+        chunk = await read_from(off, n) if n > 0 else b""
+        last = off + len(chunk) >= size
+        await send(off, chunk, last)
+        off += len(chunk)
+        if last:
+            return off

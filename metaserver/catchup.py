@@ -1,0 +1,90 @@
+"""Bringing a stale chain member back: the metaserver's side of catch-up.
+
+A member taken out of a chain (metaserver/chains.py) stays *stale*. Once it is up again
+(registered, heartbeating), this task puts it back, one chain at a time, in three
+steps: it *joins* the chain at the tail (a new version: writes are forwarded to it from
+now on, while it still serves nothing), the chain's head copies every object of the
+chain to it (``catch_up``, dataserver/chain.py: each object under its whole-object
+lock, so the copy and the forwarded writes land in the head's order), then it is marked
+caught up and serves again (its next heartbeat tells it). A failure leaves it stale and
+joining; the next pass tries again. The state is the chain table's, so a metaserver
+restart midway resumes. Repair (a new member for a lost one) is the same steps with
+another server.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import trio
+
+from pfs.core.messages import data as D
+from pfs.metaserver.chains import ChainTable
+from pfs.metaserver.commit import CommitQueue
+from pfs.metaserver.dataplane import DataPlane
+from pfs.metaserver.store import Store
+
+log = logging.getLogger(__name__)
+
+INTERVAL = 2.0  # seconds between passes over the stale members
+COPY_TIMEOUT = 3600.0  # seconds one chain's copy may take
+PROBE_TIMEOUT = 2.0  # seconds a stale member has to answer before it joins again
+
+
+class CatchUp:
+    def __init__(self, store: Store, commit: CommitQueue, chains: ChainTable,
+                 alive: Callable[[str], bool], dataplane: DataPlane,
+                 interval: float = INTERVAL) -> None:
+        self.store = store
+        self.commit = commit
+        self.chains = chains
+        self.alive = alive
+        self.dataplane = dataplane
+        self.interval = interval
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(self.interval)
+            await self.pass_once()
+
+    def due(self) -> list[tuple[int, str]]:
+        """(chain, member) pairs to bring back: stale members that are up."""
+        with self.store.read() as txn:
+            return [(c.cid, sid) for c in self.chains.scan(txn) for sid in c.stale
+                    if self.alive(sid)]
+
+    async def pass_once(self) -> int:
+        """Bring back every stale member that is up; how many were."""
+        done = 0
+        for cid, sid in self.due():
+            try:
+                await self.bring_back(cid, sid)
+                done += 1
+            except OSError as exc:
+                log.warning("chain %d: catching %s up failed (%s); trying again later",
+                            cid, sid, exc)
+        return done
+
+    async def bring_back(self, cid: int, sid: str) -> None:
+        # up by its last heartbeat is not enough (it may have died since): it answers
+        if not await self.dataplane.probe(sid, PROBE_TIMEOUT):
+            return
+        chain = await self.commit.mutate(lambda t: self.chains.add(t, cid, sid,
+                                                                   caught_up=False))
+        head = chain.members[0]
+        if head == sid:  # no other member holds the chain's data: nothing to copy from
+            log.error("chain %d: %s is its only member, stale; not served", cid, sid)
+            return
+        try:
+            reply = await self.dataplane.request(
+                head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid),
+                COPY_TIMEOUT)
+        except OSError:
+            # out again, still stale: writes must not wait on a member that failed
+            await self.commit.mutate(lambda t: self.chains.remove(t, cid, sid))
+            raise
+        await self.commit.mutate(lambda t: self.chains.caught_up(t, cid, sid))
+        log.info("chain %d: %s caught up from %s (%d objects)", cid, sid, head, reply.n)

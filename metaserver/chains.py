@@ -1,0 +1,197 @@
+"""The chain table: which data servers hold a stripe's replicas, in write order.
+
+A file's layout names one chain per stripe (``layout["chains"]``); a chain is an ordered
+list of data servers, head first, and a version (key ``H``, metaserver/keys.py). A
+client writes to the head only; each member applies a write and forwards it to the next;
+the tail's acknowledgement travels back (docs/architecture.md "Replication"). Chains are
+shared: placement reuses the chain of the same ordered members, so a lost server bumps
+the version of the few chains it was in, not of every file it held.
+
+Every membership change bumps the chain's version. A member taken out (dead or hung,
+reported by the member before it) is kept as *stale*: it missed writes, so it serves
+nothing of the chain until it has been caught up (a copy from the head) and put back.
+The table is all here: ``remove``, ``add`` and ``set_members`` are what repair builds
+on. Called inside the metaserver's write transactions (group commit).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from pfs.metaserver import keys as K
+from pfs.metaserver.store import Txn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    cid: int
+    version: int
+    members: tuple[str, ...]  # head first; the ones that serve
+    stale: tuple[str, ...] = ()  # taken out, not caught up: they serve nothing of it
+
+    def to_rec(self) -> dict[str, Any]:
+        return {"version": self.version, "members": list(self.members),
+                "stale": list(self.stale)}
+
+    @classmethod
+    def from_rec(cls, cid: int, rec: dict[str, Any]) -> Chain:
+        return cls(cid, int(rec["version"]), tuple(rec["members"]),
+                   tuple(rec.get("stale", ())))
+
+    def to_wire(self) -> list[Any]:
+        return [self.cid, self.version, list(self.members)]
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+class ChainTable:
+    """The chains in a store, with an index of members -> chain id for placement
+    (rebuilt from the store on first use; every hit is checked against the store, so an
+    entry of a transaction that did not commit is harmless)."""
+
+    def __init__(self) -> None:
+        self._by_members: dict[tuple[str, ...], int] | None = None
+
+    # -- records ---------------------------------------------------------------
+    @staticmethod
+    def get(txn: Txn, cid: int) -> Chain | None:
+        raw = txn.get(K.chain(cid))
+        return None if raw is None else Chain.from_rec(cid, msgpack.unpackb(raw, raw=False))
+
+    def _put(self, txn: Txn, chain: Chain) -> None:
+        txn.put(K.chain(chain.cid), _pack(chain.to_rec()))
+        if self._by_members is not None:
+            self._by_members[chain.members] = chain.cid
+
+    def _need(self, txn: Txn, cid: int) -> Chain:
+        chain = self.get(txn, cid)
+        if chain is None:
+            raise OSError(errno.ENOENT, f"no chain {cid}")
+        return chain
+
+    def scan(self, txn: Txn) -> list[Chain]:
+        return [Chain.from_rec(K.read_u64(k, 1), msgpack.unpackb(v, raw=False))
+                for k, v in list(txn.scan(K.CHAIN))]
+
+    # -- placement -------------------------------------------------------------
+    def make_or_reuse(self, txn: Txn, members: tuple[str, ...]) -> Chain:
+        """The chain of exactly these members in this order (made when there is none)."""
+        if self._by_members is None:
+            self._by_members = {c.members: c.cid for c in self.scan(txn)}
+        cid = self._by_members.get(members)
+        if cid is not None:
+            chain = self.get(txn, cid)
+            if chain is not None and chain.members == members:
+                return chain
+        raw = txn.get(K.counter(b"nchain"))
+        cid = (K.read_u64(raw) if raw else 0) + 1
+        txn.put(K.counter(b"nchain"), K.u64(cid))
+        chain = Chain(cid, 1, members)
+        self._put(txn, chain)
+        return chain
+
+    # -- membership changes: each bumps the version -----------------------------
+    def remove(self, txn: Txn, cid: int, sid: str) -> Chain:
+        """Take ``sid`` out of chain ``cid`` (it is dead, hung or lost): it becomes stale.
+        A member already out changes nothing; the last member is never taken out (its
+        data would be nowhere), EBUSY."""
+        chain = self._need(txn, cid)
+        if sid not in chain.members:
+            return chain
+        if len(chain.members) == 1:
+            raise OSError(errno.EBUSY, f"chain {cid}: {sid} is its last member")
+        new = Chain(cid, chain.version + 1, tuple(m for m in chain.members if m != sid),
+                    tuple(dict.fromkeys((*chain.stale, sid))))
+        self._put(txn, new)
+        log.warning("chain %d: %s taken out, version %d, members %s", cid, sid,
+                    new.version, list(new.members))
+        return new
+
+    def add(self, txn: Txn, cid: int, sid: str, caught_up: bool = True) -> Chain:
+        """Put ``sid`` at the tail of chain ``cid``. ``caught_up`` False: it *joins*
+        (writes are forwarded to it, it stays stale, serving nothing, until
+        :meth:`caught_up`: the copy of the chain's objects goes on meanwhile)."""
+        chain = self._need(txn, cid)
+        if sid in chain.members:
+            return self.caught_up(txn, cid, sid) if caught_up else chain
+        stale = chain.stale if not caught_up else tuple(s for s in chain.stale if s != sid)
+        if not caught_up and sid not in stale:
+            stale = (*stale, sid)
+        new = Chain(cid, chain.version + 1, (*chain.members, sid), stale)
+        self._put(txn, new)
+        log.info("chain %d: %s %s, version %d", cid, sid,
+                 "added" if caught_up else "joining", new.version)
+        return new
+
+    def caught_up(self, txn: Txn, cid: int, sid: str) -> Chain:
+        """``sid``, a member, holds every object of chain ``cid`` now: it serves again.
+        (No new version: the members did not change.)"""
+        chain = self._need(txn, cid)
+        if sid not in chain.stale or sid not in chain.members:
+            return chain
+        new = Chain(cid, chain.version, chain.members,
+                    tuple(s for s in chain.stale if s != sid))
+        self._put(txn, new)
+        log.info("chain %d: %s caught up", cid, sid)
+        return new
+
+    def joining(self, chain: Chain) -> tuple[str, ...]:
+        """Members still being caught up (stale: they serve nothing yet)."""
+        return tuple(m for m in chain.members if m in chain.stale)
+
+    def set_members(self, txn: Txn, cid: int, members: tuple[str, ...]) -> Chain:
+        """Any other change (repair, drain): the new members, head first; members
+        dropped become stale."""
+        chain = self._need(txn, cid)
+        if not members:
+            raise OSError(errno.EINVAL, f"chain {cid}: no members")
+        if members == chain.members:
+            return chain
+        dropped = [m for m in chain.members if m not in members]
+        new = Chain(cid, chain.version + 1, members,
+                    tuple(s for s in dict.fromkeys((*chain.stale, *dropped))
+                          if s not in members))
+        self._put(txn, new)
+        return new
+
+    def stale_on(self, txn: Txn, sid: str) -> list[Chain]:
+        """The chains ``sid`` was taken out of and is not back in."""
+        return [c for c in self.scan(txn) if sid in c.stale]
+
+    # -- layouts ---------------------------------------------------------------
+    def resolve(self, txn: Txn, layout: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A stored layout as clients see it: each stripe's servers are its chain's
+        members now, with the chain's version. A layout without chains (placed before
+        them) is an implicit chain per stripe, as placed (version 0)."""
+        if not layout or not layout.get("chains"):
+            return layout
+        servers, versions = [], []
+        for cid in layout["chains"]:
+            chain = self.get(txn, cid)
+            if chain is None:  # cannot happen: a chain is never deleted
+                raise OSError(errno.EIO, f"layout names chain {cid}, which does not exist")
+            servers.append(list(chain.members))
+            versions.append(chain.version)
+        return {**layout, "servers": servers, "versions": versions}
+
+    def holders(self, txn: Txn, layout: dict[str, Any]) -> dict[str, Any]:
+        """``layout`` with, per stripe, every server that may hold its object: the
+        members placed, those now, and stale ones (what deleting the file must reach)."""
+        if not layout.get("chains"):
+            return layout
+        now_ = self.resolve(txn, layout) or layout
+        servers = []
+        for s, cid in enumerate(layout["chains"]):
+            chain = self.get(txn, cid)
+            placed = layout["servers"][s] if s < len(layout.get("servers", ())) else []
+            now = [*chain.members, *chain.stale] if chain is not None else []
+            servers.append(list(dict.fromkeys((*placed, *now))))
+        return {**now_, "servers": servers}
