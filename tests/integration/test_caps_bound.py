@@ -53,7 +53,8 @@ async def two_keys(tmp_path: Path) -> AsyncIterator[tuple[Callable[[str], Client
     for name in ("cluster", "alice", "bob"):
         auth.create_key(kd / f"{name}.key")
     mcfg = MetaConfig(db=str(tmp_path / "db"), port=0, map_size=1 << 28,
-                      layout=LayoutDefaults(unit=4096, count=1), key_file=str(kd / "cluster.key"),
+                      layout=LayoutDefaults(unit=4096, count=1, replicas=1),
+                      key_file=str(kd / "cluster.key"),
                       max_object_size=MAX_OBJECT,
                       node_keys=[NodeKey("alice", str(kd / "alice.key"), allow_root=True),
                                  NodeKey("bob", str(kd / "bob.key"), [1000, 1999],
