@@ -135,7 +135,7 @@ def test_large_reads_verified_in_steps(client_toml, cluster_dir, workdir,
     of a step read as zeros, and a flipped byte in any step is EIO at its block."""
     big = 16 << 20
     with _client(client_toml, short_circuit) as c:
-        c.set_layout(workdir, count=1, unit=big)
+        c.set_layout(workdir, count=1, unit=big, replicas=1)
         path = f"{workdir}/large"
         data = bytearray(random.Random(4).randbytes(big - 3 * BLOCK - 5))
         with c.open(path, "wb") as f:

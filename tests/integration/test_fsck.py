@@ -202,7 +202,7 @@ def test_the_block_map_tells_holes_cuts_and_losses_apart(private_cluster: Path) 
     toml = cluster.up(d, data_servers=2)
     with pfs.connect(config=toml) as c:
         c.mkdir("/d")
-        c.set_layout("/d", count=2, unit=UNIT)
+        c.set_layout("/d", count=2, unit=UNIT, replicas=1)
         with c.open("/d/ext", "wb") as f:  # extended by truncate, then written in part
             f.truncate(8 * UNIT)
             f.pwrite(os.urandom(UNIT // 2), 0)

@@ -500,7 +500,7 @@ def test_gpu_route_reads_local_objects_verified(host_gpu: None, client_toml: Pat
     cfg.short_circuit, cfg.profile = True, "load"
     block = 64 << 10
     with pfs.connect(config=cfg) as c:
-        c.set_layout(workdir, count=2, unit=4 * block)
+        c.set_layout(workdir, count=2, unit=4 * block, replicas=1)
         path = f"{workdir}/g"
         data = bytearray(random.Random(7).randbytes(20 * block + 321))
         with c.open(path, "wb") as f:
