@@ -74,6 +74,8 @@ FAILURES: tuple[Failure, ...] = (
     Failure("a connect, handshake or reply timed out", errno.ETIMEDOUT, Action.RECONNECT),
     Failure("a frame broke the protocol (the connection is dropped)", errno.EPROTO,
             Action.RECONNECT),
+    Failure("a frame failed its authentication tag (changed on the way; the connection "
+            "is dropped)", errno.EBADMSG, Action.RECONNECT),
     Failure("metaserver starting: data servers not yet reported again", errno.EAGAIN,
             Action.WAIT),
     Failure("capability refused or expired", errno.EACCES, Action.RENEW),
