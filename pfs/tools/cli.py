@@ -373,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
     sp = adm.add_parser("status", help="the metaserver and every data server: address, "
-                                       "state, capacity, heartbeat age")
+                                       "state, domain, capacity, heartbeat age, load, "
+                                       "version")
     sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
     sp.add_argument("--meta", help="metaserver HOST:PORT")
     sp.add_argument("--json", action="store_true", help="one JSON document for scripts")

@@ -47,15 +47,9 @@ def human(n: float) -> str:
 
 def tool_version() -> str:
     """``pfs 0.1.0 (protocol 1)``: this installation and the newest protocol it speaks."""
-    from importlib.metadata import PackageNotFoundError, version
+    from pfs.core.versions import PROTOCOL_MAX, package_version
 
-    from pfs.core.versions import PROTOCOL_MAX
-
-    try:
-        v = version("pfs")
-    except PackageNotFoundError:
-        v = "unknown"
-    return f"pfs {v} (protocol {PROTOCOL_MAX})"
+    return f"pfs {package_version()} (protocol {PROTOCOL_MAX})"
 
 
 def user_name(uid: int) -> str:
