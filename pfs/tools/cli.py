@@ -30,11 +30,16 @@ __all__ = ["build_parser", "human", "main", "parse_size"]
 
 # ---------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> Any:
+    """A client for one command: never a /metrics endpoint (the config's
+    ``metrics_port`` is the mount's or a long-running program's, maybe bound already)."""
+    import dataclasses
+
     import pfs
-    from pfs.core.config import ConfigError
+    from pfs.core.config import ConfigError, client_config
 
     try:
-        return pfs.connect(config=args.config, meta=args.meta)
+        cfg = client_config(args.config, args.meta)
+        return pfs.connect(config=dataclasses.replace(cfg, metrics_port=0))
     except ConfigError as exc:
         raise SystemExit(f"pfs: {exc}") from None
 
