@@ -15,6 +15,7 @@ from pfs.tools import admin_keys, admin_servers, fscmds, transfer
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
+    Progress,
     error_line,
     exit_status,
     human,
@@ -57,20 +58,13 @@ def _with_client(fn: Callable[[argparse.Namespace, Any], None]
 
 def cmd_load(args: argparse.Namespace) -> None:
     """Load a safetensors checkpoint with the loader fast path and report the rate."""
-    from pfs.loader.safetensors import CheckpointError, LoadStats, load_safetensors
+    from pfs.loader.safetensors import CheckpointError, LoadStats
 
-    stats = LoadStats()
+    stats = LoadStats(progress=Progress(None, "load"))  # a bar on a terminal, if long
     pfs_source = not args.local and (args.config or args.meta or os.environ.get("PFS_CONFIG"))
     try:
-        if pfs_source:
-            with _client(args) as c:
-                out = load_safetensors(args.path, args.device, c, args.tp_rank, args.tp_size,
-                                       _split_arg(args.split), framework=args.framework,
-                                       stats=stats)
-        else:
-            out = load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
-                                   _split_arg(args.split), framework=args.framework,
-                                   stats=stats)
+        with stats.progress:
+            out = _load(args, stats, pfs_source)
     except (CheckpointError, ValueError) as exc:
         raise SystemExit(f"pfs load: {args.path}: {exc}") from None
     kind = type(next(iter(out.values()))).__module__.split(".")[0] if out else "-"
@@ -78,6 +72,18 @@ def cmd_load(args: argparse.Namespace) -> None:
           f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
           f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
           f"{stats.requests} reads, device {args.device}]")
+
+
+def _load(args: argparse.Namespace, stats: Any, pfs_source: Any) -> dict[str, Any]:
+    from pfs.loader.safetensors import load_safetensors
+
+    split = _split_arg(args.split)
+    if not pfs_source:
+        return load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
+                                split, framework=args.framework, stats=stats)
+    with _client(args) as c:
+        return load_safetensors(args.path, args.device, c, args.tp_rank, args.tp_size,
+                                split, framework=args.framework, stats=stats)
 
 
 def _device(text: str) -> str:

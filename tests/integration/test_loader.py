@@ -431,3 +431,30 @@ def test_cli_load_pfs(client_toml: Path, pfs_ckpt: str, ckpt: tuple[Path, Any],
     main(["load", pfs_ckpt, "--config", str(client_toml), "--framework", "numpy"])
     out = capsys.readouterr().out
     assert f"loaded {len(truth)} tensors" in out and "[pfs," in out
+
+
+class _Recorder:
+    """What a progress bar is told: the planned bytes, then each read's."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.added: list[int] = []
+
+    def set_total(self, n: int) -> None:
+        self.total = n
+
+    def add(self, n: int) -> None:
+        self.added.append(n)
+
+
+def test_progress_is_told_every_byte_read(client: Any, pfs_ckpt: str,
+                                          ckpt: tuple[Path, Any]) -> None:
+    """``LoadStats.progress`` (``pfs load``'s bar) learns the bytes to read, then each
+    read's bytes as it completes: from pfs one call per read, locally one per batch."""
+    for source, kw in ((ckpt[0], {}), (pfs_ckpt, {"client": client})):
+        rec = _Recorder()
+        stats = LoadStats(progress=rec)
+        load_safetensors(source, framework="numpy", stats=stats, **kw)
+        assert rec.total == stats.read_bytes > 0
+        assert sum(rec.added) == stats.read_bytes
+    assert len(rec.added) == stats.requests  # the pfs source: one call per read
