@@ -68,6 +68,13 @@ def cmd_load(args: argparse.Namespace) -> None:
     except (CheckpointError, ValueError) as exc:
         raise SystemExit(f"pfs load: {args.path}: {exc}") from None
     kind = type(next(iter(out.values()))).__module__.split(".")[0] if out else "-"
+    if args.json:
+        print_json({"path": args.path, "source": "pfs" if pfs_source else "local",
+                    "engine": stats.engine, "device": args.device, "framework": kind,
+                    "files": stats.files, "tensors": stats.tensors, "bytes": stats.bytes,
+                    "read_bytes": stats.read_bytes, "requests": stats.requests,
+                    "seconds": stats.seconds, "GBps": stats.gbps})
+        return
     print(f"loaded {stats.tensors} tensors ({kind}) from {stats.files} file(s): "
           f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
           f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
@@ -325,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--framework", choices=["torch", "numpy"], default=None,
                     help="what the tensors come back as (default: torch if installed)")
     sp.add_argument("--local", action="store_true", help="PATH is on local disk")
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
 
     from pfs.fuse.mount import add_mount_parser  # pfs mount / pfs umount
 

@@ -368,6 +368,9 @@ def test_cli_load_local(ckpt: tuple[Path, Any], capsys: pytest.CaptureFixture[st
     main(["load", str(d), "--local", "--framework", "numpy", "--tp-rank", "1", "--tp-size", "2",
           "--split", "*.q_proj.weight=0"])
     assert "loaded" in capsys.readouterr().out
+    main(["load", str(d), "--local", "--framework", "numpy", "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["tensors"] == len(truth) and rec["source"] == "local" and rec["bytes"] > 0
 
 
 def test_lazy_export() -> None:
