@@ -27,6 +27,7 @@ from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import Empty
 from pfs.core.messages.records import MAX_ID, Volume
+from pfs.core.versions import SUPPORTED, package_version
 from pfs.core.wire.connect import open_rpc
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
@@ -43,6 +44,7 @@ MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
 MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
+VERSION = package_version()  # reported at registration and in heartbeats
 
 
 class DataService(RpcService):
@@ -88,6 +90,24 @@ class DataService(RpcService):
         self.peers = Peers(self.own_auth, meta, self.limits)
         self.replicator = Replicator(store, self.locks, self.peers, forward_timeout)
         self.replicator.sid = self.sid
+        self.load = metrics.Load()  # reported in each heartbeat (pfs admin status)
+
+    async def connection_made(self, ctx: ConnContext) -> None:
+        await super().connection_made(ctx)
+        self.load.connections += 1
+
+    def connection_lost(self, ctx: ConnContext) -> None:
+        self.load.connections -= 1
+
+    async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:
+        n_in, out = len(req.payload) if req.payload is not None else 0, 0
+        try:
+            reply = await super().dispatch(ctx, req)
+            if isinstance(reply, Reply):
+                out = reply.file[2] if reply.file else len(reply.payload or b"")
+            return reply
+        finally:
+            self.load.done(n_in, out)
 
     def is_inline(self, req: Request) -> bool:
         # a read answered with sendfile never waits before its reply, and replies on
@@ -580,7 +600,9 @@ class DataService(RpcService):
                             total, free, vols = self.space()
                             assert self.sid is not None
                             beat = await client.request(M.Heartbeat(
-                                sid=self.sid, total=total, free=free, dirs=vols))
+                                sid=self.sid, total=total, free=free, dirs=vols,
+                                load=self.load.sample(), version=VERSION,
+                                protocol=list(SUPPORTED)))
                             self.replicator.taken_out(beat.stale or [])
                     finally:
                         client.close()
@@ -601,7 +623,7 @@ class DataService(RpcService):
         total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
             sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols,
-            domain=self.domain or None))
+            domain=self.domain or None, version=VERSION, protocol=list(SUPPORTED)))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")

@@ -29,6 +29,7 @@ import pyfuse3
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.core import errors as E
+from pfs.core import metrics
 from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
 from pfs.fuse.options import MountTuning
 
@@ -247,7 +248,10 @@ class PfsOperations(pyfuse3.Operations):
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         fresh = self._dir_attrs.pop(inode, None)
-        if fresh is not None and fresh[0] > time.monotonic():
+        hit = fresh is not None and fresh[0] > time.monotonic()
+        metrics.cache_lookup("attr", hit)
+        if hit:
+            assert fresh is not None
             return self.entry(fresh[1])
         with fs_errors():
             return self.entry(await self.client.getattr(inode))
@@ -546,8 +550,11 @@ class PfsOperations(pyfuse3.Operations):
         # is remembered for attr_timeout (as the kernel remembers attributes), and
         # forgotten at once when this mount changes an xattr of the file.
         cached = name == CAPS_XATTR
-        if cached and self._no_caps.get(inode, 0.0) > time.monotonic():
-            raise pyfuse3.FUSEError(errno.ENODATA)
+        if cached:
+            hit = self._no_caps.get(inode, 0.0) > time.monotonic()
+            metrics.cache_lookup("xattr", hit)
+            if hit:
+                raise pyfuse3.FUSEError(errno.ENODATA)
         try:
             with fs_errors():
                 return await self.meta.getxattr(inode, name, self.cred(ctx))

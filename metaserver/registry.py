@@ -51,6 +51,9 @@ class LiveServer:
     refused: float | None = None  # clock() when its connection was refused (down)
     unanswered: float | None = None  # clock() when a probe got no answer (suspect)
     domain: str = ""  # failure domain: the host it registered from, unless it said
+    version: str = ""  # package version ("": an older server that does not say)
+    protocol: tuple[int, int] | None = None  # wire protocol range it speaks
+    load: tuple[int, ...] | None = None  # requests/s, bytes in/s, out/s, connections
 
 
 class State(enum.Enum):
@@ -77,6 +80,13 @@ def _volumes(sid: str, total: int, free: int, dirs: list[Volume] | None) -> list
     if not dirs:
         return [Volume("", "", total, free)]
     return list(dirs)
+
+
+LOAD_KEYS = ("requests", "bytes_in", "bytes_out", "connections")  # a heartbeat's load
+
+
+def _range(protocol: list[int] | None) -> tuple[int, int] | None:
+    return (protocol[0], protocol[-1]) if protocol else None
 
 
 def _fs_key(sid: str, v: Volume) -> str:
@@ -126,19 +136,23 @@ class Registry:
         return s.refused is None and s.seen >= now - self._lease
 
     def register(self, sid: str, host: str, port: int, total: int, free: int,
-                 dirs: list[Volume] | None = None, domain: str = "") -> None:
+                 dirs: list[Volume] | None = None, domain: str = "",
+                 version: str | None = None, protocol: list[int] | None = None) -> None:
         """``sid`` is up at ``host:port`` (a registration, or a heartbeat from a server
         registered before this metaserver started); ``domain``: its failure domain
-        (default: its host)."""
+        (default: its host); ``version``, ``protocol``: what it runs, if it says."""
         vols = _volumes(sid, total, free, dirs)
         with self._lock:
             self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols,
-                                         domain=domain or host)
+                                         domain=domain or host, version=version or "",
+                                         protocol=_range(protocol))
 
     def heartbeat(self, sid: str, total: int, free: int,
-                  dirs: list[Volume] | None = None) -> bool:
+                  dirs: list[Volume] | None = None, load: list[int] | None = None,
+                  version: str | None = None, protocol: list[int] | None = None) -> bool:
         """``sid`` is still up (its lease renewed; a refusal or unanswered probe
-        before is forgotten); False when it has not registered since this start."""
+        before is forgotten); False when it has not registered since this start.
+        ``load``: what it served over the last interval, if it says."""
         vols = _volumes(sid, total, free, dirs)
         with self._lock:
             live = self._live.get(sid)
@@ -146,6 +160,9 @@ class Registry:
                 return False
             live.total, live.free, live.seen, live.dirs = total, free, self._clock(), vols
             live.refused = live.unanswered = None
+            live.load = tuple(load) if load is not None else None
+            if version:
+                live.version, live.protocol = version, _range(protocol) or live.protocol
             return True
 
     def refused(self, sid: str) -> bool:
@@ -253,6 +270,10 @@ class Registry:
                            "dirs": [list(v) for v in live.dirs if v.path]}
                     extra.update(state=self._state(sid, live, now).value,
                                  domain=live.domain, age=round(now - live.seen, 3))
+                    if live.version:
+                        extra.update(version=live.version, protocol=live.protocol)
+                    if live.load is not None:
+                        extra["load"] = dict(zip(LOAD_KEYS, live.load, strict=False))
                 else:
                     rec = {k: v for k, v in rec.items() if k != "draining"}
                     extra["state"] = State.DOWN.value

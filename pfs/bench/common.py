@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pfs.tools.output import Progress
+
 GB = 1e9
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -245,8 +247,27 @@ def fs_of(path: Path) -> str:
 
 
 # -- output ----------------------------------------------------------------------
+_bar: Progress | None = None  # the benchmark's step bar while one runs (``steps``)
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if _bar is not None:
+        _bar.write(msg)  # above the bar, not through it
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def steps(total: int, label: str, unit: str = "step") -> Iterator[Progress]:
+    """A progress bar over a benchmark's ``total`` steps (reps, points) on a terminal,
+    nothing otherwise (pfs/tools/output.py); :func:`log` writes above it meanwhile."""
+    global _bar
+    with Progress(total, label, unit=unit) as bar:
+        _bar = bar
+        try:
+            yield bar
+        finally:
+            _bar = None
 
 
 def median(values: list[float]) -> float:

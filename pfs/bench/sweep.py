@@ -55,6 +55,7 @@ from pfs.bench.common import (
     machine_info,
     parse_size,
     proc_cpu,
+    steps,
     table,
 )
 
@@ -707,7 +708,8 @@ def run(cfg: SweepConfig, fresh: bool = False) -> dict[str, Any]:
         from pfs.bench.common import work_dir
 
         with work_dir(cfg.local_dir or None, "pfs-sweep-") as wd, environment(sub, wd) as env, \
-                open(out / "points.jsonl", "a") as log_f:
+                open(out / "points.jsonl", "a") as log_f, \
+                steps(len(todo), "sweep", unit="point") as bar:
             t_start = time.perf_counter()
             for i, p in enumerate(todo, 1):
                 rec = measure(p, cfg, env)
@@ -715,6 +717,7 @@ def run(cfg: SweepConfig, fresh: bool = False) -> dict[str, Any]:
                 log_f.flush()
                 recs[p.key()] = rec
                 progress(len(pts) - len(todo) + i, len(pts), rec, t_start, i)
+                bar.add(1)
     ordered = [recs[p.key()] for p in pts if p.key() in recs]
     result: dict[str, Any] = {
         "bench": "sweep", "config": asdict(cfg), "machine": machine_info(),

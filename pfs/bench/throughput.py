@@ -42,6 +42,7 @@ from pfs.bench.common import (
     proc_cpu,
     rate_fields,
     ratio,
+    steps,
     table,
     work_dir,
 )
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         net_cfg = load(ClientConfig, cut.client_toml)
         net_cfg.short_circuit = False  # pfs_read_*: every byte over TCP (a remote node)
-        with pfs.connect(config=cut.client_toml) as c, pfs.connect(config=net_cfg) as cn:
+        with pfs.connect(config=cut.client_toml) as c, pfs.connect(config=net_cfg) as cn, \
+                steps(args.reps, "throughput", unit="rep") as bar:
             bdir = f"/bench-tp-{os.getpid()}"
             c.makedirs(bdir, exist_ok=True)
             c.set_layout(bdir, count=args.count, unit=args.unit)
@@ -265,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["socket"] = socket_transfer(rbuf, chunk, meter_local)
                     runs.append(r)
                     log("  " + "  ".join(f"{k}={v['GBps']:.2f}" for k, v in r.items()) + " GB/s")
+                    bar.add(1)
             finally:
                 try:
                     for e in c.listdir(bdir):

@@ -31,6 +31,7 @@ from pfs.client.shortcircuit import HandleObjects, LocalServers
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.client.writeback import WRITE_BEHIND, HandleWrites, WriteBack
+from pfs.core import metrics
 from pfs.core.auth import check_wire, client_auth
 from pfs.core.config import SMALL_READ_MAX, ClientConfig, client_config, profile_settings
 from pfs.core.layout import Layout
@@ -408,6 +409,8 @@ class AsyncClient:
         self.config = config
         self.cred = cred or _config_cred(config)
         self.umask = _current_umask()
+        # the mount's, or a long-running program's, /metrics (0: off; once per process)
+        metrics.serve(config.metrics_port)
         host, port = config.meta_addr
         creds = client_auth(config.key_file, config.key_name, config.tls_cert,
                             config.tls_key, config.tls_ca,

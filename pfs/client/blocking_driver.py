@@ -44,6 +44,7 @@ from pfs.client.plan import (
     ToDevice,
     resume,
 )
+from pfs.core import metrics
 from pfs.core.checksums import ChecksumError, copied, verify_read
 from pfs.core.messages.base import parse_reply
 
@@ -127,6 +128,7 @@ class BlockingDriver:
                 try:  # a read of a checked object: verify what came
                     verify_read(msg, n, effect.into, crcs)
                 except ChecksumError:
+                    metrics.checksum_failure("network")
                     msg = copied(msg)  # a write raced the sendfile? re-read once, copied
                     if msg is None:
                         raise

@@ -33,7 +33,7 @@ import crc32c
 from pfs.client.data import run_all
 from pfs.client.plan import Call, Plan, one, read_device
 from pfs.client.trio_driver import TrioDriver
-from pfs.core import gpu_crc
+from pfs.core import gpu_crc, metrics
 from pfs.core.checksums import (
     BLOCK,
     ChecksumError,
@@ -429,6 +429,7 @@ async def read_direct(h: Any, buf: Any, off: int) -> int | None:
                                           copies)
                 return
             except ChecksumError as exc:
+                metrics.checksum_failure("gpu")
                 log.warning("GPU route: %s; reading it through the servers", exc)
         staged.extend(ps)
 

@@ -26,7 +26,8 @@ import trio
 
 from pfs.client.plan import open_fd_request
 from pfs.client.verify import read_local
-from pfs.core.checksums import VerifiedRead, read_verified
+from pfs.core import metrics
+from pfs.core.checksums import ChecksumError, VerifiedRead, read_verified
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.wire.protocol import Kind
 from pfs.core.wire.transport import Connection, local_socket_name, open_unix_connection
@@ -200,7 +201,11 @@ class HandleObjects:
         try:
             checked = self._crcs.get(fd)
             if checked is not None:
-                counts = read_verified(checked[1], fd, checked[0], obj_off, dests)
+                try:
+                    counts = read_verified(checked[1], fd, checked[0], obj_off, dests)
+                except ChecksumError:
+                    metrics.checksum_failure("local")
+                    raise
                 self._count(sum(counts))
                 return counts
             total = os.preadv(fd, dests, obj_off)
@@ -221,7 +226,9 @@ class HandleObjects:
                  cap: bytes | None) -> int | None:
         self._check_open()
         if stripe in self._fds:
+            metrics.cache_lookup("local_fd", True)
             return self._fds[stripe]
+        metrics.cache_lookup("local_fd", False)
         async with self._locks.setdefault(stripe, trio.Lock()):
             if stripe not in self._fds:
                 got = None
@@ -258,6 +265,9 @@ class HandleObjects:
                 if vr.direct:  # in steps, each verified on a thread beside the next read
                     await read_local(self.servers.engine, fd, vr)
                 counts = vr.finish()
+            except ChecksumError:
+                metrics.checksum_failure("local")
+                raise
             finally:
                 self._leave()
             self._count(sum(counts))

@@ -40,6 +40,7 @@ from pfs.client.plan import (
     ToDevice,
 )
 from pfs.client.verify import verify_read
+from pfs.core import metrics
 from pfs.core.checksums import ChecksumError, copied
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import parse_reply
@@ -121,6 +122,7 @@ class TrioDriver:
                     await verify_read(msg, r.nbytes, effect.into if effect.into is not None
                                       else r.payload, crcs)
                 except ChecksumError:
+                    metrics.checksum_failure("network")
                     msg = copied(msg)  # a write raced the sendfile? re-read once, copied
                     if msg is None:
                         raise
@@ -163,6 +165,7 @@ class TrioDriver:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(attempt, 0, h.first, nursery)
             nursery.start_soon(attempt, 1, second, nursery)
+        metrics.hedged(bool(won) and won[0][0] == 1)
         if not won:
             return None, errors
         i, value = won[0]

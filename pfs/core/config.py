@@ -115,7 +115,9 @@ class ClientConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
-    metrics_port: int = 0  # the mount's Prometheus /metrics on this port (0: off)
+    # Prometheus /metrics of the mount, or of a program's client, on this port (0: off;
+    # the `pfs` commands never serve it); client cache hits, hedges, checksum failures
+    metrics_port: int = 0
     wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
 
     def __post_init__(self) -> None:

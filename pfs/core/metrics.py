@@ -14,6 +14,17 @@ reply payloads), ``pfs_connections{service}``, and the gauges the servers add
 (``pfs_server_total_bytes``, ``pfs_server_free_bytes``, ``pfs_server_heartbeat_age_seconds``
 per data server on the metaserver; ``pfs_data_total_bytes``/``pfs_data_free_bytes`` per
 directory on a data server), besides prometheus_client's process metrics.
+
+A client (the mount, or a long-running program whose client config sets
+``metrics_port``) also counts what its caches and reads did, one call per event:
+``pfs_client_cache_lookups_total{cache,result}`` (:func:`cache_lookup`: the mount's
+attribute and ``security.capability`` caches, the short-circuit descriptor cache),
+``pfs_client_hedged_reads_total`` and ``pfs_client_hedge_wins_total`` (:func:`hedged`:
+second requests sent, and those that answered first), and
+``pfs_client_checksum_failures_total{route}`` (:func:`checksum_failure`).
+
+:class:`Load` is apart from all this: a few integers a data server keeps whether or not
+metrics are served, for the load it reports in each heartbeat (``pfs admin status``).
 """
 from __future__ import annotations
 
@@ -50,6 +61,16 @@ class _Metrics:
         self.connections = Gauge("pfs_connections", "open authenticated connections",
                                  ["service"])
         self.children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        # the client's side (the mount, a long-running client)
+        self.cache = Counter("pfs_client_cache_lookups", "client cache lookups",
+                             ["cache", "result"])
+        self.hedged = Counter("pfs_client_hedged_reads",
+                              "reads asked of a second replica (the first was late)")
+        self.hedge_wins = Counter("pfs_client_hedge_wins",
+                                  "hedged reads the second replica answered first")
+        self.checksum_failures = Counter("pfs_client_checksum_failures",
+                                         "reads whose bytes did not match their checksums",
+                                         ["route"])
 
 
 _lock = threading.Lock()
@@ -61,9 +82,13 @@ def enabled() -> bool:
     return _m is not None
 
 
+_served: dict[tuple[str, int], int] = {}  # (host, port asked) -> port bound
+
+
 def serve(port: int, host: str = "127.0.0.1") -> int | None:
-    """Expose ``/metrics`` on ``host:port`` from a daemon thread (0: off). Returns the
-    bound port, or None when off."""
+    """Expose ``/metrics`` on ``host:port`` from a daemon thread, for the rest of the
+    process (0: off). Returns the bound port, or None when off. Asked again for the same
+    port (a second client in one process), it serves once."""
     global _m
     if port <= 0:
         return None
@@ -71,10 +96,14 @@ def serve(port: int, host: str = "127.0.0.1") -> int | None:
 
     with _lock:
         first, _m = _m is None, _m or _Metrics()
+        if (host, port) in _served:
+            return _served[host, port]
     if first:
         REGISTRY.register(_Gauges())
     server, _thread = start_http_server(port, addr=host)
     bound = int(server.server_address[1])
+    with _lock:
+        _served[host, port] = bound
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
 
@@ -104,6 +133,53 @@ def rpc_done(service: str, method: str, started: float, err: int | None, bytes_i
 def connections(service: str, delta: int) -> None:
     if _m is not None:
         _m.connections.labels(service).inc(delta)
+
+
+def cache_lookup(cache: str, hit: bool) -> None:
+    """A client cache (``attr``, ``xattr``, ``local_fd``) answered, or did not."""
+    if _m is not None:
+        _m.cache.labels(cache, "hit" if hit else "miss").inc()
+
+
+def hedged(won: bool) -> None:
+    """A read was asked of a second replica; ``won``: the second answered first."""
+    if _m is not None:
+        _m.hedged.inc()
+        if won:
+            _m.hedge_wins.inc()
+
+
+def checksum_failure(route: str) -> None:
+    """Bytes a client read did not match their checksums (``network``, ``local``:
+    short-circuit, ``gpu``)."""
+    if _m is not None:
+        _m.checksum_failures.labels(route).inc()
+
+
+class Load:
+    """Requests and payload bytes served, and connections open, over intervals: what a
+    data server reports in each heartbeat. Plain integers (no lock: one trio thread
+    counts and samples)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.requests = self.bytes_in = self.bytes_out = self.connections = 0
+        self._last = (clock(), 0, 0, 0)
+
+    def done(self, bytes_in: int, bytes_out: int) -> None:
+        self.requests += 1
+        self.bytes_in += bytes_in
+        self.bytes_out += bytes_out
+
+    def sample(self) -> list[int]:
+        """[requests/s, bytes in/s, bytes out/s] since the last sample, and the
+        connections open now (the heartbeat's ``load``)."""
+        now = self._clock()
+        t, r, i, o = self._last
+        dt = max(now - t, 1e-3)
+        self._last = (now, self.requests, self.bytes_in, self.bytes_out)
+        return [round((self.requests - r) / dt), round((self.bytes_in - i) / dt),
+                round((self.bytes_out - o) / dt), self.connections]
 
 
 def add_gauges(name: str, doc: str, label: str, read: Read) -> None:

@@ -52,6 +52,16 @@ Range = tuple[int, int]
 SUPPORTED: Range = (PROTOCOL_MIN, PROTOCOL_MAX)
 
 
+def package_version() -> str:
+    """This installation's version (``pfs --version``; what a data server reports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pfs")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class FormatError(OSError):
     """A store in a format this binary cannot open (EPROTO: unknown or newer format)."""
 

@@ -102,6 +102,9 @@ class LoadStats:
     requests: int = 0
     seconds: float = 0.0
     engine: str = ""
+    # told the bytes to read once they are planned (``set_total(n)``), then each read's
+    # bytes as it completes (``add(n)``): a progress bar (pfs/tools/output.py's Progress)
+    progress: Any = field(default=None, repr=False, compare=False)
 
     @property
     def gbps(self) -> float:
@@ -274,7 +277,10 @@ class _Reader:
     async def open(self, path: str) -> tuple[Any, int]:
         raise NotImplementedError
 
-    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]],
+                        progress: Any = None) -> list[int]:
+        """Read every ``(handle, offset, buffer)`` at once; ``progress.add(n)`` as
+        reads complete."""
         raise NotImplementedError
 
     async def close(self, handle: Any) -> None:
@@ -316,7 +322,8 @@ class _LocalReader(_Reader):
     async def open(self, path: str) -> tuple[int, int]:
         return await trio.to_thread.run_sync(_open_local, path)
 
-    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]],
+                        progress: Any = None) -> list[int]:
         from pfs.core.engine import Op
 
         batch: list[Op] = []
@@ -335,6 +342,8 @@ class _LocalReader(_Reader):
                 out[i] += n
                 if n < op.length:
                     short.add(i)
+        if progress is not None:  # one batch: the engine reports it whole
+            progress.add(sum(out))
         return out
 
     async def close(self, handle: Any) -> None:
@@ -369,7 +378,8 @@ class _PfsReader(_Reader):
         f = await self.client.open(path, "rb")
         return f, f.size
 
-    async def read_many(self, ops: list[tuple[Any, int, memoryview]]) -> list[int]:
+    async def read_many(self, ops: list[tuple[Any, int, memoryview]],
+                        progress: Any = None) -> list[int]:
         out = [0] * len(ops)
 
         async def one(i: int, f: Any, off: int, view: memoryview) -> None:
@@ -378,6 +388,8 @@ class _PfsReader(_Reader):
                     out[i] = await f.pread_into(view, off)
             else:
                 out[i] = await f.pread_into(view, off)
+            if progress is not None:
+                progress.add(out[i])
 
         async with trio.open_nursery() as n:
             for i, (f, off, view) in enumerate(ops):
@@ -710,7 +722,9 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
                 owners.append((s.shard.name, length))
                 pos += length
-        counts = await reader.read_many(ops)
+        if stats.progress is not None:
+            stats.progress.set_total(sum(len(v) for _h, _o, v in ops))
+        counts = await reader.read_many(ops, stats.progress)
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "

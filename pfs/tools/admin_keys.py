@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pfs.core import config as cfgmod
 from pfs.core.config import ConfigError, MetaConfig, NodeKey
+from pfs.tools.output import print_json
 
 FULL = (0, (1 << 32) - 1)
 
@@ -100,6 +101,13 @@ def describe(nk: NodeKey, squash_uid: int) -> str:
             f"\troot: {root}\t{nk.file}{present}")
 
 
+def record(nk: NodeKey, squash_uid: int) -> dict[str, object]:
+    """What ``pfs admin key list --json`` prints of one key."""
+    return {"name": nk.name, "file": nk.file, "uids": list(nk.uids), "gids": list(nk.gids),
+            "allow_root": nk.allow_root, "squash_uid": None if nk.allow_root else squash_uid,
+            "file_present": Path(nk.file).exists()}
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition("-")
     try:
@@ -127,6 +135,9 @@ def cmd_key(args: argparse.Namespace) -> None:
             print(f"revoked node key {nk.name!r} (deleted {nk.file}); {RESTART}")
         else:
             cfg = _load(path)
+            if args.json:
+                print_json([record(nk, cfg.squash_uid) for nk in cfg.node_keys])
+                return
             for nk in cfg.node_keys:
                 print(describe(nk, cfg.squash_uid))
     except ConfigError as exc:
@@ -156,6 +167,7 @@ def add_parser(adm: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                                       "cluster key)")
     where(sp)
     sp = keys.add_parser("list", help="the node keys of the config, with their ranges")
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
     where(sp)
     sp = keys.add_parser("revoke", help="remove a node key from the config, delete its file")
     sp.add_argument("name")

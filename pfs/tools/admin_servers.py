@@ -1,5 +1,6 @@
 """``pfs admin servers`` / ``drain`` / ``undrain``: the data servers as the metaserver sees
-them (state, lease age, failure domain, space) and the operator's draining mark.
+them (state, lease age, failure domain, space, load, version: the table of ``pfs admin
+status``, from the same records) and the operator's draining mark.
 
 A server is named by its id, a unique prefix of it (``pfs df`` shows 8 characters) or
 ``HOST:PORT``. Draining only stops new stripes going to a server (durable on the
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 from collections.abc import Callable
 from typing import Any
 
 from pfs.client.plan import MetaCall, Plan
 from pfs.core.messages import meta as M
+from pfs.tools.admin_status import server_records, server_table
+from pfs.tools.output import print_json
 
 ClientOf = Callable[[argparse.Namespace], Any]
 
@@ -37,38 +39,16 @@ def drain_plan(sid: str, on: bool, cred: Any) -> Plan[str]:
     return (yield MetaCall(M.Drain(sid=sid, on=on, cred=cred))).state  # type: ignore[no-any-return]
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f}G"
-
-
-def state_of(s: dict[str, Any]) -> str:
-    """A server record's state (``state``; from ``alive``/``full`` for an older
-    metaserver)."""
-    return str(s.get("state") or ("down" if not s.get("alive") else
-                                  "full" if s.get("full") else "up"))
-
-
-def rows(servers: dict[str, dict[str, Any]]) -> list[str]:
-    """The table of ``pfs admin servers``: age is seconds since the last heartbeat."""
-    out = [f"{'server':<34} {'address':<22} {'state':<9} {'age':>6} {'domain':<16} "
-           f"{'size':>9} {'avail':>9}"]
-    for sid, s in sorted(servers.items(), key=lambda kv: (kv[1].get("host", ""),
-                                                           kv[1].get("port", 0))):
-        age = s.get("age")
-        addr = f"{s.get('host', '?')}:{s.get('port', '?')}"
-        out.append(f"{sid:<34} {addr:<22} {state_of(s):<9} "
-                   f"{'-' if age is None else f'{age:.1f}s':>6} {s.get('domain', ''):<16} "
-                   f"{_gib(s.get('total', 0)):>9} {_gib(s.get('free', 0)):>9}")
-    return out
-
-
 def cmd_servers(client_of: ClientOf, args: argparse.Namespace) -> None:
+    """The server table of ``pfs admin status`` (one builder: the two agree), with full
+    server ids; ``--json``: the same records as ``pfs admin status --json``'s
+    ``servers``."""
     with client_of(args) as c:
-        servers = c._run(c.aio.meta.servers)
+        records = server_records(c._run(c.aio.meta.servers))
     if args.json:
-        print(json.dumps(servers, indent=2, sort_keys=True))
+        print_json(records)
         return
-    print("\n".join(rows(servers)))
+    print("\n".join(server_table(records, full_ids=True)))
 
 
 def cmd_drain(client_of: ClientOf, on: bool, args: argparse.Namespace) -> None:
@@ -92,8 +72,9 @@ def add_commands(adm: Any, client_of: ClientOf) -> None:
 
     sp = client_args(adm.add_parser("servers", help="data servers: state (up, suspect, "
                                                     "down, draining, full), lease age, "
-                                                    "failure domain, space"))
-    sp.add_argument("--json", action="store_true", help="the metaserver's records as JSON")
+                                                    "failure domain, space, load, version "
+                                                    "(the table of `pfs admin status`)"))
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
     sp.set_defaults(fn=lambda a: cmd_servers(client_of, a))
     for name, on, text in (("drain", True, "stop placing new stripes on a server "
                                            "(durable; its data stays until repaired away)"),

@@ -15,6 +15,7 @@ from pfs.tools import admin_keys, admin_servers, fscmds, transfer
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
+    Progress,
     error_line,
     exit_status,
     human,
@@ -30,11 +31,16 @@ __all__ = ["build_parser", "human", "main", "parse_size"]
 
 # ---------------------------------------------------------------------------
 def _client(args: argparse.Namespace) -> Any:
+    """A client for one command: never a /metrics endpoint (the config's
+    ``metrics_port`` is the mount's or a long-running program's, maybe bound already)."""
+    import dataclasses
+
     import pfs
-    from pfs.core.config import ConfigError
+    from pfs.core.config import ConfigError, client_config
 
     try:
-        return pfs.connect(config=args.config, meta=args.meta)
+        cfg = client_config(args.config, args.meta)
+        return pfs.connect(config=dataclasses.replace(cfg, metrics_port=0))
     except ConfigError as exc:
         raise SystemExit(f"pfs: {exc}") from None
 
@@ -52,27 +58,39 @@ def _with_client(fn: Callable[[argparse.Namespace, Any], None]
 
 def cmd_load(args: argparse.Namespace) -> None:
     """Load a safetensors checkpoint with the loader fast path and report the rate."""
-    from pfs.loader.safetensors import CheckpointError, LoadStats, load_safetensors
+    from pfs.loader.safetensors import CheckpointError, LoadStats
 
-    stats = LoadStats()
+    stats = LoadStats(progress=Progress(None, "load"))  # a bar on a terminal, if long
     pfs_source = not args.local and (args.config or args.meta or os.environ.get("PFS_CONFIG"))
     try:
-        if pfs_source:
-            with _client(args) as c:
-                out = load_safetensors(args.path, args.device, c, args.tp_rank, args.tp_size,
-                                       _split_arg(args.split), framework=args.framework,
-                                       stats=stats)
-        else:
-            out = load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
-                                   _split_arg(args.split), framework=args.framework,
-                                   stats=stats)
+        with stats.progress:
+            out = _load(args, stats, pfs_source)
     except (CheckpointError, ValueError) as exc:
         raise SystemExit(f"pfs load: {args.path}: {exc}") from None
     kind = type(next(iter(out.values()))).__module__.split(".")[0] if out else "-"
+    if args.json:
+        print_json({"path": args.path, "source": "pfs" if pfs_source else "local",
+                    "engine": stats.engine, "device": args.device, "framework": kind,
+                    "files": stats.files, "tensors": stats.tensors, "bytes": stats.bytes,
+                    "read_bytes": stats.read_bytes, "requests": stats.requests,
+                    "seconds": stats.seconds, "GBps": stats.gbps})
+        return
     print(f"loaded {stats.tensors} tensors ({kind}) from {stats.files} file(s): "
           f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
           f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
           f"{stats.requests} reads, device {args.device}]")
+
+
+def _load(args: argparse.Namespace, stats: Any, pfs_source: Any) -> dict[str, Any]:
+    from pfs.loader.safetensors import load_safetensors
+
+    split = _split_arg(args.split)
+    if not pfs_source:
+        return load_safetensors(args.path, args.device, None, args.tp_rank, args.tp_size,
+                                split, framework=args.framework, stats=stats)
+    with _client(args) as c:
+        return load_safetensors(args.path, args.device, c, args.tp_rank, args.tp_size,
+                                split, framework=args.framework, stats=stats)
 
 
 def _device(text: str) -> str:
@@ -314,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--framework", choices=["torch", "numpy"], default=None,
                     help="what the tensors come back as (default: torch if installed)")
     sp.add_argument("--local", action="store_true", help="PATH is on local disk")
+    sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
 
     from pfs.fuse.mount import add_mount_parser  # pfs mount / pfs umount
 
@@ -373,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a data server's data directory (repeatable)")
     sp.set_defaults(fn=cmd_admin_migrate)
     sp = adm.add_parser("status", help="the metaserver and every data server: address, "
-                                       "state, capacity, heartbeat age")
+                                       "state, domain, capacity, heartbeat age, load, "
+                                       "version")
     sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
     sp.add_argument("--meta", help="metaserver HOST:PORT")
     sp.add_argument("--json", action="store_true", help="one JSON document for scripts")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pfs
 from pfs.client.sync import Client
 from pfs.tools import cluster
+from pfs.tools.fscmds import rm_tree
 
 
 def run_demo(d: Path, size: int, keep: bool = False) -> None:
@@ -34,7 +35,7 @@ def run_demo(d: Path, size: int, keep: bool = False) -> None:
 def _workload(c: Client, size: int) -> None:
     root = "/demo"
     if c.exists(root):
-        _rm_tree(c, root)
+        rm_tree(c, root)
     c.makedirs(f"{root}/small")
     layout = c.set_layout(root, count=4, unit=1 << 20)
     print(f"{root}: stripe count {layout['count']}, unit {layout['unit'] >> 10} KiB")
@@ -73,12 +74,3 @@ def _workload(c: Client, size: int) -> None:
     print("RESULT: " + ("OK" if ok else "FAILED"))
     if not ok:
         raise SystemExit(1)
-
-
-def _rm_tree(c: Client, path: str) -> None:
-    for e in c.scandir(path):
-        if e.is_dir():
-            _rm_tree(c, e.path)
-        else:
-            c.remove(e.path)
-    c.rmdir(path)

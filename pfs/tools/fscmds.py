@@ -87,10 +87,11 @@ def cmd_mkdir(args: argparse.Namespace, c: Any) -> None:
                 c.mkdir(path)
 
 
-def _rm_tree(c: Any, path: str) -> None:
+def rm_tree(c: Any, path: str) -> None:
+    """Remove the directory ``path`` and everything below it (``pfs rm -r``, the demo)."""
     for e in c.scandir(path):
         if e.is_dir():
-            _rm_tree(c, e.path)
+            rm_tree(c, e.path)
         else:
             c.remove(e.path)
     c.rmdir(path)
@@ -103,7 +104,7 @@ def cmd_rm(args: argparse.Namespace, c: Any) -> None:
             if st.is_dir():
                 if not args.recursive:
                     raise OSError(errno.EISDIR, "Is a directory (use -r)", path)
-                _rm_tree(c, path)
+                rm_tree(c, path)
             else:
                 c.remove(path)
 

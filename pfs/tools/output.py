@@ -47,15 +47,9 @@ def human(n: float) -> str:
 
 def tool_version() -> str:
     """``pfs 0.1.0 (protocol 1)``: this installation and the newest protocol it speaks."""
-    from importlib.metadata import PackageNotFoundError, version
+    from pfs.core.versions import PROTOCOL_MAX, package_version
 
-    from pfs.core.versions import PROTOCOL_MAX
-
-    try:
-        v = version("pfs")
-    except PackageNotFoundError:
-        v = "unknown"
-    return f"pfs {v} (protocol {PROTOCOL_MAX})"
+    return f"pfs {package_version()} (protocol {PROTOCOL_MAX})"
 
 
 def user_name(uid: int) -> str:
@@ -119,27 +113,59 @@ def naming(path: str) -> Iterator[None]:
 
 # -- progress --------------------------------------------------------------------------
 class Progress:
-    """A tqdm bar on stderr for a long transfer; nothing when stderr is no terminal or
-    the transfer is short."""
+    """A tqdm bar on stderr for long work: ``unit`` "B" counts bytes (a bar only from
+    :data:`PROGRESS_MIN` bytes), any other unit counts steps (a benchmark's phases).
+    Nothing when stderr is no terminal (``force`` decides instead when given). The size
+    may come later (:meth:`set_total`: ``pfs load`` knows it once the reads are
+    planned); the bar appears then, or at the first :meth:`add`."""
 
-    def __init__(self, total: int | None, label: str, force: bool | None = None) -> None:
-        on = force if force is not None else (
-            sys.stderr.isatty() and (total is None or total >= PROGRESS_MIN))
+    def __init__(self, total: int | None, label: str, force: bool | None = None,
+                 unit: str = "B") -> None:
+        self._label, self._force, self._unit = label, force, unit
+        self._total = total
         self._bar: Any = None
-        if on:
+        self._done = False
+
+    def _on(self) -> bool:
+        if self._force is not None:
+            return self._force
+        return sys.stderr.isatty() and (self._unit != "B" or self._total is None
+                                        or self._total >= PROGRESS_MIN)
+
+    def _open(self) -> Any:
+        if self._bar is None and not self._done and self._on():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=label, unit="B", unit_scale=True,
-                             unit_divisor=1024, leave=False, file=sys.stderr)
+            self._bar = tqdm(total=self._total, desc=self._label, unit=self._unit,
+                             unit_scale=self._unit == "B", unit_divisor=1024, leave=False,
+                             file=sys.stderr)
+        self._done = True  # decided: on (a bar) or off
+        return self._bar
+
+    def set_total(self, total: int) -> None:
+        self._total = total
+        bar = self._bar if self._done else self._open()
+        if bar is not None:
+            bar.total = total
+            bar.refresh()
 
     def add(self, n: int) -> None:
+        bar = self._bar if self._done else self._open()
+        if bar is not None:
+            bar.update(n)
+
+    def write(self, text: str) -> None:
+        """A line on stderr that does not tear the bar."""
         if self._bar is not None:
-            self._bar.update(n)
+            self._bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._done = True
 
     def __enter__(self) -> Progress:
         return self

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pfs.client.sync import Client
+from pfs.core.versions import PROTOCOL_MAX, PROTOCOL_MIN
 
 
 def _pfs(toml: Path, *args: str, input: bytes | None = None,
@@ -209,8 +210,39 @@ def test_admin_status_shows_every_server(client_toml: Path) -> None:
     for s in st["servers"]:
         assert s["state"] == "up" and s["address"].startswith("127.0.0.1:")
         assert 0 <= s["heartbeat_age"] < 60 and s["total"] > 0
+        assert s["version"] and s["protocol"] == [PROTOCOL_MIN, PROTOCOL_MAX]
     human = _pfs(client_toml, "admin", "status").stdout.decode()
     assert all(s["address"] in human for s in st["servers"]) and "heartbeat" in human
+    assert "req/s" in human and "protocol" in human
+
+
+def test_admin_status_shows_load_and_admin_servers_agrees(client_toml: Path) -> None:
+    """Load is what each data server served over its last heartbeat interval (1 s):
+    writing a file over and over shows up in it (reads may go short-circuit, past the
+    servers' RPCs); ``admin servers`` prints the same records."""
+    import pfs
+
+    with pfs.connect(config=client_toml) as c:
+        blob = os.urandom(1 << 20)
+        deadline = time.monotonic() + 30
+        busy: list[dict[str, object]] = []
+        while not busy and time.monotonic() < deadline:
+            t_end = time.monotonic() + 1.5
+            while time.monotonic() < t_end:
+                c.write_file("/load-probe", blob)
+            st = json.loads(_pfs(client_toml, "admin", "status", "--json").stdout)
+            busy = [s for s in st["servers"] if s["load"] and s["load"]["requests"] > 0
+                    and s["load"]["bytes_in"] > 0]
+        c.remove("/load-probe")
+    assert busy, st
+    assert all(set(s["load"]) == {"requests", "bytes_in", "bytes_out", "connections"}
+               for s in st["servers"])
+    listed = json.loads(_pfs(client_toml, "admin", "servers", "--json").stdout)
+    key = [(s["sid"], s["address"], s["state"], s["domain"], s["version"]) for s in listed]
+    assert key == [(s["sid"], s["address"], s["state"], s["domain"], s["version"])
+                   for s in st["servers"]]
+    table = _pfs(client_toml, "admin", "servers").stdout.decode()
+    assert all(s["sid"] in table for s in listed) and "req/s" in table
 
 
 def test_cluster_commands_on_nothing_and_an_unreachable_metaserver(tmp_path: Path) -> None:

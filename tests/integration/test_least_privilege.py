@@ -4,6 +4,7 @@ root only when made with --allow-root; `pfs cluster up` makes its admin key expl
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import subprocess
@@ -88,6 +89,10 @@ def test_node_keys_without_root_are_squashed_and_admin_keys_are_not(
     assert set(rows) == {"local", "bob", "ops"}
     assert "uids 1000-1999" in rows["bob"] and "root: no (squashed to uid 65534)" in rows["bob"]
     assert "root: yes" in rows["ops"] and "root: yes" in rows["local"]
+    r = cli("admin", "key", "list", "--cluster", str(d), "--json")
+    keys = {k["name"]: k for k in json.loads(r.stdout)}
+    assert keys["bob"]["uids"] == [1000, 1999] and keys["bob"]["squash_uid"] == 65534
+    assert keys["ops"]["allow_root"] and keys["bob"]["file_present"]
     bob_key = Path(load(MetaConfig, d / "meta.toml").node_keys[1].file)
     assert mode(bob_key) == 0o600
     cluster.down(d)

@@ -368,6 +368,9 @@ def test_cli_load_local(ckpt: tuple[Path, Any], capsys: pytest.CaptureFixture[st
     main(["load", str(d), "--local", "--framework", "numpy", "--tp-rank", "1", "--tp-size", "2",
           "--split", "*.q_proj.weight=0"])
     assert "loaded" in capsys.readouterr().out
+    main(["load", str(d), "--local", "--framework", "numpy", "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["tensors"] == len(truth) and rec["source"] == "local" and rec["bytes"] > 0
 
 
 def test_lazy_export() -> None:
@@ -431,3 +434,30 @@ def test_cli_load_pfs(client_toml: Path, pfs_ckpt: str, ckpt: tuple[Path, Any],
     main(["load", pfs_ckpt, "--config", str(client_toml), "--framework", "numpy"])
     out = capsys.readouterr().out
     assert f"loaded {len(truth)} tensors" in out and "[pfs," in out
+
+
+class _Recorder:
+    """What a progress bar is told: the planned bytes, then each read's."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.added: list[int] = []
+
+    def set_total(self, n: int) -> None:
+        self.total = n
+
+    def add(self, n: int) -> None:
+        self.added.append(n)
+
+
+def test_progress_is_told_every_byte_read(client: Any, pfs_ckpt: str,
+                                          ckpt: tuple[Path, Any]) -> None:
+    """``LoadStats.progress`` (``pfs load``'s bar) learns the bytes to read, then each
+    read's bytes as it completes: from pfs one call per read, locally one per batch."""
+    for source, kw in ((ckpt[0], {}), (pfs_ckpt, {"client": client})):
+        rec = _Recorder()
+        stats = LoadStats(progress=rec)
+        load_safetensors(source, framework="numpy", stats=stats, **kw)
+        assert rec.total == stats.read_bytes > 0
+        assert sum(rec.added) == stats.read_bytes
+    assert len(rec.added) == stats.requests  # the pfs source: one call per read

@@ -170,3 +170,38 @@ def test_a_metaserver_restart_is_waited_for_not_enotconn(private_cluster: Path) 
             back.join()
         assert sorted(os.listdir(m)) == ["f", "g"]
         assert (m / "g").read_bytes() == b"during"
+
+
+def test_mount_metrics_count_client_cache_hits(client_toml: Path, tmp_path: Path) -> None:
+    """A mount whose config sets ``metrics_port`` serves /metrics: after some file
+    operations its client-side counters (the attribute, xattr and short-circuit
+    descriptor caches, RPCs sent) have moved, and the hedge and checksum counters are
+    there."""
+    from tests.integration.test_metrics import _free_port, _scrape, _value
+
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    with mounted(toml) as m:
+        d = m / f"metrics-{os.getpid()}"
+        d.mkdir()
+        data = os.urandom(3 << 20)
+        for i in range(3):
+            with open(d / f"f{i}", "wb") as f:
+                for k in range(3):  # before each write the kernel asks security.capability
+                    f.write(data[k << 20:(k + 1) << 20])
+            os.stat(d)  # the directory's attributes the create's reply carried
+        for i in range(3):
+            assert (d / f"f{i}").read_bytes() == data
+        text = _scrape(port)
+        for i in range(3):
+            (d / f"f{i}").unlink()
+        d.rmdir()
+    lookups = {(c, r): _value(text, "pfs_client_cache_lookups_total", cache=c, result=r)
+               for c in ("attr", "xattr", "local_fd") for r in ("hit", "miss")}
+    assert lookups["attr", "hit"] + lookups["attr", "miss"] > 0, lookups
+    assert lookups["xattr", "hit"] > 0, lookups  # the later writes' asks are answered here
+    assert lookups["local_fd", "miss"] > 0, lookups  # the cluster's servers are local
+    assert _value(text, "pfs_rpc_requests_total", service="client") > 0
+    assert "pfs_client_hedged_reads_total" in text and "pfs_client_hedge_wins_total" in text

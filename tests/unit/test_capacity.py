@@ -123,3 +123,25 @@ def test_a_data_server_names_the_filesystem_of_each_directory(tmp_path: Path) ->
     # the test knob: a disk that looks full
     full = capacity.volumes([str(tmp_path / "a")], free_override=0)
     assert full[0].free == 0 and full[0].total == vols[0].total
+
+
+def test_registry_keeps_load_and_version_and_older_servers_omit_them() -> None:
+    """What ``pfs admin status`` shows: the last heartbeat's load, the version from the
+    registration (or a heartbeat, after a metaserver restart); an older server that
+    reports neither has no such keys."""
+    reg = Registry(15.0, FakeClock())
+    reg.register("new", "h1", 1, 100, 50, version="0.2.0", protocol=[1, 2])
+    reg.register("old", "h2", 1, 100, 50)
+    stored = {"new": {"host": "h1", "port": 1}, "old": {"host": "h2", "port": 1}}
+    d = reg.describe(stored)
+    assert d["new"]["version"] == "0.2.0" and d["new"]["protocol"] == (1, 2)
+    assert "load" not in d["new"] and "version" not in d["old"] and "load" not in d["old"]
+    assert reg.heartbeat("new", 100, 40, load=[7, 4096, 0, 3])
+    assert reg.heartbeat("old", 100, 40)
+    d = reg.describe(stored)
+    assert d["new"]["load"] == {"requests": 7, "bytes_in": 4096, "bytes_out": 0,
+                                "connections": 3}
+    assert d["new"]["version"] == "0.2.0"  # a heartbeat without one keeps it
+    assert "load" not in d["old"]
+    assert reg.heartbeat("new", 100, 40, load=[0, 0, 0, 1], version="0.3.0", protocol=[2, 2])
+    assert reg.describe(stored)["new"]["version"] == "0.3.0"

@@ -145,7 +145,10 @@ class LayoutReply(ReplyMessage):
 class ServersReply(ReplyMessage):
     servers: dict[str, Any] = Map(doc='{sid: {"host", "port", "total", "free", "alive", '
                                       '"full", "dirs": [[path, fs, total, free], ...], '
-                                      '"state", "draining", "domain", "age"}}')
+                                      '"state", "draining", "domain", "age", "version", "protocol", '
+                                      '"load": {"requests", "bytes_in", "bytes_out", '
+                                      '"connections"}}}; version, protocol and load: '
+                                      'when the server reported them')
 
 
 class RegisterReply(ReplyMessage):
@@ -356,6 +359,11 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
     dirs: list[Any] | None = Volumes()
     domain: str | None = Str(default=None, max_len=256,
                              doc="its failure domain (a rack label); absent: its host")
+    version: str | None = Str(default=None, max_len=64,
+                              doc="its package version (absent: an older server)")
+    protocol: list[int] | None = List(Int(lo=0), default=None, max_len=2,
+                                      doc="[lowest, highest] wire protocol version it "
+                                          "speaks (absent: an older server)")
 
 
 class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
@@ -379,6 +387,15 @@ class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
     total: int = Int()
     free: int = Int()
     dirs: list[Any] | None = Volumes()
+    load: list[int] | None = List(Int(lo=0), default=None, max_len=4,
+                                  doc="[requests/s, bytes in/s, bytes out/s, open "
+                                      "connections] over the last heartbeat interval "
+                                      "(absent: an older server)")
+    version: str | None = Str(default=None, max_len=64, doc="as in `register` (a "
+                                                            "metaserver restarted since "
+                                                            "learns it here)")
+    protocol: list[int] | None = List(Int(lo=0), default=None, max_len=2,
+                                      doc="as in `register`")
 
 
 # ------------------------------------------------------------------ admin scans (pfs fsck)
