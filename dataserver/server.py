@@ -583,9 +583,9 @@ class DataService(RpcService):
     # -- registration ----------------------------------------------------------
     def space(self) -> tuple[int, int, list[Volume]]:
         """Total and free bytes (each filesystem once) and each data directory's."""
-        if len(self.store.dirs) > 1:
-            self.store.check_dirs()  # a drive gone is made again before it is measured
-        vols = capacity.volumes(self.store.dirs, self.free_override)
+        # (a drive gone is left out until the directory check made it again)
+        dirs = [d for d in self.store.dirs if os.path.isdir(d)] or self.store.dirs
+        vols = capacity.volumes(dirs, self.free_override)
         total, free = capacity.space(vols)
         return total, free, vols
 
