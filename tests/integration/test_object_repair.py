@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -167,21 +168,35 @@ def test_an_unreplicated_object_is_reported_not_repaired(plain: tuple[Path, Path
 
 
 # -- a lost drive --------------------------------------------------------------------
+def _start_two_dirs(d: Path, dirs: list[Path]) -> None:
+    spec = cluster.load_spec(d)
+    assert spec is not None
+    cluster._start(d, "data1", [
+        "pfs.dataserver", "--key-file", str(d / "keys" / "cluster.key"),
+        "--dir", str(dirs[0]), "--dir", str(dirs[1]), "--host", spec.host,
+        "--port", "0", "--meta", f"{spec.host}:{spec.meta_port}", "--heartbeat", "0.5"])
+
+
+def _restart_empty(d: Path, dirs: list[Path]) -> None:
+    """Stop the server of two directories, empty the first, start it again."""
+    pid = cluster.running(d)["data1"]
+    os.kill(pid, signal.SIGTERM)
+    _wait("data1 to stop", lambda: "data1" not in cluster.running(d))
+    shutil.rmtree(dirs[0])
+    dirs[0].mkdir()
+    _start_two_dirs(d, dirs)
+
+
 @pytest.fixture
 def two_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path, list[Path]]]:
     """One ordinary data server and one with two data directories."""
     d = tmp_path / "cluster"
     try:
         toml = cluster.up(d, data_servers=1)
-        spec = cluster.load_spec(d)
-        assert spec is not None
         dirs = [d / "extra" / "a", d / "extra" / "b"]
         for x in dirs:
             x.mkdir(parents=True)
-        cluster._start(d, "data1", [
-            "pfs.dataserver", "--key-file", str(d / "keys" / "cluster.key"),
-            "--dir", str(dirs[0]), "--dir", str(dirs[1]), "--host", spec.host,
-            "--port", "0", "--meta", f"{spec.host}:{spec.meta_port}", "--heartbeat", "0.5"])
+        _start_two_dirs(d, dirs)
         with pfs.connect(config=toml) as c:
             _wait("two data servers", lambda: sum(
                 1 for s in c._run(lambda: c.aio.meta.servers()).values()
@@ -191,8 +206,9 @@ def two_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path, list[Path]]]:
         cluster.down(d)
 
 
+@pytest.mark.parametrize("how", ["removed while running", "empty at a restart"])
 def test_a_lost_data_directory_keeps_serving_and_is_restored(
-        two_dirs: tuple[Path, Path, list[Path]]) -> None:
+        two_dirs: tuple[Path, Path, list[Path]], how: str) -> None:
     d, toml, dirs = two_dirs
     with pfs.connect(config=toml) as c:
         files = {}
@@ -218,7 +234,10 @@ def test_a_lost_data_directory_keeps_serving_and_is_restored(
     t.start()
     try:
         time.sleep(0.5)
-        shutil.rmtree(dirs[0])
+        if how == "removed while running":
+            shutil.rmtree(dirs[0])
+        else:
+            _restart_empty(d, dirs)
         _wait("the lost objects restored", lambda: all(
             all(_identical(d, ino, s) for s in range(STRIPES)) for ino, _ in files.values()),
             timeout=90)
