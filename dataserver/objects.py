@@ -488,33 +488,38 @@ class ObjectStore:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return path + ".repair"
 
+    def stage_checksums(self, staged: str) -> None:
+        """The checksums of the staged copy, beside it (synced). Touches no shared
+        state: run it in a thread, then :meth:`replace` in the event loop."""
+        if not self.checksums:
+            return
+        fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cfd = os.open(staged + "-map", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                          0o600)
+            try:
+                dck.compute(fd, cfd)
+                os.fsync(cfd)
+            finally:
+                os.close(cfd)
+        finally:
+            os.close(fd)
+
     def replace(self, obj: ObjId, staged: str, rec: ChainRecord | None) -> None:
-        """Put the complete copy at ``staged`` (synced) in place of ``obj``, with fresh
-        checksums and chain record ``rec``: renamed over the old file, so a reader sees
+        """Put the complete copy at ``staged`` (synced, its checksums staged) in place
+        of ``obj`` with chain record ``rec``: renamed over the old files, so a reader sees
         the old replica or the new one, never a part (the caller holds its lock)."""
         path = self.path(obj)
         entry = self._open.pop(obj, None)
         if entry is not None:
             self._drop(entry)  # its descriptors name the old file
-        fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if self.checksums:
-                cstaged = staged + "-map"
-                cfd = os.open(cstaged, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                              0o600)
-                try:
-                    dck.compute(fd, cfd)
-                    os.fsync(cfd)
-                finally:
-                    os.close(cfd)
-                os.replace(cstaged, path + ck.SUFFIX)
-            else:
-                try:
-                    os.unlink(path + ck.SUFFIX)
-                except FileNotFoundError:
-                    pass
-        finally:
-            os.close(fd)
+        if self.checksums:
+            os.replace(staged + "-map", path + ck.SUFFIX)
+        else:
+            try:
+                os.unlink(path + ck.SUFFIX)
+            except FileNotFoundError:
+                pass
         existed = os.path.lexists(path)
         os.replace(staged, path)
         if not existed:

@@ -52,11 +52,27 @@ MAX_CHAIN_GAP = 16  # chain ids not found in a row before the walk over chains s
 WATCH_INTERVAL = 2.0  # seconds between checks of the data directories
 
 
-def read_verified(store: ObjectStore, obj: tuple[int, int], off: int, n: int
-                  ) -> tuple[bytes, int, ChainRecord | None]:
-    """Up to ``n`` bytes of ``obj`` at ``off`` (a block boundary), each block checked
-    against its checksum (ChecksumError, EIO), holes as zeros; the object's size and
-    chain record. Runs in a thread; no lock (module doc)."""
+def _read_checked(obj: tuple[int, int], fd: int, cfd: int | None, off: int, n: int
+                  ) -> tuple[bytes, int]:
+    """Up to ``n`` bytes at ``off`` and the object's size, each block checked against
+    its checksum (ChecksumError, EIO), holes as zeros. In a thread."""
+    size = os.fstat(fd).st_size
+    n = max(0, min(n - n % ck.BLOCK if n >= ck.BLOCK else n, size - off))
+    buf = bytearray(os.pread(fd, n, off))
+    if cfd is not None and buf:
+        bl = ck.blocks(off, len(buf))
+        for blk, rec in zip(bl, ck.read_records(cfd, bl.start, len(bl)), strict=True):
+            lo = blk * ck.BLOCK - off
+            part = bytes(buf[lo:lo + ck.BLOCK])
+            if not ck.check(obj, blk, part, rec, size):
+                buf[lo:lo + len(part)] = bytes(len(part))
+    return bytes(buf), size
+
+
+async def read_verified(store: ObjectStore, obj: tuple[int, int], off: int, n: int
+                        ) -> tuple[bytes, int, ChainRecord | None]:
+    """What ``fetch`` answers: up to ``n`` bytes of ``obj`` at ``off`` (a block
+    boundary), verified; the object's size and chain record. No lock (module doc)."""
     if off % ck.BLOCK:
         raise OSError(errno.EINVAL, f"fetch: offset {off} is not a multiple of {ck.BLOCK}")
     store.check_readable(obj)
@@ -65,19 +81,10 @@ def read_verified(store: ObjectStore, obj: tuple[int, int], off: int, n: int
         return b"", 0, store.chain_record(obj)
     fd, cfd, release = got
     try:
-        size = os.fstat(fd).st_size
-        n = max(0, min(n - n % ck.BLOCK if n >= ck.BLOCK else n, size - off))
-        buf = bytearray(os.pread(fd, n, off))
-        if cfd is not None and buf:
-            bl = ck.blocks(off, len(buf))
-            for blk, rec in zip(bl, ck.read_records(cfd, bl.start, len(bl)), strict=True):
-                lo = blk * ck.BLOCK - off
-                part = bytes(buf[lo:lo + ck.BLOCK])
-                if not ck.check(obj, blk, part, rec, size):
-                    buf[lo:lo + len(part)] = bytes(len(part))
-        return bytes(buf), size, store.chain_record(obj)
+        data, size = await trio.to_thread.run_sync(_read_checked, obj, fd, cfd, off, n)
     finally:
         release()
+    return data, size, store.chain_record(obj)
 
 
 class ObjectRepair:
@@ -180,7 +187,8 @@ class ObjectRepair:
             raise
         os.close(fd)
         final = (cid, int(rec[1]), int(rec[2])) if rec is not None else mine
-        await trio.to_thread.run_sync(self.store.replace, obj, staged, final)
+        await trio.to_thread.run_sync(self.store.stage_checksums, staged)
+        self.store.replace(obj, staged, final)
         return int(reply.size)
 
     # -- lost drives ---------------------------------------------------------------

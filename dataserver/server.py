@@ -540,8 +540,7 @@ class DataService(RpcService):
             raise OSError(errno.EACCES, "fetch: only data servers copy objects from here")
         self.replicator.check_read(req.obj, None, None)
         n = min(req.len, self.limits.max_payload)
-        data, size, rec = await trio.to_thread.run_sync(read_verified, self.store, req.obj,
-                                                        req.off, n)
+        data, size, rec = await read_verified(self.store, req.obj, req.off, n)
         return Reply(D.FetchReply(n=len(data), size=size, rec=list(rec) if rec else None),
                      payload=data)
 
