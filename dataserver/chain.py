@@ -31,6 +31,7 @@ from pfs.core.auth import ClientAuth
 from pfs.core.config import parse_addr
 from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
+from pfs.core.messages.base import parse_reply
 from pfs.core.wire.connect import open_rpc
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
@@ -134,6 +135,17 @@ class Peers:
             if exc.errno in DEAD_ERRNOS:
                 self.forget(sid)
             raise
+
+    async def fetch(self, sid: str, msg: Any, timeout: float | None = None
+                    ) -> tuple[Any, bytes]:
+        """As :meth:`request`, with the reply's payload: (reply, bytes)."""
+        try:
+            result = await (await self._client(sid)).send(msg, timeout=timeout)
+        except OSError as exc:
+            if exc.errno in DEAD_ERRNOS:
+                self.forget(sid)
+            raise
+        return parse_reply(msg, result.fields), bytes(result.payload or b"")
 
 
 class Replicator:

@@ -222,6 +222,15 @@ class ObjectStore:
         self._made: set[str] = set()  # fanout directories known to exist
         self._unsynced: set[str] = set()  # directories with entries added since their fsync
         self._warned_xattr = False
+        # data directories lost (gone, emptied, unreadable): made again empty, their
+        # objects refused to readers until restored from chain peers (dataserver/repair.py)
+        self.lost: set[str] = set()
+        fresh = [d for d in self.dirs if dir_format(d) is None]
+        if fresh and len(fresh) < len(self.dirs):  # a drive replaced among used ones
+            for d in fresh:
+                log.error("data directory %s is empty while the others hold data: lost "
+                          "(its objects are restored from chain peers)", d)
+            self.lost.update(fresh)
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
             open_dir_format(d)
@@ -234,6 +243,67 @@ class ObjectStore:
         h = _mix(*obj)
         d = self.dirs[h % len(self.dirs)]
         return os.path.join(d, _OBJ_DIR, f"{(h >> 32) & 0xFF:02x}", f"{obj[0]}.{obj[1]}")
+
+    def _dir(self, obj: ObjId) -> str:
+        return self.dirs[_mix(*obj) % len(self.dirs)]
+
+    # -- directory health ------------------------------------------------------
+    def check_readable(self, obj: ObjId) -> None:
+        """EIO when ``obj`` lives on a lost data directory not restored yet: a reader
+        must go to another replica, never read it as a hole."""
+        if self.lost and self._dir(obj) in self.lost:
+            raise OSError(errno.EIO, f"object {list(obj)}: its data directory "
+                                     f"{self._dir(obj)} was lost and is being restored")
+
+    def check_absent(self, obj: ObjId) -> None:
+        """``obj`` is absent: EIO when its directory's marker is gone too (the drive was
+        lost since the last check: it must not read as a hole meanwhile)."""
+        d = self._dir(obj)
+        if d not in self.lost and not os.path.exists(os.path.join(d, FORMAT_FILE)):
+            self.check_dirs()
+        self.check_readable(obj)
+
+    def _healthy(self, d: str) -> bool:
+        """The directory's marker (its FORMAT file) reads back and its objects/ lists."""
+        try:
+            with open(os.path.join(d, FORMAT_FILE), encoding="ascii") as f:
+                if not f.read(32).strip().isdigit():
+                    return False
+            with os.scandir(os.path.join(d, _OBJ_DIR)):
+                pass
+        except OSError:
+            return False
+        return True
+
+    def check_dirs(self) -> list[str]:
+        """Check every data directory (cheap: a marker read and a directory opened each);
+        the ones newly found lost, now made again, empty, when the drive allows. Run in
+        the event loop: it drops cached descriptors."""
+        found: list[str] = []
+        for d in self.dirs:
+            if d in self.lost or self._healthy(d):
+                continue
+            log.error("data directory %s is gone or unreadable: lost; serving the others",
+                      d)
+            self.lost.add(d)
+            found.append(d)
+            for obj in [o for o in self._open if self._dir(o) == d]:
+                self._drop(self._open.pop(obj))  # descriptors of files no longer there
+            self._made = {m for m in self._made if not m.startswith(d + os.sep)}
+            self._unsynced = {u for u in self._unsynced if not u.startswith(d + os.sep)}
+            try:
+                os.makedirs(os.path.join(d, _OBJ_DIR), exist_ok=True)
+                _write_format(d, OBJECT_FORMAT)
+                sid = self.load_sid()
+                if sid is not None:
+                    _write_file(d, SID_FILE, sid + "\n")
+            except OSError as exc:
+                log.error("data directory %s cannot be made again: %s", d, exc)
+        return found
+
+    def restored(self, d: str) -> None:
+        """Every object of lost directory ``d`` was copied back: serve it again."""
+        self.lost.discard(d)
 
     def _count(self) -> int:
         n = 0
@@ -410,6 +480,53 @@ class ObjectStore:
         out = [d for d in (os.path.dirname(fanout), fanout) if d in self._unsynced]
         self._unsynced.difference_update(out)
         return out
+
+    def staging_path(self, obj: ObjId) -> str:
+        """Where a repaired copy of ``obj`` is written before :meth:`replace` (a name no
+        listing takes for an object); its fanout directory made."""
+        path = self.path(obj)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path + ".repair"
+
+    def stage_checksums(self, staged: str) -> None:
+        """The checksums of the staged copy, beside it (synced). Touches no shared
+        state: run it in a thread, then :meth:`replace` in the event loop."""
+        if not self.checksums:
+            return
+        fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            cfd = os.open(staged + "-map", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                          0o600)
+            try:
+                dck.compute(fd, cfd)
+                os.fsync(cfd)
+            finally:
+                os.close(cfd)
+        finally:
+            os.close(fd)
+
+    def replace(self, obj: ObjId, staged: str, rec: ChainRecord | None) -> None:
+        """Put the complete copy at ``staged`` (synced, its checksums staged) in place
+        of ``obj`` with chain record ``rec``: renamed over the old files, so a reader sees
+        the old replica or the new one, never a part (the caller holds its lock)."""
+        path = self.path(obj)
+        entry = self._open.pop(obj, None)
+        if entry is not None:
+            self._drop(entry)  # its descriptors name the old file
+        if self.checksums:
+            os.replace(staged + "-map", path + ck.SUFFIX)
+        else:
+            try:
+                os.unlink(path + ck.SUFFIX)
+            except FileNotFoundError:
+                pass
+        existed = os.path.lexists(path)
+        os.replace(staged, path)
+        if not existed:
+            self.objects += 1
+        self._unsynced.add(os.path.dirname(path))
+        if rec is not None:
+            self.set_chain_record(obj, rec)
 
     def delete(self, obj: ObjId) -> bool:
         """Remove ``obj``; False when it was absent."""

@@ -1,10 +1,14 @@
 """The scrubber: a background task that re-reads every checked object at a bounded rate
 (``scrub_rate`` bytes/s), verifies its blocks, logs and counts what does not match (the
-data server's statfs reply carries the counts)."""
+data server's statfs reply carries the counts). An object with a bad block is repaired
+from another member of its chain (``repair``: dataserver/repair.py, the copy verified
+there before it is installed); one that cannot be (an unreplicated file, no good copy)
+stays reported."""
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -30,6 +34,9 @@ class Scrubber:
         self.errors = 0  # bad blocks found
         self.passes = 0  # full passes done
         self.bad: set[tuple[tuple[int, int], int]] = set()  # (object, offset) reported
+        self.repaired = 0  # objects repaired after a bad block
+        # replace a replica from a chain peer (None: report only)
+        self.repair: Callable[[tuple[int, int]], Awaitable[int]] | None = None
 
     async def run(self, rate: int) -> None:
         """Scrub forever at ``rate`` bytes/s."""
@@ -37,8 +44,15 @@ class Scrubber:
         while True:
             seen = 0
             for d in self.store.dirs:
+                if d in self.store.lost:
+                    continue  # being restored from chain peers (repair.py)
                 root = os.path.join(d, "objects")
-                for _path, obj in await trio.to_thread.run_sync(_list, root):
+                try:
+                    found = await trio.to_thread.run_sync(_list, root)
+                except OSError as exc:  # a drive gone: the directory check handles it
+                    log.error("scrub: cannot list %s: %s", root, exc)
+                    continue
+                for _path, obj in found:
                     seen += await self.scrub_object(obj, rate)
             self.passes += 1
             if not seen:
@@ -66,14 +80,29 @@ class Scrubber:
                                                         count, size)
             finally:
                 release()
-            for off in bad:
-                if (obj, off) not in self.bad:
-                    self.bad.add((obj, off))
-                    self.errors += 1
-                    log.error("scrub: object %s (inode %d, stripe %d): bad block at "
-                              "offset %d", list(obj), obj[0], obj[1], off)
+            new = [off for off in bad if (obj, off) not in self.bad]
+            for off in new:
+                self.bad.add((obj, off))
+                self.errors += 1
+                log.error("scrub: object %s (inode %d, stripe %d): bad block at "
+                          "offset %d", list(obj), obj[0], obj[1], off)
+            if new and await self._repair(obj):
+                self.bad.difference_update({(obj, off) for off in bad})
             n = count * ck.BLOCK
             self.scrubbed += n
             done += n
             blk += count
             await trio.sleep(n / rate)
+
+    async def _repair(self, obj: tuple[int, int]) -> bool:
+        """Have ``obj`` repaired from a chain peer; whether it was."""
+        if self.repair is None:
+            return False
+        try:
+            await self.repair(obj)
+        except OSError as exc:
+            log.error("scrub: object %s not repaired: %s", list(obj), exc)
+            return False
+        self.repaired += 1
+        log.warning("scrub: object %s repaired from a chain peer", list(obj))
+        return True

@@ -36,6 +36,7 @@ from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
 from pfs.dataserver.chain import Peers, Replicator
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
+from pfs.dataserver.repair import ObjectRepair, read_verified
 from pfs.dataserver.scrub import Scrubber
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class DataService(RpcService):
         self.peers = Peers(self.own_auth, meta, self.limits)
         self.replicator = Replicator(store, self.locks, self.peers, forward_timeout)
         self.replicator.sid = self.sid
+        # object repair from chain peers, lost data directories (repair.py)
+        self.repairer = ObjectRepair(store, self.locks, self.replicator)
+        self.scrubber.repair = self.repairer.repair
         self.load = metrics.Load()  # reported in each heartbeat (pfs admin status)
 
     async def connection_made(self, ctx: ConnContext) -> None:
@@ -178,11 +182,13 @@ class DataService(RpcService):
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
         self.replicator.check_read(obj, req.chain, req.ver)
+        self.store.check_readable(obj)
         if length > self.limits.max_payload:
             raise OSError(errno.EINVAL, f"read: len {length} out of range "
                                         f"[0, {self.limits.max_payload}]")
         got = self.store.acquire_checked(obj)
         if got is None:
+            self.store.check_absent(obj)
             if self.store.checksums:
                 self._check_missing(obj, off, length)
             return Reply(D.ReadReply(n=0))
@@ -326,6 +332,7 @@ class DataService(RpcService):
     async def rpc_verify(self, ctx: ConnContext, req: D.Verify) -> D.VerifyReply:
         obj = req.obj
         self._cap(ctx, req, caps.READ | caps.ADMIN, obj)
+        self.store.check_readable(obj)
         got = self.store.acquire_checked(obj)
         if got is None:
             return D.VerifyReply(blocks=0, bad=[], unchecked=False)
@@ -354,6 +361,7 @@ class DataService(RpcService):
         obj = req.obj
         self._cap(ctx, req, caps.READ, obj)
         self.replicator.check_read(obj, None, None)
+        self.store.check_readable(obj)
         got = self.store.acquire_checked(obj)
         if got is None:
             if self.store.checksums:
@@ -541,7 +549,42 @@ class DataService(RpcService):
         cap = self.store.capacity()
         return D.DataStatfsReply(total=cap.total, free=cap.free, objects=cap.objects,
                                  scrubbed=self.scrubber.scrubbed,
-                                 scrub_errors=self.scrubber.errors)
+                                 scrub_errors=self.scrubber.errors,
+                                 repaired=self.repairer.repaired,
+                                 repair_failed=self.repairer.failed,
+                                 lost_dirs=sorted(self.store.lost) or None)
+
+    # -- object repair (repair.py) ---------------------------------------------
+    async def rpc_fetch(self, ctx: ConnContext, req: D.Fetch) -> Reply:
+        if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):
+            raise OSError(errno.EACCES, "fetch: only data servers copy objects from here")
+        self.replicator.check_read(req.obj, None, None)
+        n = min(req.len, self.limits.max_payload)
+        data, size, rec = await read_verified(self.store, req.obj, req.off, n)
+        return Reply(D.FetchReply(n=len(data), size=size, rec=list(rec) if rec else None),
+                     payload=data)
+
+    async def rpc_repair_object(self, ctx: ConnContext, req: D.RepairObject
+                                ) -> D.CountReply:
+        if not (ctx.identity is not None and ctx.identity.may_serve):
+            cap = self._cap(ctx, req, caps.SCAN | caps.ADMIN, (0, 0))
+            if cap is not None and cap.ino != 0:
+                raise OSError(errno.EACCES, "capability refused: repair_object needs one "
+                                            "for every object")
+        n = await self.repairer.repair(req.obj, req.chain)
+        self.unsynced.add(req.obj)
+        return D.CountReply(n=n)
+
+    async def rpc_remove_orphans(self, ctx: ConnContext, req: D.RemoveOrphans
+                                 ) -> D.DeletedReply:
+        cap = self._cap(ctx, req, caps.SCAN | caps.ADMIN, (0, 0))
+        if cap is not None and cap.ino != 0:
+            raise OSError(errno.EACCES, "capability refused: remove_orphans needs one for "
+                                        "every object")
+        self.unsynced.difference_update(req.objs)
+        deleted = sum(1 for o in req.objs if self.store.delete(o))
+        log.warning("removed %d orphan objects (pfs fsck --remove-orphans)", deleted)
+        return D.DeletedReply(deleted=deleted)
 
     # -- checking (pfs fsck) ---------------------------------------------------
     async def rpc_list_objects(self, ctx: ConnContext, req: D.ListObjects
@@ -559,7 +602,9 @@ class DataService(RpcService):
     # -- registration ----------------------------------------------------------
     def space(self) -> tuple[int, int, list[Volume]]:
         """Total and free bytes (each filesystem once) and each data directory's."""
-        vols = capacity.volumes(self.store.dirs, self.free_override)
+        # (a drive gone is left out until the directory check made it again)
+        dirs = [d for d in self.store.dirs if os.path.isdir(d)] or self.store.dirs
+        vols = capacity.volumes(dirs, self.free_override)
         total, free = capacity.space(vols)
         return total, free, vols
 
@@ -729,6 +774,8 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                                     config.heartbeat)
             if config.local_socket:
                 await nursery.start(service.serve_local)
+            if len(config.dirs) > 1:
+                nursery.start_soon(service.repairer.watch)
             if config.checksums and config.scrub_rate > 0:
                 nursery.start_soon(service.scrubber.run, config.scrub_rate)
             task_status.started(port)

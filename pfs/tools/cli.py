@@ -222,15 +222,21 @@ def cmd_admin_migrate(args: argparse.Namespace) -> None:
 
 
 def cmd_fsck(args: argparse.Namespace) -> None:
-    """Read-only check of a running cluster; exit 0 clean, 1 problems, 2 incomplete."""
+    """Check a running cluster (read-only unless --repair); exit 0 clean, 1 problems,
+    2 incomplete (after --repair: of the check that follows the repair)."""
     import trio
 
     from pfs.core.config import ConfigError
     from pfs.tools.fsck import fsck, render
 
+    if args.remove_orphans and not args.repair:
+        print("pfs fsck: --remove-orphans needs --repair", file=sys.stderr)
+        sys.exit(2)
     try:
         report = trio.run(lambda: fsck(args.config, args.meta, verify=args.verify,
-                                       rate=args.rate, paths=args.paths))
+                                       rate=args.rate, paths=args.paths,
+                                       repair=args.repair,
+                                       remove_orphans=args.remove_orphans))
     except (OSError, ConfigError) as exc:
         print(f"pfs fsck: could not check: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -377,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bytes a second verified at most (e.g. 200M; default: no limit)")
         sp.add_argument("--no-paths", dest="paths", action="store_false",
                         help="name files by inode (no walk of the namespace)")
+        sp.add_argument("--repair", action="store_true",
+                        help="replace missing, short and corrupt replicas with good copies "
+                             "from their chains, then check again")
+        sp.add_argument("--remove-orphans", action="store_true",
+                        help="with --repair: delete objects no file references")
         sp.set_defaults(fn=cmd_fsck)
 
     fsck_help = ("read-only check: orphan, missing and short objects, checksums, unreachable "

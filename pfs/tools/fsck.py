@@ -6,10 +6,15 @@ server's objects (``list_objects``, with the read-only capability of ``scan_cap`
 merges them by inode (:mod:`pfs.tools.fsck_check`), asks each data server to ``verify``
 the checksums of the objects files reference (at ``rate`` bytes/s at most), drops
 orphans that are queued for deletion, and finds the paths of the files with problems
-with a walk of the namespace. Nothing is changed anywhere.
+with a walk of the namespace. Nothing is changed anywhere, unless ``repair``: then each
+missing, short or corrupt replica of a replicated stripe is replaced by a verified copy
+from another member of its chain (``repair_object`` on the server holding it), orphans
+are deleted only with ``remove_orphans``, and the whole check runs again: its report is
+the one returned, with what was repaired and what could not be.
 
 Exit status: 0 clean, 1 problems found, 2 the check was incomplete (a data server
-unreachable or an error; problems found in the part checked are listed too).
+unreachable or an error; problems found in the part checked are listed too). After a
+repair, the status of the check that followed it.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ RECHECK = ("orphan", "missing", "short", "hole?")  # looked at again before repo
 MAX_RECHECK = 10000  # inodes looked at again, at most
 RECHECK_PAGE = 4096  # objects of one inode on one server, at most (256 stripes x replicas)
 MAX_STRIPE = (1 << 63) - 1
+REPAIRABLE = ("missing", "short", "checksum")  # fixed from a good replica by --repair
 NO_VERIFY = "checksums not verified (server does not support verify)"
 
 
@@ -61,6 +67,8 @@ class Report:
     unreachable: dict[str, str] = field(default_factory=dict)  # sid -> why
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)  # what --repair fixed
+    not_repaired: list[str] = field(default_factory=list)  # and what it could not
 
     @property
     def counted(self) -> list[Problem]:
@@ -75,7 +83,8 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {"exit": self.exit_code, "files": self.files, "objects": self.objects,
                 "verified": self.verified, "problems": [p.to_json() for p in self.problems],
-                "unreachable": self.unreachable, "errors": self.errors, "notes": self.notes}
+                "unreachable": self.unreachable, "errors": self.errors, "notes": self.notes,
+                "repaired": self.repaired, "not_repaired": self.not_repaired}
 
     def text(self) -> str:
         lines = []
@@ -86,6 +95,8 @@ class Report:
             lines.append(f"unreachable data server {sid}: {why}")
         lines += [f"error: {e}" for e in self.errors]
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"repaired: {r}" for r in self.repaired]
+        lines += [f"not repaired: {r}" for r in self.not_repaired]
         verdict = {0: "clean", 1: f"{len(self.counted)} problem(s)",
                    2: "INCOMPLETE (could not check everything)"}[self.exit_code]
         lines.append(f"{self.files} files, {self.objects} objects, {self.verified} verified: "
@@ -263,6 +274,52 @@ class Fsck:
             return [orphan(sid, o) for sid, by in objs.items() for o in by.values()]
         return classify(f, objs, self.down)[0]
 
+    # -- repair ----------------------------------------------------------------
+    async def repair(self, remove_orphans: bool = False) -> tuple[list[str], list[str]]:
+        """Fix what this check found: each missing, short or corrupt replica from a good
+        one (by the server holding it), orphans removed when asked; (done, not done)."""
+        done: list[str] = []
+        failed: list[str] = []
+        chains: dict[int, list[int]] = {}
+        for p in self.report.problems:
+            what = f"{p.kind} inode {p.ino} stripe {p.stripe} on {p.sid}"
+            if p.kind not in REPAIRABLE:
+                continue
+            if p.ino not in chains:
+                chains[p.ino] = await self._chains(p.ino)
+            cids = chains[p.ino]
+            cid = cids[p.stripe] if p.stripe < len(cids) else None
+            try:
+                r: D.CountReply = await self.data(p.sid, D.RepairObject(
+                    obj=(p.ino, p.stripe), chain=cid, cap=await self.cap()))
+            except OSError as exc:
+                failed.append(f"{what}: {exc}")
+                continue
+            done.append(f"{what}: {r.n} bytes copied from another replica")
+        if remove_orphans:
+            by_sid: dict[str, list[tuple[int, int]]] = {}
+            for p in self.report.problems:
+                if p.kind == "orphan":
+                    by_sid.setdefault(p.sid, []).append((p.ino, p.stripe))
+            for sid, objs in sorted(by_sid.items()):
+                try:
+                    dr: D.DeletedReply = await self.data(sid, D.RemoveOrphans(
+                        objs=objs, cap=await self.cap()))
+                except OSError as exc:
+                    failed.append(f"orphans on {sid}: {exc}")
+                    continue
+                done.append(f"{dr.deleted} orphan object(s) removed on {sid}")
+        return done, failed
+
+    async def _chains(self, ino: int) -> list[int]:
+        """The chain of each stripe of ``ino``, from its layout ([] when none)."""
+        r: M.ScanInodesReply = await self.client.meta.request(
+            M.ScanInodes(after=ino - 1, limit=1, cred=self._wire))
+        for row in r.inodes:
+            if row[0] == ino and row[2]:
+                return [int(c) for c in row[2].get("chains") or []]
+        return []
+
     async def _drop_queued(self) -> None:
         """Orphans whose deletion is queued are on their way out: not problems."""
         orphans = {(p.ino, p.stripe, p.sid) for p in self.report.problems if p.kind == "orphan"}
@@ -311,11 +368,20 @@ class Fsck:
 
 
 async def fsck(config: Any = None, meta: str | None = None, *, verify: bool = True,
-               rate: float = 0, paths: bool = True) -> Report:
-    """Check the cluster of ``config`` (a client config, as ``pfs.connect``)."""
+               rate: float = 0, paths: bool = True, repair: bool = False,
+               remove_orphans: bool = False) -> Report:
+    """Check the cluster of ``config`` (a client config, as ``pfs.connect``); with
+    ``repair``, fix what can be fixed and check again (module doc)."""
     try:
         async with AsyncClient.connect(config, meta, cred=ROOT) as client:
-            return await Fsck(client, verify=verify, rate=rate, paths=paths).run()
+            check = Fsck(client, verify=verify, rate=rate, paths=paths)
+            report = await check.run()
+            if not repair or not report.problems:
+                return report
+            done, failed = await check.repair(remove_orphans)
+            again = await Fsck(client, verify=verify, rate=rate, paths=paths).run()
+            again.repaired, again.not_repaired = done, failed
+            return again
     except BaseExceptionGroup as group:  # a nursery's: the OSError inside is the news
         first = _first_oserror(group)
         if first is None:

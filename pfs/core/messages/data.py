@@ -94,6 +94,11 @@ class DataStatfsReply(ReplyMessage):
     scrubbed: int = Int(default=0, doc="bytes the scrubber verified since the server started")
     scrub_errors: int = Int(default=0, doc="bad blocks the scrubber found since the server "
                                            "started")
+    repaired: int = Int(default=0, doc="replicas replaced by a good copy from a chain peer "
+                                       "(scrubber, `repair_object`) since it started")
+    repair_failed: int = Int(default=0, doc="repairs that found no good copy")
+    lost_dirs: list[str] | None = List(Str(), default=None,
+                                       doc="data directories lost and not restored yet")
 
 
 class VerifyReply(ReplyMessage):
@@ -242,3 +247,43 @@ class Install(DataRequest, method="install", reply=CountReply):
     seq: int = Int(lo=0, hi=MAX_ID - 1)
     last: bool = Bool(default=False)
     payload: Any = Payload(default=None)
+
+
+# ------------------------------------------------------------------ object repair
+class FetchReply(ReplyMessage):
+    payload_doc = "the object's bytes at `off`, every block verified against its checksum"
+    n: int = Int()
+    size: int = Int(doc="the object's size now")
+    rec: list[int] | None = List(Int(), default=None,
+                                 doc="its chain record [chain, version, sequence]; absent: "
+                                     "none")
+
+
+class Fetch(DataRequest, method="fetch", reply=FetchReply):
+    note = ("data servers only (object repair, `repair_object`): a piece of an object "
+            "replica, verified here against its checksums (`EIO` on a mismatch: the "
+            "repairer tries again or another member). Takes no block lock: a write "
+            "landing meanwhile reaches the repairer after the copy, in the chain's order")
+    obj: ObjId = Obj()
+    off: int = _offset()
+    len: int = Int(lo=0, doc="at most Limits.max_payload")
+
+
+class RepairObject(DataRequest, method="repair_object", reply=CountReply):
+    note = ("replace this server's replica of `obj` with a verified copy from another "
+            "member of its chain, under the object's whole lock (`pfs fsck --repair`, the "
+            "scrubber); `n`: bytes copied. `EIO` for an object of an unreplicated file "
+            "(no other member). A capability with SCAN or ADMIN for inode 0")
+    obj: ObjId = Obj()
+    chain: int | None = Int(default=None, lo=1, hi=MAX_ID - 1,
+                            doc="the stripe's chain (from its layout); absent: the "
+                                "replica's own record")
+    cap: Any = _cap("bytes, scan or admin")
+
+
+class RemoveOrphans(DataRequest, method="remove_orphans", reply=DeletedReply):
+    note = ("`pfs fsck --repair --remove-orphans`: delete objects no file references. A "
+            "capability with SCAN or ADMIN for inode 0 (root's `scan_cap`)")
+    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE,
+                             doc="list of object ids, at most 65536")
+    cap: Any = _cap("bytes, scan or admin")
