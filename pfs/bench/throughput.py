@@ -58,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="client.toml of a running cluster to use")
     p.add_argument("--size", type=parse_size, default=1 << 30, help="file size (default 1G)")
     p.add_argument("--count", type=int, default=4, help="stripe count (default 4)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="replicas per stripe (default: the cluster's, 2 where it has two "
+                        "or more data servers)")
     p.add_argument("--unit", type=parse_size, default=1 << 20, help="stripe unit (default 1M)")
     p.add_argument("--chunk", type=parse_size, default=64 << 20,
                    help="bytes per read/write call, local and pfs alike (default 64M)")
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bench": "throughput",
             "machine": machine_info(wd),
             "config": {"size": size, "chunk": chunk, "stripe_count": args.count,
+                       "replicas": args.replicas or "cluster default",
                        "stripe_unit": args.unit, "reps": args.reps,
                        "data_servers": len([n for n in cut.pids if n.startswith("data")]),
                        "server_pids_counted": len(server_pids),
@@ -227,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 steps(args.reps, "throughput", unit="rep") as bar:
             bdir = f"/bench-tp-{os.getpid()}"
             c.makedirs(bdir, exist_ok=True)
-            c.set_layout(bdir, count=args.count, unit=args.unit)
+            c.set_layout(bdir, count=args.count, unit=args.unit, replicas=args.replicas)
             lay = None
             try:
                 for rep in range(args.reps):
