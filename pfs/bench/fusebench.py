@@ -61,6 +61,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-dir", default=os.environ.get("PFS_PEERS_DIR"),
                    help="a folder with moosefs-up.sh and moosefs-down.sh, to measure a MooseFS "
                         "mount beside pfs (default: $PFS_PEERS_DIR; none: MooseFS skipped)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="replicas of the pfs benchmark directory, and the same MooseFS goal "
+                        "(mfssetgoal -r) on its mount: like with like (default: each "
+                        "side's own default)")
     p.add_argument("--mount-opts", default="", help="-o options for pfs mount")
     p.add_argument("--local-dir", help="scratch space (local target, cluster, mount points)")
     p.add_argument("--quick", action="store_true", help="64 MiB, 200 files, 1 rep")
@@ -160,6 +164,14 @@ def moosefs_up(peers: Path, mnt: Path, base: Path) -> dict[str, str]:
         raise RuntimeError(f"moosefs-up.sh failed: {r.stderr.strip()}\n{r.stdout.strip()}")
     log(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "MooseFS up")
     return env
+
+
+def moosefs_goal(mnt: Path, goal: int) -> None:
+    """Every new file under ``mnt`` gets ``goal`` copies (MooseFS's replicas)."""
+    r = run_quiet(["mfssetgoal", "-r", str(goal), str(mnt)], timeout=60)
+    if r.returncode:
+        raise RuntimeError(f"mfssetgoal -r {goal} {mnt}: {r.stderr.strip()}")
+    log(f"MooseFS goal {goal}")
 
 
 def moosefs_down(peers: Path, mnt: Path, env: dict[str, str]) -> None:
@@ -275,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["machine"] = machine_info(wd)
         res["config"] = {"mb": args.mb, "nfiles": args.nfiles, "reps": args.reps,
                          "targets": wanted, "stripe_count": 4, "stripe_unit": 1 << 20,
+                         "replicas": args.replicas or "each side's default",
                          "src": str(src)}
         pmnt, mmnt, mbase = wd / "pfs-mnt", wd / "mfs-mnt", wd / "mfs-base"
         try:
@@ -291,7 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with (pfs.connect(config=toml) if toml else contextlib.nullcontext()) as c:
                 if c is not None:
                     c.makedirs("/bench-fuse", exist_ok=True)
-                    c.set_layout("/bench-fuse", count=4, unit=1 << 20)
+                    c.set_layout("/bench-fuse", count=4, unit=1 << 20,
+                                 replicas=args.replicas)
                 for name in wanted:
                     if name == "local":
                         (wd / "local").mkdir()
@@ -308,6 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         log("starting MooseFS")
                         assert peers is not None  # else the target was skipped above
                         mfs_env = moosefs_up(peers, mmnt, mbase)
+                        if args.replicas:
+                            moosefs_goal(mmnt, args.replicas)
                         targets.append(Target("moosefs", mmnt, moosefs_pids(mbase)))
                     else:
                         raise SystemExit(f"unknown target {name!r}")
