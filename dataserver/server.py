@@ -423,7 +423,8 @@ class DataService(RpcService):
         if cap is not None and cap.ino != 0:
             raise OSError(errno.EACCES, "capability refused: catch_up needs one for every "
                                         "object")
-        return D.CountReply(n=await self.replicator.catch_up(req.chain, req.ver, req.target))
+        return D.CountReply(n=await self.replicator.catch_up(req.chain, req.ver, req.target,
+                                                        req.rate or 0))
 
     async def rpc_install(self, ctx: ConnContext, req: D.Install) -> D.CountReply:
         if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):

@@ -35,20 +35,31 @@ PROBE_TIMEOUT = 2.0  # seconds a stale member has to answer before it joins agai
 class CatchUp:
     def __init__(self, store: Store, commit: CommitQueue, chains: ChainTable,
                  alive: Callable[[str], bool], dataplane: DataPlane,
-                 interval: float = INTERVAL) -> None:
+                 interval: float = INTERVAL, rate: int = 0) -> None:
         self.store = store
         self.commit = commit
         self.chains = chains
         self.alive = alive
         self.dataplane = dataplane
         self.interval = interval
+        self.rate = rate  # bytes/s a head copies at most (0: unbounded)
+        self.copying: dict[int, tuple[str, float]] = {}  # chain -> (target, since)
+        self.objects = 0  # objects copied since this start
+        self.chains_done = 0
+        self._wake = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         task_status.started()
         while True:
-            await trio.sleep(self.interval)
+            with trio.move_on_after(self.interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
             await self.pass_once()
+
+    def wake(self) -> None:
+        """Pass now (repair joined a member)."""
+        self._wake.set()
 
     def due(self) -> list[tuple[int, str]]:
         """(chain, member) pairs to bring back: stale members that are up."""
@@ -78,13 +89,21 @@ class CatchUp:
         if head == sid:  # no other member holds the chain's data: nothing to copy from
             log.error("chain %d: %s is its only member, stale; not served", cid, sid)
             return
+        self.copying[cid] = (sid, trio.current_time())
         try:
             reply = await self.dataplane.request(
-                head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid),
+                head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid,
+                              rate=self.rate or None),
                 COPY_TIMEOUT)
         except OSError:
             # out again, still stale: writes must not wait on a member that failed
             await self.commit.mutate(lambda t: self.chains.remove(t, cid, sid))
             raise
+        finally:
+            self.copying.pop(cid, None)
         await self.commit.mutate(lambda t: self.chains.caught_up(t, cid, sid))
+        # a replacement (repair, drain, rebalance): the member it replaces leaves now
+        await self.commit.mutate(lambda t: self.chains.retire(t, cid))
+        self.objects += reply.n
+        self.chains_done += 1
         log.info("chain %d: %s caught up from %s (%d objects)", cid, sid, head, reply.n)

@@ -227,6 +227,8 @@ class CatchUp(DataRequest, method="catch_up", reply=CountReply):
                                           "writes naming an older one are refused from now")
     target: str = Str(max_len=128)
     cap: Any = _cap("bytes, admin")
+    rate: int | None = Int(default=None, lo=0, nil=True,
+                           doc="bytes per second at most (repair's bound); nil: unbounded")
 
 
 class Install(DataRequest, method="install", reply=CountReply):
