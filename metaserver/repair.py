@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -78,7 +79,7 @@ class Repair:
         n = 0
         for cid in cids:
             try:
-                await self.commit.mutate(lambda t, cid=cid: self.chains.lose(t, cid, sid))
+                await self.commit.mutate(partial(self.chains.lose, cid=cid, sid=sid))
                 n += 1
             except OSError as exc:  # its last member: kept, the data is nowhere else
                 log.error("chain %d: %s", cid, exc)
@@ -100,7 +101,7 @@ class Repair:
                         if rec.get("draining")}
         for c in chains:  # a restart between caught-up and retire
             if c.leaving and not self.chains.joining(c):
-                await self.commit.mutate(lambda t, cid=c.cid: self.chains.retire(t, cid))
+                await self.commit.mutate(partial(self.chains.retire, cid=c.cid))
         with self.store.read() as txn:
             chains = self.chains.scan(txn)
         budget = MAX_MOVES - sum(1 for c in chains if self.chains.joining(c))
@@ -145,9 +146,10 @@ class Repair:
 
     def _pick(self, c: Chain, load: Counter[str]) -> str | None:
         """A server for a new replica of ``c``: placeable, not in it, in a failure
-        domain its staying members are not in where possible, the least loaded."""
+        domain its staying members are not in where possible, the least loaded. Never
+        one that left it for good (lost, drained): its old replica is no member's."""
         places = self.registry.placeable()
-        taken = set(c.members) | set(c.stale)
+        taken = set(c.members) | set(c.stale) | set(c.gone)
         domains = {places[m].domain for m in c.members if m in places}
         free = [s for s in places if s not in taken]
         if not free:
@@ -176,7 +178,7 @@ class Repair:
                 return bool(busy)
             hi, lo = ranked[-1], ranked[0]
             cand = [c for c in chains if c.cid not in busy and hi in c.members
-                    and lo not in c.members and lo not in c.stale]
+                    and lo not in c.members and lo not in c.stale and lo not in c.gone]
             if not cand:
                 return bool(busy)
             # keep failure domains apart: prefer a chain that lo's domain is new to

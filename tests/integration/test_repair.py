@@ -50,7 +50,7 @@ def _write_files(c: Any, n: int, size: int, seed: int) -> dict[str, bytes]:
 
 
 def _members(c: Any, path: str) -> list[list[str]]:
-    return Layout.from_wire(c.get_layout(path)).servers
+    return [list(m) for m in Layout.from_wire(c.get_layout(path)).servers]
 
 
 def _settled(c: Any) -> bool:
