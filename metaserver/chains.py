@@ -259,6 +259,6 @@ class ChainTable:
         for s, cid in enumerate(layout["chains"]):
             chain = self.get(txn, cid)
             placed = layout["servers"][s] if s < len(layout.get("servers", ())) else []
-            now = [*chain.members, *chain.stale, *chain.gone] if chain is not None else []
+            now = [*chain.members, *chain.stale] if chain is not None else []
             servers.append(list(dict.fromkeys((*placed, *now))))
         return {**now_, "servers": servers}
