@@ -46,6 +46,8 @@ class CatchUp:
         self.copying: dict[int, tuple[str, float]] = {}  # chain -> (target, since)
         self.objects = 0  # objects copied since this start
         self.chains_done = 0
+        self.nbytes = 0  # bytes copied since this start, in self.seconds of copying
+        self.seconds = 0.0
         self._wake = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -89,7 +91,8 @@ class CatchUp:
         if head == sid:  # no other member holds the chain's data: nothing to copy from
             log.error("chain %d: %s is its only member, stale; not served", cid, sid)
             return
-        self.copying[cid] = (sid, trio.current_time())
+        since = trio.current_time()
+        self.copying[cid] = (sid, since)
         try:
             reply = await self.dataplane.request(
                 head, partial(D.CatchUp, chain=cid, ver=chain.version, target=sid,
@@ -105,5 +108,7 @@ class CatchUp:
         # a replacement (repair, drain, rebalance): the member it replaces leaves now
         await self.commit.mutate(lambda t: self.chains.retire(t, cid))
         self.objects += reply.n
+        self.nbytes += reply.nbytes
+        self.seconds += trio.current_time() - since
         self.chains_done += 1
         log.info("chain %d: %s caught up from %s (%d objects)", cid, sid, head, reply.n)

@@ -55,6 +55,7 @@ class Repair:
         self.down_since: dict[str, float] = {}
         self.lost: set[str] = set()  # declared or timed out since this start
         self.rebalancing = False
+        self._stuck: set[int] = set()  # chains told to have no server to move to
         self.wake = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -116,9 +117,12 @@ class Repair:
                 continue
             new = self._pick(c, load)
             if new is None:
-                log.warning("chain %d: no server to place a replica on (%s)", c.cid,
-                            f"draining {old}" if old else f"{c.short} short")
+                if c.cid not in self._stuck:  # once, not every pass
+                    log.warning("chain %d: no server to place a replica on (%s)", c.cid,
+                                f"draining {old}" if old else f"{c.short} short")
+                    self._stuck.add(c.cid)
                 continue
+            self._stuck.discard(c.cid)
             await self._move(c, old, new, load)
             budget -= 1
         if self.rebalancing:
@@ -210,6 +214,9 @@ class Repair:
                         for c in chains if self.chains.joining(c) or c.leaving],
             "copying": copying,
             "objects_copied": self.catchup.objects,
+            "bytes_copied": self.catchup.nbytes,
+            "copy_rate": (round(self.catchup.nbytes / self.catchup.seconds)
+                          if self.catchup.seconds > 0 else 0),
             "chains_copied": self.catchup.chains_done,
             "rate": self.catchup.rate,
             "draining": {sid: members[sid] for sid, rec in stored.items()

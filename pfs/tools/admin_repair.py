@@ -19,9 +19,11 @@ def call_plan(msg: Any) -> Plan[dict[str, Any]]:
 
 def lines(st: dict[str, Any]) -> list[str]:
     """``pfs admin repair status`` in words."""
+    bound = f"{st['rate'] / (1 << 20):.0f} MiB/s" if st["rate"] else "none"
     out = [f"chains {st['chains']}, short of replicas {st['short']}, "
-           f"moving {len(st['joining'])}; copied {st['chains_copied']} chains "
-           f"({st['objects_copied']} objects) at most {st['rate'] / (1 << 20):.0f} MiB/s"]
+           f"moving {len(st['joining'])}; copied {st['chains_copied']} chains, "
+           f"{st['objects_copied']} objects, {st['bytes_copied'] / (1 << 20):.1f} MiB at "
+           f"{st['copy_rate'] / (1 << 20):.1f} MiB/s (bound: {bound})"]
     for j in st["joining"]:
         out.append(f"  chain {j['chain']}: {', '.join(j['members'])}; joining "
                    f"{', '.join(j['joining']) or '-'}; leaving {', '.join(j['leaving']) or '-'}")

@@ -5,8 +5,11 @@ membership off a server with reads verified meanwhile; a rebalance gives a new s
 chains. Waits are polls with generous deadlines."""
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,11 +21,15 @@ from pfs.core.layout import Layout
 from pfs.core.messages import meta as M
 from pfs.tools import cluster
 from pfs.tools.admin_repair import call_plan
-from pfs.tools.admin_servers import drain_plan
 from tests.integration.test_replication import _kill, _sids
 
 UNIT = 1 << 20
 DEADLINE = 120.0
+
+
+def _pfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pfs.tools.cli", *args], capture_output=True,
+                          text=True, timeout=120)
 
 
 def _status(c: Any) -> dict[str, Any]:
@@ -138,9 +145,12 @@ def test_drain_moves_every_membership_off_a_server(private_cluster: Path) -> Non
         t = threading.Thread(target=reader)
         t.start()
         try:
-            c._drive(drain_plan, target, True, c.aio.meta.wire_cred(c.aio.cred))
+            out = _pfs("admin", "drain", target, "--config", str(toml))
+            assert out.returncode == 0, out.stderr
             _until("the drained server empty",
                    lambda: _status(c)["draining"].get(target) == 0 and _settled(c))
+            text = _pfs("admin", "repair", "status", "--config", str(toml)).stdout
+            assert f"draining {target}: 0 chain memberships left (empty)" in text, text
         finally:
             stop.set()
             t.join(60)
@@ -160,11 +170,15 @@ def test_rebalance_gives_a_new_server_chains(private_cluster: Path) -> None:
     new = next(sid for sid, name in _sids(d).items() if name == "data3")
     with pfs.connect(config=toml) as c:
         assert _status(c)["memberships"].get(new, 0) == 0
-        c._drive(call_plan, M.Rebalance(cred=c.aio.meta.wire_cred(c.aio.cred)))
+        out = _pfs("admin", "rebalance", "--config", str(toml))
+        assert out.returncode == 0, out.stderr
         _until("the rebalance done", lambda: not _status(c)["rebalancing"]
                and _settled(c))
-        load = _status(c)["memberships"]
+        st = _pfs("admin", "repair", "status", "--json", "--config", str(toml))
+        assert st.returncode == 0, st.stderr
+        load = json.loads(st.stdout)["memberships"]
         assert load.get(new, 0) > 0, load
+        assert json.loads(st.stdout)["bytes_copied"] > 0
         assert max(load.values()) - min(load.values()) <= 1, load
         for path, data in files.items():
             assert c.read_file(path) == data

@@ -443,7 +443,8 @@ class RepairReply(ReplyMessage):
     status: dict[str, Any] = Map(doc='{"chains", "short", "joining": [{"chain", "members", '
                                      '"joining", "leaving"}], "copying": [{"chain", '
                                      '"target", "seconds"}], "objects_copied", '
-                                     '"chains_copied", "rate", "draining": {sid: '
+                                     '"bytes_copied", "copy_rate" (bytes/s while '
+                                     'copying), "chains_copied", "rate" (the bound), "draining": {sid: '
                                      'memberships}, "memberships", "down", "lost_after", '
                                      '"lost", "rebalancing"}')
 
