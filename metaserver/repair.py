@@ -213,6 +213,7 @@ class Repair:
                          "leaving": list(c.leaving)}
                         for c in chains if self.chains.joining(c) or c.leaving],
             "copying": copying,
+            "stale": {str(c.cid): list(c.stale) for c in chains if c.stale},
             "objects_copied": self.catchup.objects,
             "bytes_copied": self.catchup.nbytes,
             "copy_rate": (round(self.catchup.nbytes / self.catchup.seconds)

@@ -183,3 +183,27 @@ def test_rebalance_gives_a_new_server_chains(private_cluster: Path) -> None:
         for path, data in files.items():
             assert c.read_file(path) == data
         _same_on_members(d, c, files)
+
+
+def test_a_bad_block_on_the_head_is_not_copied(private_cluster: Path) -> None:
+    d = private_cluster
+    toml = cluster.up(d, data_servers=3)
+    names = _sids(d)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/b")
+        c.set_layout("/b", count=1, unit=UNIT, replicas=2)
+        c.write_file("/b/f", b"g" * 300_000)
+        ino = c.stat("/b/f").st_ino
+        head, tail = _members(c, "/b/f")[0]
+        obj = next((d / "data" / f"ds{names[head][4:]}").glob(f"objects/*/{ino}.0"))
+        with obj.open("r+b") as f:  # rot on the head's disk
+            f.seek(70_000)
+            f.write(b"X")
+        _kill(d, names[tail])
+        c._drive(call_plan, M.Lost(sid=tail, cred=c.aio.meta.wire_cred(c.aio.cred)))
+        log = d / "logs" / "meta.log"
+        _until("the copy refused", lambda: "bad block" in log.read_text(), 60)
+        (cid, (new,)), = _status(c)["stale"].items()  # joined, never caught up
+        assert new not in (head, tail) and _members(c, "/b/f")[0][0] == head
+        copies = list((d / "data" / f"ds{names[new][4:]}").glob(f"objects/*/{ino}.0"))
+        assert all(b"X" not in p.read_bytes() for p in copies), "the bad block spread"

@@ -442,7 +442,8 @@ class Drain(MetaRequest, method="drain", reply=ServerStateReply):
 class RepairReply(ReplyMessage):
     status: dict[str, Any] = Map(doc='{"chains", "short", "joining": [{"chain", "members", '
                                      '"joining", "leaving"}], "copying": [{"chain", '
-                                     '"target", "seconds"}], "objects_copied", '
+                                     '"target", "seconds"}], "stale": {chain: [sid, ...] '
+                                     'not caught up},  "objects_copied", '
                                      '"bytes_copied", "copy_rate" (bytes/s while '
                                      'copying), "chains_copied", "rate" (the bound), "draining": {sid: '
                                      'memberships}, "memberships", "down", "lost_after", '
