@@ -198,13 +198,14 @@ class ChainTable:
         return chain
 
     def retire(self, txn: Txn, cid: int) -> Chain:
-        """Drop the leaving members of chain ``cid`` whose replacements are caught up
-        (none joining any more); they are gone for good (a new version)."""
+        """Drop the leaving members of chain ``cid`` once the members that stay are
+        caught up and as many as it wants (a replacement that failed keeps the leaving
+        one in); they are gone for good (a new version)."""
         chain = self._need(txn, cid)
         if not chain.leaving or self.joining(chain):
             return chain
         keep = tuple(m for m in chain.members if m not in chain.leaving)
-        if not keep:
+        if not keep or len(keep) < chain.want:
             return chain
         new = replace(chain, version=chain.version + 1, members=keep, leaving=(),
                       stale=tuple(s for s in chain.stale if s not in chain.leaving),

@@ -160,6 +160,12 @@ def test_a_replacement_joins_then_the_member_it_replaces_leaves_for_good(store: 
         assert [c.cid for c in table.stale_on(txn, "s2")] == [a.cid]  # it serves none
     with store.read() as txn:  # all of it in the record (a restart resumes)
         assert ChainTable().get(txn, a.cid) == done
+    with store.write() as txn:  # a replacement that failed: the leaving one stays in
+        j = table.replace_member(txn, a.cid, "s3", "s4")
+        failed = table.remove(txn, a.cid, "s4")
+        assert table.joining(failed) == () and failed.leaving == ("s3",)
+        assert table.retire(txn, a.cid) == failed
+        assert failed.short == 0  # s4 is expected back (stale): nothing else joins
 
 
 def test_a_lost_member_leaves_its_chain_short_and_is_never_caught_up(store: Any) -> None:
