@@ -4,10 +4,9 @@ A member taken out of a chain (metaserver/chains.py) stays *stale*. Once it is u
 (registered, heartbeating), this task puts it back (``PARALLEL`` chains at once, each
 copy at the repair rate) in three steps: it *joins* the chain at the tail (a new
 version: writes are forwarded to it from now on, while it still serves nothing), the
-chain's head copies every object of the
-chain to it (``catch_up``, dataserver/chain.py: each object under its whole-object
-lock, so the copy and the forwarded writes land in the head's order), then it is marked
-caught up and serves again (its next heartbeat tells it). A failure leaves it stale and
+chain's head copies every object of the chain to it (``catch_up``, dataserver/chain.py:
+each object under its whole-object lock, so the copy and the forwarded writes land in
+the head's order), then it is marked caught up and serves again (its next heartbeat tells it). A failure leaves it stale and
 joining; the next pass tries again. The state is the chain table's, so a metaserver
 restart midway resumes. Repair (metaserver/repair.py: a new member for a lost one, a
 drain, a rebalance) joins another server as a stale member; the same steps bring it in,
