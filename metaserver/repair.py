@@ -100,9 +100,15 @@ class Repair:
             chains = self.chains.scan(txn)
             draining = {sid for sid, rec in self.servers(txn).items()
                         if rec.get("draining")}
-        for c in chains:  # a restart between caught-up and retire
-            if c.leaving and not self.chains.joining(c):
+        for c in chains:
+            # a restart between caught-up and retire
+            if c.leaving and not self.chains.joining(c) and \
+                    len(c.members) - len(c.leaving) >= c.want:
                 await self.commit.mutate(partial(self.chains.retire, cid=c.cid))
+            # a draining server taken out of a chain is not brought back: replaced
+            for sid in c.stale:
+                if sid in draining and sid not in c.members:
+                    await self.commit.mutate(partial(self.chains.lose, cid=c.cid, sid=sid))
         with self.store.read() as txn:
             chains = self.chains.scan(txn)
         budget = MAX_MOVES - sum(1 for c in chains if self.chains.joining(c))
