@@ -25,6 +25,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import crc32c
 import trio
 
 from pfs.core.auth import ClientAuth
@@ -278,14 +279,25 @@ class Replicator:
 
 
     # -- catch-up ----------------------------------------------------------------
-    async def catch_up(self, cid: int, ver: int, target: str) -> int:
+    async def catch_up(self, cid: int, ver: int, target: str, rate: int = 0
+                       ) -> tuple[int, int]:
         """Copy every object of chain ``cid`` held here to ``target``, which joined the
         chain at version ``ver``: from now on writes naming an older version are refused
         (their clients fetch the chain with ``target`` in it, so their writes reach it),
         and each object is copied under its whole-object lock, after the writes before
-        it. The objects copied."""
+        it. ``rate``: bytes per second at most (0: as fast as it goes; repair's bound,
+        so the copy leaves the disks to clients). The objects and bytes copied."""
         self._saw(cid, ver)
         copied = 0
+        sent = 0
+        start = trio.current_time()
+
+        async def pace(n: int) -> None:  # never ahead of rate bytes per second
+            nonlocal sent
+            sent += n
+            if rate > 0:
+                await trio.sleep_until(start + sent / rate)
+
         after: tuple[int, int] | None = None
         while True:
             page, end = await trio.to_thread.run_sync(self.store.list_objects, after, 1024)
@@ -294,38 +306,61 @@ class Replicator:
                 after = obj
                 rec = self.store.chain_record(obj)
                 if rec is not None and rec[0] == cid:
-                    await self.copy_to(obj, target)
+                    await self.copy_to(obj, target, pace)
                     copied += 1
             if end or not page:
-                return copied
+                return copied, sent
 
-    async def copy_to(self, obj: tuple[int, int], target: str) -> int:
+    async def copy_to(self, obj: tuple[int, int], target: str,
+                      pace: Callable[[int], Awaitable[None]] | None = None) -> int:
         """Copy this replica of ``obj`` whole to data server ``target`` (``install``),
-        with its chain record; the bytes copied. What catch-up and repair call."""
+        with its chain record; the bytes copied. What catch-up and repair call. Each
+        piece is verified against this replica's block checksums before it is sent (a
+        bad block fails the copy with EIO: the scrubber's to fix, not to spread) and
+        carries its CRC32C, which the target checks. ``pace(n)``: called after each
+        piece (the copy's rate bound)."""
         async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
-            got = self.store.acquire(obj)
+            got = self.store.acquire_checked(obj)
             if got is None:
                 return 0
-            fd, release = got
+            fd, cfd, release = got
             try:
                 rec = self.store.chain_record(obj) or (0, 0, 0)
                 size = os.fstat(fd).st_size
 
+                def read_verified(off: int, n: int) -> bytes:
+                    if cfd is not None and n:
+                        first = off // ck.BLOCK
+                        bad = ck.verify_fd(obj, fd, cfd, first,
+                                           ck.n_blocks(off + n) - first, size)
+                        if bad:
+                            raise OSError(errno.EIO, f"object {list(obj)}: bad block at "
+                                                     f"{bad[0]}; not copied")
+                    return os.pread(fd, n, off)
+
                 async def read_from(off: int, n: int) -> bytes:
-                    return await trio.to_thread.run_sync(os.pread, fd, n, off)
+                    return await trio.to_thread.run_sync(read_verified, off, n)
 
                 async def send(off: int, chunk: bytes, last: bool) -> None:
                     await self.peers.request(target, D.Install(
                         obj=obj, off=off, size=size, chain=rec[0] or 1, ver=rec[1],
-                        seq=rec[2], last=last), payload=chunk or None, timeout=META_TIMEOUT)
+                        seq=rec[2], last=last, crc=crc32c.crc32c(chunk) if chunk else None),
+                        payload=chunk or None, timeout=META_TIMEOUT)
+                    if pace is not None:
+                        await pace(len(chunk))
 
                 return await copy_object(read_from, size, send)
             finally:
                 release()
 
     async def install(self, req: D.Install, apply: Apply) -> int:
-        """A piece of a copy from the head (``copy_to``), under the whole object's lock."""
+        """A piece of a copy from the head (``copy_to``), under the whole object's lock;
+        its CRC32C checked first (a piece damaged on its way is refused, EIO)."""
         obj = req.obj
+        if req.crc is not None and req.payload and \
+                crc32c.crc32c(req.payload) != req.crc:
+            raise OSError(errno.EIO, f"install of object {list(obj)} at {req.off}: the "
+                                     "piece does not match its checksum")
         async with self.locks.hold(obj, 0, MAX_OBJ, exclusive=True):
             if req.off == 0:
                 self.store.truncate(obj, 0)

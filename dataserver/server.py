@@ -446,12 +446,14 @@ class DataService(RpcService):
         self.unsynced.add(obj)
         return n
 
-    async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CountReply:
+    async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CatchUpReply:
         cap = self._cap(ctx, req, caps.ADMIN, (0, 0))
         if cap is not None and cap.ino != 0:
             raise OSError(errno.EACCES, "capability refused: catch_up needs one for every "
                                         "object")
-        return D.CountReply(n=await self.replicator.catch_up(req.chain, req.ver, req.target))
+        n, nbytes = await self.replicator.catch_up(req.chain, req.ver, req.target,
+                                                   req.rate or 0)
+        return D.CatchUpReply(n=n, nbytes=nbytes)
 
     async def rpc_install(self, ctx: ConnContext, req: D.Install) -> D.CountReply:
         if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):

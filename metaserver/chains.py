@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -34,15 +34,33 @@ class Chain:
     version: int
     members: tuple[str, ...]  # head first; the ones that serve
     stale: tuple[str, ...] = ()  # taken out, not caught up: they serve nothing of it
+    # repair (metaserver/repair.py): the replica count it keeps (0: as many as members
+    # and stale ones), members to drop once the joining ones are caught up (drain,
+    # rebalance), and servers out for good (lost, drained): never brought back, told
+    # they are stale (they serve nothing of it), reached by deletes
+    want: int = 0
+    leaving: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()
 
     def to_rec(self) -> dict[str, Any]:
         return {"version": self.version, "members": list(self.members),
-                "stale": list(self.stale)}
+                "stale": list(self.stale), "want": self.want,
+                "leaving": list(self.leaving), "gone": list(self.gone)}
 
     @classmethod
     def from_rec(cls, cid: int, rec: dict[str, Any]) -> Chain:
-        return cls(cid, int(rec["version"]), tuple(rec["members"]),
-                   tuple(rec.get("stale", ())))
+        members, stale = tuple(rec["members"]), tuple(rec.get("stale", ()))
+        return cls(cid, int(rec["version"]), members, stale,
+                   int(rec.get("want") or len(dict.fromkeys((*members, *stale)))),
+                   tuple(rec.get("leaving", ())), tuple(rec.get("gone", ())))
+
+    @property
+    def short(self) -> int:
+        """Replicas missing: ``want`` less the members that stay and the stale ones
+        still expected back."""
+        staying = [m for m in self.members if m not in self.leaving]
+        pending = [s for s in self.stale if s not in self.members]
+        return max(0, self.want - len(staying) - len(pending))
 
     def to_wire(self) -> list[Any]:
         return [self.cid, self.version, list(self.members)]
@@ -94,7 +112,7 @@ class ChainTable:
         raw = txn.get(K.counter(b"nchain"))
         cid = (K.read_u64(raw) if raw else 0) + 1
         txn.put(K.counter(b"nchain"), K.u64(cid))
-        chain = Chain(cid, 1, members)
+        chain = Chain(cid, 1, members, want=len(members))
         self._put(txn, chain)
         return chain
 
@@ -108,8 +126,9 @@ class ChainTable:
             return chain
         if len(chain.members) == 1:
             raise OSError(errno.EBUSY, f"chain {cid}: {sid} is its last member")
-        new = Chain(cid, chain.version + 1, tuple(m for m in chain.members if m != sid),
-                    tuple(dict.fromkeys((*chain.stale, sid))))
+        new = replace(chain, version=chain.version + 1,
+                      members=tuple(m for m in chain.members if m != sid),
+                      stale=tuple(dict.fromkeys((*chain.stale, sid))))
         self._put(txn, new)
         log.warning("chain %d: %s taken out, version %d, members %s", cid, sid,
                     new.version, list(new.members))
@@ -125,7 +144,8 @@ class ChainTable:
         stale = chain.stale if not caught_up else tuple(s for s in chain.stale if s != sid)
         if not caught_up and sid not in stale:
             stale = (*stale, sid)
-        new = Chain(cid, chain.version + 1, (*chain.members, sid), stale)
+        new = replace(chain, version=chain.version + 1, members=(*chain.members, sid),
+                      stale=stale, gone=tuple(g for g in chain.gone if g != sid))
         self._put(txn, new)
         log.info("chain %d: %s %s, version %d", cid, sid,
                  "added" if caught_up else "joining", new.version)
@@ -137,8 +157,7 @@ class ChainTable:
         chain = self._need(txn, cid)
         if sid not in chain.stale or sid not in chain.members:
             return chain
-        new = Chain(cid, chain.version, chain.members,
-                    tuple(s for s in chain.stale if s != sid))
+        new = replace(chain, stale=tuple(s for s in chain.stale if s != sid))
         self._put(txn, new)
         log.info("chain %d: %s caught up", cid, sid)
         return new
@@ -156,15 +175,64 @@ class ChainTable:
         if members == chain.members:
             return chain
         dropped = [m for m in chain.members if m not in members]
-        new = Chain(cid, chain.version + 1, members,
-                    tuple(s for s in dict.fromkeys((*chain.stale, *dropped))
-                          if s not in members))
+        new = replace(chain, version=chain.version + 1, members=members,
+                      stale=tuple(s for s in dict.fromkeys((*chain.stale, *dropped))
+                                  if s not in members))
         self._put(txn, new)
         return new
 
     def stale_on(self, txn: Txn, sid: str) -> list[Chain]:
-        """The chains ``sid`` was taken out of and is not back in."""
-        return [c for c in self.scan(txn) if sid in c.stale]
+        """The chains ``sid`` was taken out of and is not back in (gone for good
+        included: it serves nothing of them)."""
+        return [c for c in self.scan(txn) if sid in c.stale or sid in c.gone]
+
+    # -- repair: each step a transaction, so a restart resumes (repair.py) -------
+    def replace_member(self, txn: Txn, cid: int, old: str | None, new: str) -> Chain:
+        """``new`` joins chain ``cid`` (not caught up: writes reach it, it serves
+        nothing); ``old``, a member, leaves once ``new`` is caught up (:meth:`retire`).
+        ``old`` None: ``new`` adds a replica the chain is short of."""
+        chain = self.add(txn, cid, new, caught_up=False)
+        if old is not None and old in chain.members and old not in chain.leaving:
+            chain = replace(chain, leaving=(*chain.leaving, old))
+            self._put(txn, chain)
+        return chain
+
+    def retire(self, txn: Txn, cid: int) -> Chain:
+        """Drop the leaving members of chain ``cid`` once the members that stay are
+        caught up and as many as it wants (a replacement that failed keeps the leaving
+        one in); they are gone for good (a new version)."""
+        chain = self._need(txn, cid)
+        if not chain.leaving or self.joining(chain):
+            return chain
+        keep = tuple(m for m in chain.members if m not in chain.leaving)
+        if not keep or len(keep) < chain.want:
+            return chain
+        new = replace(chain, version=chain.version + 1, members=keep, leaving=(),
+                      stale=tuple(s for s in chain.stale if s not in chain.leaving),
+                      gone=tuple(dict.fromkeys((*chain.gone, *chain.leaving))))
+        self._put(txn, new)
+        log.info("chain %d: %s left, version %d, members %s", cid, list(chain.leaving),
+                 new.version, list(keep))
+        return new
+
+    def lose(self, txn: Txn, cid: int, sid: str) -> Chain:
+        """``sid`` is lost for good: out of chain ``cid`` (a new version when it was a
+        member), never caught up again. Its last member stays (EBUSY: its data would be
+        nowhere) until another holds the data."""
+        chain = self._need(txn, cid)
+        if sid in chain.members:
+            if len([m for m in chain.members if m not in chain.stale]) == 1 \
+                    and sid not in chain.stale:
+                raise OSError(errno.EBUSY, f"chain {cid}: {sid} is its last member")
+            chain = self.remove(txn, cid, sid)
+        if sid not in chain.stale and sid not in chain.leaving:
+            return chain
+        new = replace(chain, stale=tuple(s for s in chain.stale if s != sid),
+                      leaving=tuple(s for s in chain.leaving if s != sid),
+                      gone=tuple(dict.fromkeys((*chain.gone, sid))))
+        self._put(txn, new)
+        log.warning("chain %d: %s lost, members %s", cid, sid, list(new.members))
+        return new
 
     # -- layouts ---------------------------------------------------------------
     def resolve(self, txn: Txn, layout: dict[str, Any] | None) -> dict[str, Any] | None:

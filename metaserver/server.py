@@ -49,6 +49,7 @@ from pfs.metaserver.detector import Detector
 from pfs.metaserver.handles import OpenFiles, rights_of
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry, Reserve
+from pfs.metaserver.repair import Repair
 from pfs.metaserver.security import (
     SERVER_METHODS,
     MetaSecurity,
@@ -117,7 +118,11 @@ class MetaService(RpcService):
         # stale chain members that are up again: joined, copied to, serving (catchup.py)
         self.catchup = CatchUp(store, self.commit, self.ns.chains,
                                lambda sid: self.registry.address(sid) is not None,
-                               self.dataplane)
+                               self.dataplane, rate=cfg.repair_rate)
+        # lost servers, short chains, drains and rebalancing (repair.py)
+        self.repair = Repair(store, self.commit, self.ns.chains, self.registry,
+                             self.catchup, self.ns.list_servers,
+                             lost_after=cfg.lost_after, interval=cfg.repair_interval)
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -130,6 +135,7 @@ class MetaService(RpcService):
                 nursery.start_soon(self.commit.run, name="meta-writer")
                 nursery.start_soon(self.deleter.run, name="meta-deleter")
                 nursery.start_soon(self.catchup.run, name="meta-catchup")
+                nursery.start_soon(self.repair.run, name="meta-repair")
                 task_status.started()
         finally:
             self.commit.close()
@@ -537,9 +543,28 @@ class MetaService(RpcService):
         sid, on = req.sid, req.on
         await self.commit.mutate(lambda t: self.ns.set_draining(t, sid, on))
         self.registry.draining(sid, on)
+        self.repair.wake.set()  # draining: its chain memberships move off it now
         log.info("data server %s %s", sid, "draining: no new stripes" if on
                  else "no longer draining")
         return M.ServerStateReply(state=self.registry.state(sid).value)
+
+    # ------------------------------------------------------------------ repair
+    async def rpc_repair_status(self, ctx: ConnContext, req: M.RepairStatus
+                                ) -> M.RepairReply:
+        return M.RepairReply(status=self.repair.status())
+
+    async def rpc_lost(self, ctx: ConnContext, req: M.Lost) -> M.RepairReply:
+        self._root_only(ctx, req)
+        with self.store.read() as txn:
+            if req.sid not in self.ns.list_servers(txn):
+                raise OSError(errno.ENOENT, f"no data server {req.sid}")
+        await self.repair.declare_lost(req.sid)
+        return M.RepairReply(status=self.repair.status())
+
+    async def rpc_rebalance(self, ctx: ConnContext, req: M.Rebalance) -> M.RepairReply:
+        self._root_only(ctx, req)
+        self.repair.rebalance()
+        return M.RepairReply(status=self.repair.status())
 
     # ------------------------------------------------------------------ admin scans
     def _root_only(self, ctx: ConnContext, req: Any) -> None:

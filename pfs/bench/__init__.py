@@ -1,5 +1,5 @@
 """Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | wire | loader | iops | close |
-failover``.
+failover | repair``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover,repair} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.closelat import main as run
     elif cmd == "failover":
         from pfs.bench.failover import main as run
+    elif cmd == "repair":
+        from pfs.bench.repair import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

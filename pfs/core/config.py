@@ -197,6 +197,12 @@ class MetaConfig:
     reserve_bytes: int = 256 << 20
     reserve_percent: float = 1.0
     layout: LayoutDefaults = field(default_factory=LayoutDefaults)
+    # repair (docs/architecture.md "Repair"): bytes/s a chain's head copies to a new or
+    # returning member (0: unbounded); a data server down this many seconds is lost (its
+    # chains get new members; 0: only `pfs admin lost` declares one)
+    repair_rate: int = 100 << 20
+    lost_after: float = 600.0
+    repair_interval: float = 2.0  # seconds between repair passes
     # security (docs/security.md)
     key_file: str = ""  # the cluster key; with node_keys: key mode
     node_keys: list[NodeKey] = field(default_factory=list)

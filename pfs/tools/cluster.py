@@ -203,12 +203,14 @@ def _start(d: Path, name: str, argv: list[str]) -> int:
 
 
 def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *,
-       tls: bool | None = None, data_args: list[str] | None = None) -> Path:
+       tls: bool | None = None, data_args: list[str] | None = None,
+       meta_settings: dict[str, Any] | None = None) -> Path:
     """Start (or restart on its existing data) the cluster in ``d``; return client.toml.
 
     The cluster is always secured: keys (or, with ``tls``, certificates) are made by
     :func:`init` on the first start. ``data_args`` are extra data server arguments
-    (the benchmark's test-only ``--insecure-skip-caps``)."""
+    (the benchmark's test-only ``--insecure-skip-caps``); ``meta_settings``: metaserver
+    config values (tests: a short ``lost_after``)."""
     d = d.resolve()
     for sub in ("run", "logs", "data"):
         (d / sub).mkdir(parents=True, exist_ok=True)
@@ -219,7 +221,8 @@ def up(d: Path, data_servers: int | None = None, meta_port: int | None = None, *
     meta_sec, client_sec, data_sec = _security(d, spec)
     meta_cfg = d / "meta.toml"
     _write(meta_cfg, cfgmod.dump(cfgmod.MetaConfig(db=str(d / "meta"), host=spec.host,
-                                                   **meta_sec)),  # type: ignore[arg-type]
+                                                   **meta_sec,  # type: ignore[arg-type]
+                                                   **(meta_settings or {}))),
            0o600)
     if data_servers is not None:
         if load_spec(d) is not None and data_servers < spec.data_servers:

@@ -201,3 +201,16 @@ def test_failover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert p["up_again_s"] is not None, p
     # a killed server is refused at once and reported: down well before its lease ends
     assert res["points"][1]["down_s"] is not None and res["points"][1]["down_s"] < 4
+
+
+def test_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "repair.json"
+    rc = bench_main(["repair", "--size", "6M", "--files", "3", "--unit", "1M",
+                     "--data-servers", "3", "--before", "0.5", "--timeout", "120",
+                     "--local-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    assert "repair GB/s" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["n_errors"] == 0, res["errors"]
+    assert res["recopied_bytes"] > 0 and _positive(res["repair_gbps"]), res
+    assert _positive(res["read_before_gbps"]), res

@@ -140,3 +140,51 @@ def test_default_replicas_is_two_capped_by_the_servers_up(store: Any) -> None:
     ns.servers = lambda: {"a": 1, "b": 1}
     lay = _create(ns, store, b"g")
     assert lay["replicas"] == 2
+
+
+def test_a_replacement_joins_then_the_member_it_replaces_leaves_for_good(store: Any
+                                                                        ) -> None:
+    table = ChainTable()
+    with store.write() as txn:
+        a = table.make_or_reuse(txn, ("s1", "s2"))
+        assert a.want == 2 and a.short == 0
+        j = table.replace_member(txn, a.cid, "s2", "s3")  # drain s2: s3 joins first
+        assert j.members == ("s1", "s2", "s3") and table.joining(j) == ("s3",)
+        assert j.leaving == ("s2",) and j.short == 0
+        assert table.retire(txn, a.cid) == j  # s3 not caught up yet: s2 stays
+        table.caught_up(txn, a.cid, "s3")
+        done = table.retire(txn, a.cid)
+        assert done.members == ("s1", "s3") and done.gone == ("s2",)
+        assert done.stale == () and done.leaving == ()
+        assert done.version == j.version + 1
+        assert [c.cid for c in table.stale_on(txn, "s2")] == [a.cid]  # it serves none
+    with store.read() as txn:  # all of it in the record (a restart resumes)
+        assert ChainTable().get(txn, a.cid) == done
+    with store.write() as txn:  # a replacement that failed: the leaving one stays in
+        j = table.replace_member(txn, a.cid, "s3", "s4")
+        failed = table.remove(txn, a.cid, "s4")
+        assert table.joining(failed) == () and failed.leaving == ("s3",)
+        assert table.retire(txn, a.cid) == failed
+        assert failed.short == 0  # s4 is expected back (stale): nothing else joins
+
+
+def test_a_lost_member_leaves_its_chain_short_and_is_never_caught_up(store: Any) -> None:
+    table = ChainTable()
+    with store.write() as txn:
+        a = table.make_or_reuse(txn, ("s1", "s2", "s3"))
+        out = table.remove(txn, a.cid, "s3")  # taken out: stale, expected back
+        assert out.stale == ("s3",) and out.short == 0
+        lost = table.lose(txn, a.cid, "s3")
+        assert lost.stale == () and lost.gone == ("s3",) and lost.short == 1
+        lost = table.lose(txn, a.cid, "s2")  # a member lost: out, a new version
+        assert lost.members == ("s1",) and lost.short == 2
+        assert lost.version == out.version + 1
+        with pytest.raises(OSError) as e:  # its last member: the data is nowhere else
+            table.lose(txn, a.cid, "s1")
+        assert e.value.errno == errno.EBUSY
+        grown = table.replace_member(txn, a.cid, None, "s4")
+        assert grown.short == 1 and table.joining(grown) == ("s4",)
+        # deletes go to the servers placed and those in it now, not to ones gone for
+        # good since (a lost server may never answer: its objects are fsck's orphans)
+        layout = {"chains": [a.cid], "servers": [["s1", "s2"]]}
+        assert set(table.holders(txn, layout)["servers"][0]) == {"s1", "s2", "s4"}

@@ -223,7 +223,12 @@ class ListObjects(DataRequest, method="list_objects", reply=ListObjectsReply):
 
 
 # ------------------------------------------------------------------ chains: catch-up
-class CatchUp(DataRequest, method="catch_up", reply=CountReply):
+class CatchUpReply(ReplyMessage):
+    n: int = Int(doc="objects copied")
+    nbytes: int = Int(default=0, doc="bytes copied")
+
+
+class CatchUp(DataRequest, method="catch_up", reply=CatchUpReply):
     note = ("the metaserver to a chain's head: copy every object of chain `chain` held "
             "here to `target` (a member joining the chain again), each under its "
             "whole-object lock; `n`: objects copied. A capability with ADMIN for inode 0")
@@ -232,6 +237,8 @@ class CatchUp(DataRequest, method="catch_up", reply=CountReply):
                                           "writes naming an older one are refused from now")
     target: str = Str(max_len=128)
     cap: Any = _cap("bytes, admin")
+    rate: int | None = Int(default=None, lo=0, nil=True,
+                           doc="bytes per second at most (repair's bound); nil: unbounded")
 
 
 class Install(DataRequest, method="install", reply=CountReply):
@@ -246,6 +253,8 @@ class Install(DataRequest, method="install", reply=CountReply):
     ver: int = Int(lo=0, hi=MAX_ID - 1)
     seq: int = Int(lo=0, hi=MAX_ID - 1)
     last: bool = Bool(default=False)
+    crc: int | None = Int(default=None, lo=0, hi=(1 << 32) - 1, nil=True,
+                          doc="CRC32C of the payload (the target checks it, `EIO`)")
     payload: Any = Payload(default=None)
 
 

@@ -454,3 +454,31 @@ class Drain(MetaRequest, method="drain", reply=ServerStateReply):
     sid: str = Str(max_len=128)
     on: bool = Bool(default=True)
     cred: WireCred = Cred()
+
+
+class RepairReply(ReplyMessage):
+    status: dict[str, Any] = Map(doc='{"chains", "short", "joining": [{"chain", "members", '
+                                     '"joining", "leaving"}], "copying": [{"chain", '
+                                     '"target", "seconds"}], "stale": {chain: [sid, ...] '
+                                     'not caught up},  "objects_copied", '
+                                     '"bytes_copied", "copy_rate" (bytes/s while '
+                                     'copying), "chains_copied", "rate" (the bound), "draining": {sid: '
+                                     'memberships}, "memberships", "down", "lost_after", '
+                                     '"lost", "rebalancing"}')
+
+
+class RepairStatus(MetaRequest, method="repair_status", reply=RepairReply):
+    note = "repair's progress (docs/architecture.md \"Repair\")"
+
+
+class Lost(MetaRequest, method="lost", reply=RepairReply):
+    note = ("root only (`EPERM`): data server `sid` is lost for good: out of every chain "
+            "(never put back), which get new members; `ENOENT` for an unknown server")
+    sid: str = Str(max_len=128)
+    cred: WireCred = Cred()
+
+
+class Rebalance(MetaRequest, method="rebalance", reply=RepairReply):
+    note = ("root only (`EPERM`): move chain memberships from the most loaded data "
+            "servers to the least loaded (a new one), at the repair rate")
+    cred: WireCred = Cred()
