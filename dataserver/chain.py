@@ -34,6 +34,7 @@ from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import parse_reply
 from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.pool import ConnectionPool
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
 from pfs.dataserver import checksums as ck
@@ -66,40 +67,22 @@ class Peers:
         self.auth = auth
         self.meta = meta
         self.limits = limits
-        self._nursery: trio.Nursery | None = None
-        self._clients: dict[str, RpcClient] = {}  # "" = the metaserver
-        self._locks: dict[str, trio.Lock] = {}
+        self._pool = ConnectionPool("the data server's peer connections")  # "": metaserver
+        self.run = self._pool.run
         self._addrs: dict[str, tuple[str, int]] = {}
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            for c in self._clients.values():
-                c.close()
-
     async def _client(self, key: str) -> RpcClient:
-        lock = self._locks.setdefault(key, trio.Lock())
-        async with lock:
-            client = self._clients.get(key)
-            if client is not None and client.alive:
-                return client
-            if self._nursery is None:
-                raise OSError(errno.ENOTCONN, "no connections to peers here (not serving)")
+        async def open_(nursery: trio.Nursery) -> RpcClient:
             if key:
                 host, port = await self._address(key)
             else:
                 if not self.meta:
                     raise OSError(errno.ENOTCONN, "no metaserver configured")
                 host, port = parse_addr(self.meta)
-            client = await open_rpc(self.auth, self._nursery, host, port, limits=self.limits,
-                                    timeout=META_TIMEOUT)
-            self._clients[key] = client
-            return client
+            return await open_rpc(self.auth, nursery, host, port, limits=self.limits,
+                                  timeout=META_TIMEOUT)
+
+        return await self._pool.get(key, open_)
 
     async def _address(self, sid: str) -> tuple[str, int]:
         addr = self._addrs.get(sid)
@@ -115,9 +98,7 @@ class Peers:
 
     def forget(self, sid: str) -> None:
         """A call to ``sid`` failed: connect anew next time, looking it up again."""
-        old = self._clients.pop(sid, None)
-        if old is not None:
-            old.close()
+        self._pool.forget(sid)
         self._addrs.pop(sid, None)
 
     async def meta_request(self, msg: Any) -> Any:

@@ -17,6 +17,7 @@ from pfs.core.layout import object_size
 from pfs.core.messages import data as D
 from pfs.core.messages.base import RequestMessage
 from pfs.core.wire.connect import open_rpc
+from pfs.core.wire.pool import ConnectionPool
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
 from pfs.metaserver.registry import Registry
@@ -36,50 +37,30 @@ class DataPlane:
         self._limits = limits
         self._registry = registry
         self._signer = signer
-        self._nursery: trio.Nursery | None = None  # where the connections' readers run
-        self._clients: dict[str, RpcClient] = {}
-        self._connecting: dict[str, trio.Lock] = {}
+        self._pool = ConnectionPool("the metaserver's data plane")
+        self.run = self._pool.run
         # told when a connection to a server is refused (the metaserver's failure
         # detection: a refusal it saw itself needs no probe)
         self.on_refused: Callable[[str], None] = lambda sid: None
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
-        """Keep connections until cancelled, then close them."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            for client in self._clients.values():
-                client.close()
-
     def forget(self, sid: str) -> None:
         """``sid`` registered again (perhaps restarted, perhaps elsewhere): the next call
         connects anew."""
-        old = self._clients.pop(sid, None)
-        if old is not None:
-            old.close()
+        self._pool.forget(sid)
 
     async def _client(self, sid: str) -> RpcClient:
-        lock = self._connecting.setdefault(sid, trio.Lock())
-        async with lock:
-            client = self._clients.get(sid)
-            if client is not None and client.alive:
-                return client
+        async def open_(nursery: trio.Nursery) -> RpcClient:
             addr = self._registry.address(sid)
             if addr is None:
                 raise OSError(errno.EHOSTDOWN, f"data server {sid} is down")
-            assert self._nursery is not None, "DataPlane.run is not running"
             try:
-                client = await self.open(self._nursery, *addr)
+                return await self.open(nursery, *addr)
             except OSError as exc:
                 if exc.errno == errno.ECONNREFUSED:
                     self.on_refused(sid)
                 raise
-            self._clients[sid] = client
-            return client
+
+        return await self._pool.get(sid, open_)
 
     async def open(self, nursery: trio.Nursery, host: str, port: int) -> RpcClient:
         """A new authenticated connection to a data server (its reader in ``nursery``)."""
