@@ -146,6 +146,20 @@ def migrate_dir(d: str) -> tuple[int, int]:
     return found, OBJECT_FORMAT
 
 
+def _compute_sidecar(path: str, out: str) -> None:
+    """The checksums of object file ``path`` written to ``out`` and synced."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        cfd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            dck.compute(fd, cfd)
+            os.fsync(cfd)
+        finally:
+            os.close(cfd)
+    finally:
+        os.close(fd)
+
+
 def add_sidecars(d: str) -> int:
     """A checksum sidecar for every object of ``d`` without one (written before
     checksums); the number made. For a stopped server: a write meanwhile would race."""
@@ -158,16 +172,7 @@ def add_sidecars(d: str) -> int:
         if os.path.exists(cpath):
             continue
         tmp = cpath + ".tmp"
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            cfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                dck.compute(fd, cfd)
-                os.fsync(cfd)
-            finally:
-                os.close(cfd)
-        finally:
-            os.close(fd)
+        _compute_sidecar(path, tmp)
         os.replace(tmp, cpath)  # a crash leaves no half sidecar under the real name
         made += 1
     return made
@@ -493,17 +498,7 @@ class ObjectStore:
         state: run it in a thread, then :meth:`replace` in the event loop."""
         if not self.checksums:
             return
-        fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            cfd = os.open(staged + "-map", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                          0o600)
-            try:
-                dck.compute(fd, cfd)
-                os.fsync(cfd)
-            finally:
-                os.close(cfd)
-        finally:
-            os.close(fd)
+        _compute_sidecar(staged, staged + "-map")
 
     def replace(self, obj: ObjId, staged: str, rec: ChainRecord | None) -> None:
         """Put the complete copy at ``staged`` (synced, its checksums staged) in place
