@@ -346,6 +346,8 @@ def test_the_guide_deploys_a_working_cluster(lab: Lab) -> None:
     hosts = lab.hosts
     meta, c1, c2 = hosts["meta"], hosts["client1"], hosts["client2"]
 
+    status = [out for (_line, name), out in lab.outputs.items() if "data servers:" in out]
+    assert status and "data servers: 3 of 3 up" in status[0], status
     # the loader blocks ran as uid 1000 on both client hosts and checked the tensor
     loads = [out for (_line, name), out in lab.outputs.items()
              if name in CLIENT_HOSTS and "values: OK" in out]
