@@ -48,7 +48,7 @@ DATA_HOSTS = ("data1", "data2", "client2")
 CLIENT_HOSTS = ("client1", "client2")
 LOADER_UID = LOADER_GID = 1000
 LOADER_USER = "alice"  # a name in paths and the key's name; the test runs uid 1000
-READY = 30.0  # seconds a server or mount may take to be ready
+READY = 60.0  # seconds a server or mount may take to be ready
 BLOCK_TIMEOUT = 90.0
 SMOKE = f"/users/{LOADER_USER}/smoke/model.safetensors"
 
