@@ -203,8 +203,11 @@ def lab() -> Iterator[Lab]:
         yield Lab(tmp, hosts)
     finally:
         _teardown(hosts)
-        for h in hosts.values():
+        for i, h in enumerate(hosts.values()):
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True, timeout=30)
+            # a veth not yet moved into its namespace (set-up failed half way)
+            subprocess.run(["ip", "link", "del", f"pd{tag}e{i}"], capture_output=True,
+                           timeout=30)
         if made_bridge:
             subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
