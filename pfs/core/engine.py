@@ -283,6 +283,12 @@ def import_liburing() -> Any:
                 sys.modules.pop("liburing", None)
                 if attempt == 2:
                     raise
+            except PermissionError as exc:
+                # that rewrite needs write access to the install: a user who does not
+                # own it (a loader under a root-owned virtualenv) cannot import liburing
+                sys.modules.pop("liburing", None)
+                raise ImportError(f"liburing rewrites {exc.filename} when imported, which "
+                                  f"uid {os.getuid()} may not") from exc
     finally:
         if lock_fd >= 0:
             os.close(lock_fd)
@@ -295,7 +301,7 @@ def uring_unavailable() -> str | None:
     try:
         liburing = import_liburing()
     except ImportError as exc:  # pragma: no cover - liburing is a dependency
-        return f"the liburing package is not installed ({exc}); pip install liburing==2024.5.3"
+        return f"liburing cannot be imported ({exc}); pip install liburing==2024.5.3"
     ring = liburing.io_uring()
     try:
         liburing.io_uring_queue_init(2, ring)

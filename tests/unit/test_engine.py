@@ -122,3 +122,26 @@ def test_get_engine() -> None:
     assert e.value.errno == errno.EINVAL
     with pytest.raises(ValueError):
         PosixEngine(queue_depth=0)
+
+
+def test_liburing_that_this_user_may_not_import_is_an_import_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """liburing rewrites a cache file in its package on every import: a user who does not
+    own the install (a loader under a root-owned virtualenv) gets ImportError, which
+    sends the loader and the short-circuit reads to the posix engine."""
+    import sys
+    from importlib.abc import MetaPathFinder
+
+    from pfs.core.engine import import_liburing
+
+    class Refuse(MetaPathFinder):
+        def find_spec(self, name: str, path: object, target: object = None) -> None:
+            if name == "liburing":
+                raise PermissionError(errno.EACCES, "Permission denied",
+                                      "liburing/__pycache__/__init__.importer-311.pyc")
+
+    monkeypatch.delitem(sys.modules, "liburing", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Refuse(), *sys.meta_path])
+    with pytest.raises(ImportError, match="importer-311.pyc"):
+        import_liburing()
+    assert "liburing" not in sys.modules
