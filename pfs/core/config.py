@@ -3,6 +3,7 @@ silently as a default."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import tomllib
 import typing
@@ -347,17 +348,69 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} as TOML")
 
 
+# Where a client looks for its config when none is named (docs/security.md, "User
+# keys"): $PFS_CONFIG, then the user's own, then the node's. A user's comes before the
+# node's so that an ordinary user with a key of their own never needs to read the node's.
+SYSTEM_CLIENT_CONFIG = "/etc/pfs/client.toml"
+
+
+def user_client_config() -> Path:
+    """``$XDG_CONFIG_HOME/pfs/client.toml`` (default ``~/.config/pfs/client.toml``)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"),
+                                                             ".config")
+    return Path(base) / "pfs" / "client.toml"
+
+
+def _unusable(path: Path) -> str | None:
+    """Why the client config ``path`` cannot be used by this process (None: it can):
+    it is missing or unreadable, or names a key file this process cannot read."""
+    try:
+        os.stat(path)
+        cfg = load(ClientConfig, path)
+    except FileNotFoundError:
+        return "does not exist"
+    except PermissionError:
+        return "not readable by this user (EACCES)"
+    except ConfigError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+    for secret in (cfg.key_file, cfg.tls_key):
+        if secret and not os.access(secret, os.R_OK):
+            why = "does not exist" if not os.path.exists(secret) else \
+                "not readable by this user (EACCES)"
+            return f"its key file {secret} {why}"
+    return None
+
+
+def find_client_config() -> Path:
+    """The client config of this process when none is named: ``$PFS_CONFIG`` (used as
+    it is, when set), else the first usable of the user's and the node's. ConfigError
+    naming every file tried, and why each was passed over."""
+    env = os.environ.get("PFS_CONFIG")
+    if env:
+        return Path(env)
+    tried: list[str] = ["$PFS_CONFIG: not set"]
+    for path in (user_client_config(), Path(SYSTEM_CLIENT_CONFIG)):
+        why = _unusable(path)
+        if why is None:
+            return path
+        tried.append(f"{path}: {why}")
+    raise ConfigError("no cluster given and no usable client config (pass --config FILE or "
+                      "--meta HOST:PORT, or set PFS_CONFIG); tried " + "; ".join(tried)
+                      + ". An ordinary user needs a key of their own: ask the "
+                      "administrator for one (pfs admin key create NAME --owner USER)")
+
+
 def client_config(config: Any = None, meta: str | None = None) -> ClientConfig:
-    """Resolve a client configuration: explicit object or path, ``--meta``, or $PFS_CONFIG."""
+    """Resolve a client configuration: explicit object or path, ``--meta`` alone (an
+    open client), or :func:`find_client_config`."""
     if isinstance(config, ClientConfig):
         cfg = config
     elif config is not None:
         cfg = load(ClientConfig, config)
-    elif os.environ.get("PFS_CONFIG"):
-        cfg = load(ClientConfig, os.environ["PFS_CONFIG"])
     elif meta is None:
-        raise ConfigError("no cluster given: pass --config FILE or --meta HOST:PORT, "
-                          "or set PFS_CONFIG")
+        cfg = load(ClientConfig, find_client_config())
     else:
         cfg = ClientConfig()
     if meta is not None:
