@@ -28,6 +28,15 @@ class ConfigError(ValueError):
     pass
 
 
+def check_logging(level: str, fmt: str) -> None:
+    """A server's ``log_level`` and ``log_format`` (pfs/core/logs.py has the same lists)."""
+    if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"log_level {level!r}: want DEBUG, INFO, WARNING, ERROR or "
+                          "CRITICAL")
+    if fmt not in ("text", "json"):
+        raise ConfigError(f"log_format {fmt!r}: want text or json")
+
+
 # -- client profiles: the data path by workload phase -------------------------------
 # Thresholds (bytes per request), from the engine micro-benchmark (now `pfs bench sweep/iops`;
 # page-cache reads, 2 cores): below SMALL_READ_MAX a read is latency-bound, and the cheapest
@@ -220,9 +229,13 @@ class MetaConfig:
     max_object_size: int = 1 << 40
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9401)
+    # logging (docs/architecture.md "Operations"); --log-level/--log-format override
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR, CRITICAL
+    log_format: str = "text"  # text, or json: one JSON object per line
 
     def __post_init__(self) -> None:
         check_wire_security(self.wire_security)
+        check_logging(self.log_level, self.log_format)
 
 
 @dataclass
@@ -249,9 +262,13 @@ class DataConfig:
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
     wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
+    # logging (docs/architecture.md "Operations"); --log-level/--log-format override
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR, CRITICAL
+    log_format: str = "text"  # text, or json: one JSON object per line
 
     def __post_init__(self) -> None:
         check_wire_security(self.wire_security)
+        check_logging(self.log_level, self.log_format)
 
 
 def parse_addr(text: str) -> tuple[str, int]:

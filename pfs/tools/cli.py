@@ -502,8 +502,9 @@ def _main(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     for prefix, fn in _PASSTHROUGH.items():
         if tuple(argv[:len(prefix)]) == prefix:
-            logging.basicConfig(level=logging.WARNING,
-                                format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            # no set-up here: a server sets up its own logging (INFO by default,
+            # --log-level, --log-format; pfs/core/logs.py), and one made here first
+            # would hold (basicConfig does nothing the second time): empty journals
             fn(argparse.Namespace(rest=argv[len(prefix):]))
             return
     _sigterm_unwinds()
