@@ -108,6 +108,7 @@ SLOW = {
     "test_floods.py::test_an_idle_unauthenticated_connection_is_closed",
     "test_least_privilege.py::test_servers_create_private_files",
     "test_user_keys.py::test_a_user_with_a_key_of_their_own",
+    "test_backup.py::test_backup_while_writing_then_restore",
     "test_server_logs.py::test_servers_log_start_registration_peers_and_shutdown",
     "test_least_privilege.py::test_a_store_made_before_is_made_private_at_start",
     "test_least_privilege.py::test_node_keys_without_root_are_squashed_and_admin_keys_are_not",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pfs.tools import admin_keys, admin_repair, admin_servers, fscmds, transfer
+from pfs.tools import admin_backup, admin_keys, admin_repair, admin_servers, fscmds, transfer
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
@@ -411,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=_with_client(cmd_admin_status))
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
     admin_keys.add_parser(adm)
+    admin_backup.add_parser(adm)  # backup, restore
     admin_servers.add_commands(adm, _client)  # servers, drain, undrain
     admin_repair.add_commands(adm, _client)  # repair status, lost, rebalance
 
