@@ -9,6 +9,11 @@ metaserver's ``squash_uid``). ``create`` writes the key file and adds the entry,
 (``pfs cluster down DIR && pfs cluster up DIR``, or the service) to apply either; data
 servers learn the change when they register again, which they do by themselves once the
 metaserver is back (docs/security.md, "Node keys and root").
+
+``create NAME --owner USER`` issues a *user key* (docs/security.md, "User keys"): the
+user's uid and gid only, never root, with the user's own copy and a client config
+written where the client looks (``~USER/.config/pfs``) by a process that has become
+the user.
 """
 from __future__ import annotations
 
@@ -135,7 +140,10 @@ def create_for_user(path: Path, name: str, owner: str, uids: tuple[int, int] | N
     config = dest / "client.toml"
     text = (f"# pfs client config of {pw.pw_name}: `pfs admin key create {name} --owner "
             f"{pw.pw_name}`\nmeta = \"{meta or meta_address(cfg)}\"\nkey_file = \"{key_file}\"\n"
-            f"key_name = \"{name}\"\n")
+            f"key_name = \"{name}\"\n"
+            "# the ids the key allows, sent as they are: the user's supplementary groups,\n"
+            "# which the key does not vouch for, are not sent (they would be EPERM)\n"
+            f"uid = {pw.pw_uid}\ngid = {pw.pw_gid}\n")
     try:
         written = _write_as(pw, dest, key_file, secret, config, text)
     except ConfigError:

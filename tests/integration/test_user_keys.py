@@ -137,4 +137,5 @@ def test_a_user_with_a_key_of_their_own(private_cluster: Path, home: Path) -> No
     # the objects of the user's files are on both data servers (2 replicas)
     with pfs.connect(config=d / "client.toml") as admin:
         assert admin.read_file("/home/u/data.bin") == bytes(range(256)) * 9000
-    assert load(ClientConfig, user_dir / "client.toml").key_name == "u1000"
+    user_cfg = load(ClientConfig, user_dir / "client.toml")
+    assert (user_cfg.key_name, user_cfg.uid, user_cfg.gid) == ("u1000", UID, UID)
