@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pfs.core import logs
+
 T = TypeVar("T")
 
 # What frames after a key handshake must be (docs/security.md "Wire security"): "mac"
@@ -29,12 +31,11 @@ class ConfigError(ValueError):
 
 
 def check_logging(level: str, fmt: str) -> None:
-    """A server's ``log_level`` and ``log_format`` (pfs/core/logs.py has the same lists)."""
-    if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ConfigError(f"log_level {level!r}: want DEBUG, INFO, WARNING, ERROR or "
-                          "CRITICAL")
-    if fmt not in ("text", "json"):
-        raise ConfigError(f"log_format {fmt!r}: want text or json")
+    """A server's ``log_level`` and ``log_format`` (pfs/core/logs.py)."""
+    if level.upper() not in logs.LEVELS:
+        raise ConfigError(f"log_level {level!r}: want one of {', '.join(logs.LEVELS)}")
+    if fmt not in logs.FORMATS:
+        raise ConfigError(f"log_format {fmt!r}: want one of {', '.join(logs.FORMATS)}")
 
 
 # -- client profiles: the data path by workload phase -------------------------------
@@ -393,10 +394,13 @@ def _unusable(path: Path) -> str | None:
     except OSError as exc:
         return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
     for secret in (cfg.key_file, cfg.tls_key):
-        if secret and not os.access(secret, os.R_OK):
-            why = "does not exist" if not os.path.exists(secret) else \
-                "not readable by this user (EACCES)"
-            return f"its key file {secret} {why}"
+        try:
+            if secret and os.stat(secret) and not os.access(secret, os.R_OK):
+                return f"its key file {secret} is not readable by this user (EACCES)"
+        except FileNotFoundError:
+            return f"its key file {secret} does not exist"
+        except PermissionError:
+            return f"its key file {secret} is not reachable by this user (EACCES)"
     return None
 
 
@@ -426,9 +430,9 @@ def client_config(config: Any = None, meta: str | None = None) -> ClientConfig:
         cfg = config
     elif config is not None:
         cfg = load(ClientConfig, config)
-    elif meta is None:
+    elif meta is None or os.environ.get("PFS_CONFIG"):
         cfg = load(ClientConfig, find_client_config())
-    else:
+    else:  # --meta alone: an open client, as before the lookup (unless $PFS_CONFIG)
         cfg = ClientConfig()
     if meta is not None:
         parse_addr(meta)
