@@ -243,12 +243,14 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
 
 
 def cmd_mount(args: argparse.Namespace) -> None:
-    from pfs.core.config import ConfigError, client_config
+    from pfs.core.config import ConfigError, client_config, find_client_config
 
     try:
         opts = parse_options(args.options or [])
         config = args.config or opts.config
         meta = args.meta or opts.meta
+        if not config and (not meta or os.environ.get("PFS_CONFIG")):
+            config = str(find_client_config())  # named to the daemon, which may not look
         cfg = client_config(os.path.abspath(config) if config else None, meta)
         cfg = dataclasses.replace(cfg, timeout=opts.timeout)
     except (MountError, ConfigError) as exc:
