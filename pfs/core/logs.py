@@ -59,6 +59,7 @@ def setup(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) 
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(lvl)
+    logging.captureWarnings(True)  # Python's warnings as records too: one format on stderr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,8 @@ def test_no_usable_config_names_every_file_tried(lookup: Path) -> None:
 
 def test_json_log_lines(tmp_path: Path) -> None:
     out = io.StringIO()
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)  # pytest's own: put back after
     logs.setup("info", "json", out)
     try:
         log = logging.getLogger("pfs.test")
@@ -78,7 +80,9 @@ def test_json_log_lines(tmp_path: Path) -> None:
         except OSError:
             log.exception("it broke")
     finally:
-        logs.setup("WARNING", "text")
+        logging.captureWarnings(False)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
     assert first["message"] == "hello there" and first["level"] == "INFO"
     assert first["logger"] == "pfs.test" and first["time"].endswith("Z") and "exc" not in first
