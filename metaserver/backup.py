@@ -45,9 +45,11 @@ class BackupError(ValueError):
     """A backup or restore refused, with the reason (not a store problem)."""
 
 
-def backup(db: str | os.PathLike[str], dest: str | os.PathLike[str]) -> dict[str, object]:
+def backup(db: str | os.PathLike[str], dest: str | os.PathLike[str],
+           map_size: int = 8 << 30) -> dict[str, object]:
     """A consistent compacted copy of the live store in ``db`` into the new directory
-    ``dest`` (data.mdb and a manifest, 0600 in a 0700 directory); the manifest."""
+    ``dest`` (data.mdb and a manifest, 0600 in a 0700 directory); the manifest.
+    ``map_size``: the metaserver's (a smaller map would fail when its store grew)."""
     src, out = Path(db), Path(dest)
     if not (src / "data.mdb").is_file():
         raise BackupError(f"{src} holds no metadata store (no data.mdb)")
@@ -56,17 +58,22 @@ def backup(db: str | os.PathLike[str], dest: str | os.PathLike[str]) -> dict[str
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     # read-only, but with the lock file: the metaserver's writer keeps the pages this
     # snapshot reads until the copy ends (lock=False would let it reuse them)
-    env = lmdb.open(str(src), readonly=True, lock=True, subdir=True, max_dbs=0,
-                    readahead=False)
     try:
-        started = time.time()
-        with env.begin() as txn:
-            counters = {name: K.read_u64(v) for name in ("next_ino", "inodes", "nchain")
-                        if (v := txn.get(K.counter(name.encode()))) is not None}
-            fmt = txn.get(K.FORMAT)
-        env.copy(str(out), compact=True)
-    finally:
-        env.close()
+        env = lmdb.open(str(src), readonly=True, lock=True, subdir=True, max_dbs=0,
+                        readahead=False, map_size=map_size)
+        try:
+            started = time.time()
+            with env.begin() as txn:
+                counters = {name: K.read_u64(v) for name in ("next_ino", "inodes", "nchain")
+                            if (v := txn.get(K.counter(name.encode()))) is not None}
+                fmt = txn.get(K.FORMAT)
+            env.copy(str(out), compact=True)
+        finally:
+            env.close()
+    except lmdb.Error as exc:  # a store being resized under the copy, a lock not ours
+        shutil.rmtree(out, ignore_errors=True)
+        raise BackupError(f"copy of {src} failed: {exc}; run it again (as the "
+                          "metaserver's user or root)") from None
     os.chmod(out / "data.mdb", 0o600)
     manifest: dict[str, object] = {
         "source": str(src.resolve()), "time": started,

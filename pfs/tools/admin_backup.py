@@ -46,7 +46,7 @@ def cmd_backup(args: argparse.Namespace) -> None:
 
     try:
         cfg = _meta_config(args)
-        manifest = backup(cfg.db, args.dest)
+        manifest = backup(cfg.db, args.dest, cfg.map_size)
     except (ConfigError, BackupError) as exc:
         raise SystemExit(f"pfs admin backup: {exc}") from None
     if args.json:
