@@ -129,6 +129,9 @@ def create_for_user(path: Path, name: str, owner: str, uids: tuple[int, int] | N
     controls there can redirect a write of root's), mode 0600. The metaserver keeps its
     own copy in the key directory: a user cannot delete or swap what it needs to start."""
     pw = owner_of(owner)
+    if pw.pw_uid == 0:
+        raise ConfigError("a user key is for an ordinary user; root's key is an admin key "
+                          "(pfs admin key create NAME --allow-root)")
     if os.geteuid() not in (0, pw.pw_uid):
         raise ConfigError(f"only root can issue a key to user {pw.pw_name!r}")
     cfg = _load(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -94,7 +95,16 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, check=False)
 
 
+def _has_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+@pytest.mark.skipif(not _has_user(UID), reason=f"no user with uid {UID} on this host")
 def test_a_user_with_a_key_of_their_own(private_cluster: Path, home: Path) -> None:
     d = private_cluster
     cluster.up(d, data_servers=2)
@@ -112,6 +122,8 @@ def test_a_user_with_a_key_of_their_own(private_cluster: Path, home: Path) -> No
     r = cli("admin", "key", "create", "again", "--owner", str(UID), "--cluster", str(d),
             "--user-dir", str(user_dir))
     assert r.returncode == 0 and "exists and was left alone" in r.stderr, r.stderr
+    r = cli("admin", "key", "create", "r", "--owner", "0", "--cluster", str(d))
+    assert r.returncode != 0 and "--allow-root" in r.stderr
     cluster.down(d)
     cluster.up(d)  # the metaserver reads its keys at start; data servers re-register
     with pfs.connect(config=d / "client.toml") as admin:
