@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                          "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
         sp.add_argument("--meta", help="metaserver HOST:PORT")
         sp.set_defaults(fn=fn)
         return sp
@@ -405,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = adm.add_parser("status", help="the metaserver and every data server: address, "
                                        "state, domain, capacity, heartbeat age, load, "
                                        "version")
-    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                      "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
     sp.add_argument("--meta", help="metaserver HOST:PORT")
     sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
     sp.set_defaults(fn=_with_client(cmd_admin_status))
