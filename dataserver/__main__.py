@@ -14,19 +14,23 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import sys
 from typing import Any
 
 import trio
 
+from pfs.core import logs
 from pfs.core.config import ConfigError, DataConfig, load, parse_addr
-from pfs.core.daemon import serve_until_signalled
+from pfs.core.daemon import log_crash, serve_until_signalled
+from pfs.core.versions import package_version
 from pfs.dataserver.server import serve_data
 
 log = logging.getLogger("dataserver")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, str, bool]:
+def parse_args(argv: list[str] | None = None
+               ) -> tuple[DataConfig, argparse.Namespace, bool]:
     p = argparse.ArgumentParser(prog="python -m pfs.dataserver", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="TOML file with DataConfig keys")
     p.add_argument("--dir", action="append", dest="dirs", metavar="DIR",
@@ -38,7 +42,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
     p.add_argument("--heartbeat", type=float, help="seconds between heartbeats")
     p.add_argument("--ready-fd", type=int, metavar="N",
                    help="write the bound port to fd N when ready, then close it")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING...")
     p.add_argument("--key-file", help="the cluster key (docs/security.md)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (0: off, the default)")
@@ -52,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                    help="seconds a chain member waits for the next before reporting it")
     p.add_argument("--insecure-skip-caps", action="store_true",
                    help="TEST ONLY: do not check capabilities (the benchmark's off switch)")
+    logs.add_arguments(p)
     args = p.parse_args(argv)
     cfg = load(DataConfig, args.config) if args.config else DataConfig()
     overrides: dict[str, Any] = {k: v for k, v in (("dirs", args.dirs), ("host", args.host),
@@ -69,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
         parse_addr(cfg.meta)
     if not 0 <= cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
-    return cfg, args.ready_fd, args.log_level, args.insecure_skip_caps
+    return cfg, args, args.insecure_skip_caps
 
 
 async def run(cfg: DataConfig, ready_fd: int | None, skip_caps: bool = False) -> None:
@@ -79,20 +83,25 @@ async def run(cfg: DataConfig, ready_fd: int | None, skip_caps: bool = False) ->
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, ready_fd, level, skip_caps = parse_args(argv)
+        cfg, args, skip_caps = parse_args(argv)
     except ConfigError as exc:
         print(f"dataserver: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level or cfg.log_level, args.log_format or cfg.log_format)
+    log.info("data server starting: config %s, dirs %s, listening on %s:%d, metaserver %s, "
+             "pfs %s, pid %d", args.config or "(none)", ", ".join(cfg.dirs), cfg.host,
+             cfg.port, cfg.meta or "(none)", package_version(), os.getpid())
     failed: list[BaseException] = []
+    crashed = 0
     try:
-        trio.run(run, cfg, ready_fd, skip_caps)
+        trio.run(run, cfg, args.ready_fd, skip_caps)
     except* (OSError, ConfigError) as group:  # a port in use, an unusable directory...
         failed.extend(group.exceptions)
+    except* Exception as group:  # a crash: logged with its traceback, then exit status 1
+        crashed = log_crash("data server", group)
     for err in failed:
         log.error("data server failed: %s", getattr(err, "strerror", None) or err)
-    return 1 if failed else 0
+    return crashed or (1 if failed else 0)
 
 
 if __name__ == "__main__":

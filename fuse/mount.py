@@ -51,7 +51,7 @@ import subprocess
 import sys
 from typing import Any
 
-from pfs.core import metrics
+from pfs.core import logs, metrics
 from pfs.core.daemon import wait_ready
 from pfs.fuse.options import MountError, MountOptions, parse_options
 
@@ -243,12 +243,14 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
 
 
 def cmd_mount(args: argparse.Namespace) -> None:
-    from pfs.core.config import ConfigError, client_config
+    from pfs.core.config import ConfigError, client_config, find_client_config
 
     try:
         opts = parse_options(args.options or [])
         config = args.config or opts.config
         meta = args.meta or opts.meta
+        if not config and (not meta or os.environ.get("PFS_CONFIG")):
+            config = str(find_client_config())  # named to the daemon, which may not look
         cfg = client_config(os.path.abspath(config) if config else None, meta)
         cfg = dataclasses.replace(cfg, timeout=opts.timeout)
     except (MountError, ConfigError) as exc:
@@ -259,10 +261,13 @@ def cmd_mount(args: argparse.Namespace) -> None:
     if is_pfs_mount(mountpoint):
         raise SystemExit(f"pfs mount: {mountpoint} is already a pfs mount")
     if args.foreground:
-        logging.getLogger().setLevel(logging.DEBUG if opts.debug else logging.INFO)
+        logs.setup("DEBUG" if opts.debug else args.log_level or "INFO",
+                   args.log_format or "text")
         metrics.serve(cfg.metrics_port)  # client_config: /metrics of this mount (0: off)
         sys.exit(run_foreground(cfg, mountpoint, opts, args.ready_fd))
     argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "-f", "--meta", cfg.meta]
+    for flag, value in (("--log-level", args.log_level), ("--log-format", args.log_format)):
+        argv += [flag, value] if value else []
     if config:
         argv += ["--config", os.path.abspath(config)]
     for item in args.options or []:
@@ -310,6 +315,7 @@ def add_mount_parser(sub: Any, client_cmd: Any) -> None:
                          "max_tasks=N, logfile=PATH, debug, config=FILE, meta=HOST:PORT, "
                          "nodefault_permissions, and FUSE's own (allow_other, ...)")
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    logs.add_arguments(sp)  # of the mount daemon (with -f, or the one it starts)
     sp = sub.add_parser("umount", help="unmount a pfs FUSE mount")
     sp.add_argument("-z", "--lazy", action="store_true", help="detach now, clean up later")
     sp.add_argument("mountpoint")

@@ -13,13 +13,15 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import sys
 
 import trio
 
+from pfs.core import logs
 from pfs.core.config import ConfigError, MetaConfig, load
-from pfs.core.daemon import serve_until_signalled
-from pfs.core.versions import FormatError
+from pfs.core.daemon import log_crash, serve_until_signalled
+from pfs.core.versions import FormatError, package_version
 from pfs.metaserver.server import serve_meta
 
 log = logging.getLogger(__name__)
@@ -33,10 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="port to listen on; 0 picks one")
     p.add_argument("--map-size", type=int, help="LMDB map size in bytes")
     p.add_argument("--ready-fd", type=int, help="write the bound port to this fd when ready")
-    p.add_argument("--log-level", default="INFO")
     p.add_argument("--key-file", help="the cluster key (docs/security.md)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus /metrics on PORT (0: off, the default)")
+    logs.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -56,23 +58,28 @@ async def run(config: MetaConfig, ready_fd: int | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
     except ConfigError as exc:
         print(f"metaserver: {exc}", file=sys.stderr)
         return 2
+    logs.setup(args.log_level or config.log_level, args.log_format or config.log_format)
+    log.info("metaserver starting: config %s, db %s, listening on %s:%d, pfs %s, pid %d",
+             args.config or "(none)", config.db, config.host, config.port, package_version(),
+             os.getpid())
     failed: list[BaseException] = []
+    crashed = 0
     try:
         trio.run(run, config, args.ready_fd)
     except* ConfigError as group:  # a key file others can read, a missing certificate...
         failed.extend(group.exceptions)
     except* FormatError as group:  # a store this pfs cannot open: the message says what to run
         failed.extend(group.exceptions)
+    except* Exception as group:  # a crash: logged with its traceback, then exit status 1
+        crashed = log_crash("metaserver", group)
     for err in failed:
         log.error("metaserver: %s", getattr(err, "strerror", None) or err)
-    return 2 if failed else 0
+    return crashed or (2 if failed else 0)
 
 
 if __name__ == "__main__":

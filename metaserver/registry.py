@@ -194,6 +194,14 @@ class Registry:
             else:
                 self._draining.discard(sid)
 
+    def states(self) -> dict[str, tuple[State, float]]:
+        """Every known server's state and seconds since its last heartbeat (for the
+        log of changes, metaserver/watch.py)."""
+        now = self._clock()
+        with self._lock:
+            return {sid: (self._state(sid, s, now), now - s.seen)
+                    for sid, s in self._live.items()}
+
     def state(self, sid: str) -> State:
         now = self._clock()
         with self._lock:

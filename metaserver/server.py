@@ -41,6 +41,7 @@ from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.metaserver import keys as K
+from pfs.metaserver import watch
 from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, dry_run
 from pfs.metaserver.dataplane import DataPlane
@@ -136,6 +137,7 @@ class MetaService(RpcService):
                 nursery.start_soon(self.deleter.run, name="meta-deleter")
                 nursery.start_soon(self.catchup.run, name="meta-catchup")
                 nursery.start_soon(self.repair.run, name="meta-repair")
+                nursery.start_soon(watch.log_changes, self.registry, name="meta-watch")
                 task_status.started()
         finally:
             self.commit.close()

@@ -111,6 +111,8 @@ def read_secret_file(path: str | os.PathLike[str], size: int | None = KEY_BYTES)
         st = p.stat()
     except FileNotFoundError:
         raise ConfigError(f"key file {p} does not exist") from None
+    except PermissionError as exc:
+        raise _not_ours(p, exc) from None
     except OSError as exc:
         raise ConfigError(f"key file {p}: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -121,11 +123,20 @@ def read_secret_file(path: str | os.PathLike[str], size: int | None = KEY_BYTES)
             f"refusing to use it. Run: chmod 600 {p}")
     try:
         data = p.read_bytes()
+    except PermissionError as exc:
+        raise _not_ours(p, exc) from None
     except OSError as exc:
         raise ConfigError(f"key file {p}: {exc.strerror}") from None
     if size is not None and len(data) != size:
         raise ConfigError(f"key file {p} holds {len(data)} bytes, want {size}")
     return data
+
+
+def _not_ours(p: Path, exc: OSError) -> ConfigError:
+    """A node's key, tried by an ordinary user: say what to do instead."""
+    return ConfigError(f"key file {p}: {exc.strerror} (EACCES): this user may not read it; "
+                       "a user needs a key of their own (pfs admin key create NAME --owner "
+                       "USER; docs/security.md \"User keys\")")
 
 
 def create_key(path: str | os.PathLike[str]) -> bool:

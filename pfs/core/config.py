@@ -3,12 +3,15 @@ silently as a default."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from pfs.core import logs
 
 T = TypeVar("T")
 
@@ -25,6 +28,14 @@ def check_wire_security(value: str) -> None:
 
 class ConfigError(ValueError):
     pass
+
+
+def check_logging(level: str, fmt: str) -> None:
+    """A server's ``log_level`` and ``log_format`` (pfs/core/logs.py)."""
+    if level.upper() not in logs.LEVELS:
+        raise ConfigError(f"log_level {level!r}: want one of {', '.join(logs.LEVELS)}")
+    if fmt not in logs.FORMATS:
+        raise ConfigError(f"log_format {fmt!r}: want one of {', '.join(logs.FORMATS)}")
 
 
 # -- client profiles: the data path by workload phase -------------------------------
@@ -219,9 +230,13 @@ class MetaConfig:
     max_object_size: int = 1 << 40
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9401)
+    # logging (docs/architecture.md "Operations"); --log-level/--log-format override
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR, CRITICAL
+    log_format: str = "text"  # text, or json: one JSON object per line
 
     def __post_init__(self) -> None:
         check_wire_security(self.wire_security)
+        check_logging(self.log_level, self.log_format)
 
 
 @dataclass
@@ -248,9 +263,13 @@ class DataConfig:
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
     wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
+    # logging (docs/architecture.md "Operations"); --log-level/--log-format override
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING, ERROR, CRITICAL
+    log_format: str = "text"  # text, or json: one JSON object per line
 
     def __post_init__(self) -> None:
         check_wire_security(self.wire_security)
+        check_logging(self.log_level, self.log_format)
 
 
 def parse_addr(text: str) -> tuple[str, int]:
@@ -347,18 +366,73 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} as TOML")
 
 
+# Where a client looks for its config when none is named (docs/security.md, "User
+# keys"): $PFS_CONFIG, then the user's own, then the node's. A user's comes before the
+# node's so that an ordinary user with a key of their own never needs to read the node's.
+SYSTEM_CLIENT_CONFIG = "/etc/pfs/client.toml"
+
+
+def user_client_config() -> Path:
+    """``$XDG_CONFIG_HOME/pfs/client.toml`` (default ``~/.config/pfs/client.toml``)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"),
+                                                             ".config")
+    return Path(base) / "pfs" / "client.toml"
+
+
+def _unusable(path: Path) -> str | None:
+    """Why the client config ``path`` cannot be used by this process (None: it can):
+    it is missing or unreadable, or names a key file this process cannot read."""
+    try:
+        os.stat(path)
+        cfg = load(ClientConfig, path)
+    except FileNotFoundError:
+        return "does not exist"
+    except PermissionError:
+        return "not readable by this user (EACCES)"
+    except ConfigError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+    for secret in (cfg.key_file, cfg.tls_key):
+        try:
+            if secret and os.stat(secret) and not os.access(secret, os.R_OK):
+                return f"its key file {secret} is not readable by this user (EACCES)"
+        except FileNotFoundError:
+            return f"its key file {secret} does not exist"
+        except PermissionError:
+            return f"its key file {secret} is not reachable by this user (EACCES)"
+    return None
+
+
+def find_client_config() -> Path:
+    """The client config of this process when none is named: ``$PFS_CONFIG`` (used as
+    it is, when set), else the first usable of the user's and the node's. ConfigError
+    naming every file tried, and why each was passed over."""
+    env = os.environ.get("PFS_CONFIG")
+    if env:
+        return Path(env)
+    tried: list[str] = ["$PFS_CONFIG: not set"]
+    for path in (user_client_config(), Path(SYSTEM_CLIENT_CONFIG)):
+        why = _unusable(path)
+        if why is None:
+            return path
+        tried.append(f"{path}: {why}")
+    raise ConfigError("no cluster given and no usable client config (pass --config FILE or "
+                      "--meta HOST:PORT, or set PFS_CONFIG); tried " + "; ".join(tried)
+                      + ". An ordinary user needs a key of their own: ask the "
+                      "administrator for one (pfs admin key create NAME --owner USER)")
+
+
 def client_config(config: Any = None, meta: str | None = None) -> ClientConfig:
-    """Resolve a client configuration: explicit object or path, ``--meta``, or $PFS_CONFIG."""
+    """Resolve a client configuration: explicit object or path, ``--meta`` alone (an
+    open client), or :func:`find_client_config`."""
     if isinstance(config, ClientConfig):
         cfg = config
     elif config is not None:
         cfg = load(ClientConfig, config)
-    elif os.environ.get("PFS_CONFIG"):
-        cfg = load(ClientConfig, os.environ["PFS_CONFIG"])
-    elif meta is None:
-        raise ConfigError("no cluster given: pass --config FILE or --meta HOST:PORT, "
-                          "or set PFS_CONFIG")
-    else:
+    elif meta is None or os.environ.get("PFS_CONFIG"):
+        cfg = load(ClientConfig, find_client_config())
+    else:  # --meta alone: an open client, as before the lookup (unless $PFS_CONFIG)
         cfg = ClientConfig()
     if meta is not None:
         parse_addr(meta)

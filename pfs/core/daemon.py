@@ -90,6 +90,7 @@ async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,
                                 ready_fd: int | None = None) -> None:
     """Start ``serve`` (a ``nursery.start``-able server reporting its port), tell the
     supervisor, and stop it cleanly on the first SIGTERM or SIGINT."""
+    cause = "served to the end"
     nofile = harden_process()
     log.info("%s: umask %04o, open-file limit %d", what, UMASK, nofile)
     with logged_death(what):
@@ -99,9 +100,24 @@ async def serve_until_signalled(serve: Callable[..., Awaitable[Any]], what: str,
                 log.info("%s ready on port %d", what, port)
                 report_ready(ready_fd, port)
                 async for signum in signals:
-                    log.info("%s stopping on %s", what, signal.Signals(signum).name)
+                    cause = signal.Signals(signum).name
+                    log.info("%s stopping on %s", what, cause)
                     nursery.cancel_scope.cancel()
                     break
+    log.info("%s stopped cleanly (%s)", what, cause)
+
+
+LOGGED = "(logged by pfs.core.daemon)"  # a note on exceptions logged with their traceback
+
+
+def log_crash(what: str, exc: BaseException) -> int:
+    """At a server's entry point, for what :func:`logged_death` did not take (it failed
+    before serving): log each cause with its traceback, once, and give the exit status
+    (1), instead of a raw traceback on stderr that a JSON log would not parse."""
+    for e in leaves(exc):
+        if LOGGED not in getattr(e, "__notes__", ()):
+            log.critical("%s died: %s: %s", what, type(e).__name__, e, exc_info=e)
+    return 1
 
 
 @contextmanager
@@ -117,6 +133,7 @@ def logged_death(what: str) -> Iterator[None]:
             if isinstance(e, EXPECTED):  # its message says what to do; the entry point says it
                 continue
             log.critical("%s died: %s: %s", what, type(e).__name__, e, exc_info=e)
+            e.add_note(LOGGED)
         if len(real) == 1 and real[0] is not exc:
             raise real[0] from None
         raise

@@ -9,11 +9,20 @@ metaserver's ``squash_uid``). ``create`` writes the key file and adds the entry,
 (``pfs cluster down DIR && pfs cluster up DIR``, or the service) to apply either; data
 servers learn the change when they register again, which they do by themselves once the
 metaserver is back (docs/security.md, "Node keys and root").
+
+``create NAME --owner USER`` issues a *user key* (docs/security.md, "User keys"): the
+user's uid and gid only, never root, with the user's own copy and a client config
+written where the client looks (``~USER/.config/pfs``) by a process that has become
+the user.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import pwd
+import socket
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pfs.core import config as cfgmod
@@ -63,6 +72,11 @@ def create(path: Path, name: str, uids: tuple[int, int] = FULL,
            directory: Path | None = None) -> NodeKey:
     """A new node key ``name``: its file (mode 0600) and its entry in the config."""
     cfg = _load(path)
+    return _create(path, cfg, name, uids, gids, allow_root, directory)
+
+
+def _create(path: Path, cfg: MetaConfig, name: str, uids: tuple[int, int],
+            gids: tuple[int, int], allow_root: bool, directory: Path | None) -> NodeKey:
     if any(nk.name == name for nk in cfg.node_keys):
         raise ConfigError(f"{path} already has a node key {name!r}; revoke it first")
     d = directory or key_dir(path, cfg)
@@ -76,6 +90,112 @@ def create(path: Path, name: str, uids: tuple[int, int] = FULL,
     cfg.node_keys.append(nk)
     _save(path, cfg)
     return nk
+
+
+@dataclass(frozen=True)
+class UserKey:
+    """A key issued to one user: the metaserver's entry and the user's own copy."""
+
+    key: NodeKey
+    user: str
+    key_file: Path  # the user's copy (mode 0600, owned by the user)
+    config: Path  # the user's client config (this command's, or one that was there)
+    config_written: bool
+
+
+def owner_of(text: str) -> pwd.struct_passwd:
+    """``--owner``: a user name or a numeric uid, from the password database."""
+    try:
+        return pwd.getpwuid(int(text)) if text.isdigit() else pwd.getpwnam(text)
+    except KeyError:
+        raise ConfigError(f"no user {text!r} on this host (--owner takes a user name or "
+                          "uid known to the password database)") from None
+
+
+def meta_address(cfg: MetaConfig) -> str:
+    """What a client on another host dials: the config's address, or this host's name
+    when it listens on every address."""
+    host = cfg.host if cfg.host not in ("", "0.0.0.0", "::") else socket.getfqdn()
+    return f"[{host}]:{cfg.port}" if ":" in host else f"{host}:{cfg.port}"
+
+
+def create_for_user(path: Path, name: str, owner: str, uids: tuple[int, int] | None = None,
+                    gids: tuple[int, int] | None = None, directory: Path | None = None,
+                    user_dir: Path | None = None, meta: str | None = None) -> UserKey:
+    """A user key (docs/security.md, "User keys"): a node key limited to ``owner``'s
+    uid and gid (unless ``uids``/``gids`` say otherwise), never root, whose copy for the
+    user goes to ``user_dir`` (default ``~owner/.config/pfs``) with a client config
+    naming it, both written by a process running as the user (so nothing the user
+    controls there can redirect a write of root's), mode 0600. The metaserver keeps its
+    own copy in the key directory: a user cannot delete or swap what it needs to start."""
+    pw = owner_of(owner)
+    if pw.pw_uid == 0:
+        raise ConfigError("a user key is for an ordinary user; root's key is an admin key "
+                          "(pfs admin key create NAME --allow-root)")
+    if os.geteuid() not in (0, pw.pw_uid):
+        raise ConfigError(f"only root can issue a key to user {pw.pw_name!r}")
+    cfg = _load(path)
+    dest = user_dir or Path(pw.pw_dir) / ".config" / "pfs"
+    nk = _create(path, cfg, name, uids or (pw.pw_uid, pw.pw_uid),
+                 gids or (pw.pw_gid, pw.pw_gid), False, directory)
+    secret = Path(nk.file).read_bytes()
+    key_file = dest / f"{name}.key"
+    config = dest / "client.toml"
+    text = (f"# pfs client config of {pw.pw_name}: `pfs admin key create {name} --owner "
+            f"{pw.pw_name}`\nmeta = \"{meta or meta_address(cfg)}\"\nkey_file = \"{key_file}\"\n"
+            f"key_name = \"{name}\"\n"
+            "# the ids the key allows, sent as they are: the user's supplementary groups,\n"
+            "# which the key does not vouch for, are not sent (they would be EPERM)\n"
+            f"uid = {pw.pw_uid}\ngid = {pw.pw_gid}\n")
+    try:
+        written = _write_as(pw, dest, key_file, secret, config, text)
+    except ConfigError:
+        revoke(path, name)  # no half-issued key: the entry goes with the failed copy
+        raise
+    return UserKey(nk, pw.pw_name, key_file, config, written)
+
+
+def _write_as(pw: pwd.struct_passwd, dest: Path, key_file: Path, secret: bytes,
+              config: Path, text: str) -> bool:
+    """Write the user's key and (if absent) client config in a child that has become
+    the user; True when the config was written. ConfigError with the child's reason."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the user's rights only, then plain file operations
+        os.close(rfd)
+        code = 0
+        try:
+            if os.geteuid() != pw.pw_uid:
+                os.setgroups([])
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+            os.umask(0o077)
+            dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secret)
+            try:
+                fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o600)
+            except FileExistsError:
+                code = 3
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+        except OSError as exc:
+            os.write(wfd, f"{exc.filename or dest}: {exc.strerror}".encode())
+            code = 1
+        os._exit(code)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        why = r.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 3):
+        raise ConfigError(f"could not write the key of user {pw.pw_name!r}: "
+                          f"{why or f'exit status {code}'}")
+    return code == 0
 
 
 def revoke(path: Path, name: str) -> NodeKey:
@@ -122,8 +242,10 @@ def _range(text: str) -> tuple[int, int]:
 def cmd_key(args: argparse.Namespace) -> None:
     try:
         path = _config_path(args.config, args.cluster)
-        if args.keycmd == "create":
-            nk = create(path, args.name, args.uids, args.gids, args.allow_root,
+        if args.keycmd == "create" and args.owner:
+            _cmd_create_user(path, args)
+        elif args.keycmd == "create":
+            nk = create(path, args.name, args.uids or FULL, args.gids or FULL, args.allow_root,
                         Path(args.key_dir) if args.key_dir else None)
             print(f"created node key {nk.name!r}: {nk.file} (mode 0600); uids "
                   f"{nk.uids[0]}-{nk.uids[1]}, gids {nk.gids[0]}-{nk.gids[1]}, "
@@ -144,6 +266,34 @@ def cmd_key(args: argparse.Namespace) -> None:
         raise SystemExit(f"pfs admin key: {exc}") from None
 
 
+def _cluster_meta(cluster: str | None) -> str | None:
+    """The metaserver address of a ``pfs cluster`` (its client.toml has the real port)."""
+    toml = Path(cluster) / "client.toml" if cluster else None
+    if toml is None or not toml.exists():
+        return None
+    return cfgmod.load(cfgmod.ClientConfig, toml).meta
+
+
+def _cmd_create_user(path: Path, args: argparse.Namespace) -> None:
+    if args.allow_root:
+        raise ConfigError("a user key never acts as root: drop --allow-root or --owner")
+    uk = create_for_user(path, args.name, args.owner, args.uids, args.gids,
+                         Path(args.key_dir) if args.key_dir else None,
+                         Path(args.user_dir) if args.user_dir else None,
+                         _cluster_meta(args.cluster))
+    nk = uk.key
+    print(f"created user key {nk.name!r} for {uk.user}: uids {nk.uids[0]}-{nk.uids[1]}, "
+          f"gids {nk.gids[0]}-{nk.gids[1]}, root squashed; the metaserver's copy {nk.file}")
+    print(f"{uk.user}'s copy: {uk.key_file} (mode 0600, owned by {uk.user})")
+    if uk.config_written:
+        print(f"{uk.user}'s client config: {uk.config}")
+    else:
+        print(f"{uk.config} exists and was left alone: set key_file = \"{uk.key_file}\" "
+              f"and key_name = \"{nk.name}\" in it", file=sys.stderr)
+    print(f"on other client hosts, install both files in {uk.user}'s ~/.config/pfs/ "
+          f"(mode 0600, owned by {uk.user}); {RESTART}")
+
+
 def add_parser(adm: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``pfs admin key ...`` under ``adm`` (the ``pfs admin`` subcommands)."""
     keys = adm.add_parser("key", help="create, list and revoke node keys (uid/gid ranges, "
@@ -157,10 +307,18 @@ def add_parser(adm: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
     sp = keys.add_parser("create", help="make a node key and add it to the config")
     sp.add_argument("name")
-    sp.add_argument("--uids", type=_range, default=FULL, metavar="LO-HI",
-                    help="uids its holder may act as (default: all)")
-    sp.add_argument("--gids", type=_range, default=FULL, metavar="LO-HI",
-                    help="gids its holder may act as (default: all)")
+    sp.add_argument("--uids", type=_range, metavar="LO-HI",
+                    help="uids its holder may act as (default: all; with --owner: the "
+                         "user's)")
+    sp.add_argument("--gids", type=_range, metavar="LO-HI",
+                    help="gids its holder may act as (default: all; with --owner: the "
+                         "user's primary group)")
+    sp.add_argument("--owner", metavar="USER",
+                    help="a user key: USER's uid and gid only, never root; USER's copy "
+                         "and a client config go to --user-dir, written as USER")
+    sp.add_argument("--user-dir", metavar="DIR",
+                    help="with --owner: where USER's copy goes (default "
+                         "~USER/.config/pfs, where the client looks)")
     sp.add_argument("--allow-root", action="store_true",
                     help="may act as uid 0 (an admin key); without it root is squashed")
     sp.add_argument("--key-dir", help="where the key file goes (default: beside the "

@@ -73,7 +73,8 @@ def cmd_rebalance(client_of: ClientOf, args: argparse.Namespace) -> None:
 def add_commands(adm: Any, client_of: ClientOf) -> None:
     """Register ``repair``, ``lost`` and ``rebalance`` on ``pfs admin``'s subparsers."""
     def client_args(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                          "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
         sp.add_argument("--meta", help="metaserver HOST:PORT")
         sp.add_argument("--json", action="store_true", help="as JSON")
         return sp

@@ -66,7 +66,8 @@ def add_commands(adm: Any, client_of: ClientOf) -> None:
     """Register the subcommands on ``pfs admin``'s subparsers; ``client_of(args)`` opens
     a client from ``--config``/``--meta``."""
     def client_args(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                          "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
         sp.add_argument("--meta", help="metaserver HOST:PORT")
         return sp
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pfs.tools import admin_keys, admin_repair, admin_servers, fscmds, transfer
+from pfs.tools import admin_backup, admin_keys, admin_repair, admin_servers, fscmds, transfer
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client_cmd(name: str, fn: Callable[[argparse.Namespace], None], help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+        sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                          "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
         sp.add_argument("--meta", help="metaserver HOST:PORT")
         sp.set_defaults(fn=fn)
         return sp
@@ -405,12 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = adm.add_parser("status", help="the metaserver and every data server: address, "
                                        "state, domain, capacity, heartbeat age, load, "
                                        "version")
-    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG)")
+    sp.add_argument("--config", help="client.toml (default: $PFS_CONFIG, then "
+                                      "~/.config/pfs/client.toml, /etc/pfs/client.toml)")
     sp.add_argument("--meta", help="metaserver HOST:PORT")
     sp.add_argument("--json", action="store_true", help="one JSON document for scripts")
     sp.set_defaults(fn=_with_client(cmd_admin_status))
     fsck_args(adm.add_parser("fsck", help=fsck_help + " (pfs fsck)"))
     admin_keys.add_parser(adm)
+    admin_backup.add_parser(adm)  # backup, restore
     admin_servers.add_commands(adm, _client)  # servers, drain, undrain
     admin_repair.add_commands(adm, _client)  # repair status, lost, rebalance
 
@@ -502,8 +505,9 @@ def _main(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     for prefix, fn in _PASSTHROUGH.items():
         if tuple(argv[:len(prefix)]) == prefix:
-            logging.basicConfig(level=logging.WARNING,
-                                format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            # no set-up here: a server sets up its own logging (INFO by default,
+            # --log-level, --log-format; pfs/core/logs.py), and one made here first
+            # would hold (basicConfig does nothing the second time): empty journals
             fn(argparse.Namespace(rest=argv[len(prefix):]))
             return
     _sigterm_unwinds()
