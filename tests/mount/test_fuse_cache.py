@@ -90,8 +90,8 @@ def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path)
                 assert f.read() == b"x" * 100
         time.sleep(0.5)  # the last releases go out in a batch of their own
         after = _scrape(port)
-        with open(d / "data", "ab") as f:
-            f.write(b"y")
+        with open(d / "data", "ab") as w:
+            w.write(b"y")
         assert os.stat(d / "data").st_size == 101
         last = _scrape(port)
         # an unlink right after a close: the file is gone, not kept open
