@@ -58,6 +58,9 @@ from pfs.fuse.options import MountError, MountOptions, parse_options
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 60.0
+# pyfuse3 workers kept waiting for requests: with one, every request that arrives while
+# another is served (a RELEASE behind the next LOOKUP) starts a task that exits after it
+MIN_TASKS = 4
 UMOUNT_TIMEOUT = 30.0
 
 # -- /proc/self/mountinfo ------------------------------------------------------
@@ -126,6 +129,9 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
     try:
         async with trio.open_nursery() as nursery:
             client = AsyncClient(cfg, nursery)
+            # a RELEASE of a handle with nothing to commit rides on the next request
+            # (or a batched release within CLOSE_DELAY): no round trip of its own
+            client.meta.defer_closes = True
             try:
                 try:
                     await client.meta.hello(f"pfs-fuse-{os.getpid()}")
@@ -154,7 +160,8 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
 
                 nursery.start_soon(answered)
                 try:
-                    await pyfuse3.main(min_tasks=1, max_tasks=opts.max_tasks)
+                    await pyfuse3.main(min_tasks=min(MIN_TASKS, opts.max_tasks),
+                                       max_tasks=opts.max_tasks)
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(opts.timeout):
                         await ops.close_all()

@@ -433,6 +433,10 @@ class PfsOperations(pyfuse3.Operations):
 
     async def flush(self, fh: int) -> None:
         h = self._file(fh)
+        if fh not in self._wrote:
+            # nothing written (or truncated) through fh: no size to commit, no write
+            # error of its own to report, no attributes gone stale: no call at all
+            return
         try:
             with fs_errors():
                 await h.commit()  # after the writes in flight; raises their error

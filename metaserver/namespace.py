@@ -656,9 +656,9 @@ class Namespace:
                 rec["mode"] = m
             changed = True
         if mode is not None:
-            if not owner:
-                raise _err(errno.EPERM, "only the owner changes the mode")
             m = mode & 0o7777
+            if not owner and not self._drops_set_id(cred, rec, m):
+                raise _err(errno.EPERM, "only the owner changes the mode")
             if not cred.root and not cred.in_group(rec["gid"]):
                 m &= ~stat.S_ISGID
             rec["mode"] = ftype | m
@@ -692,6 +692,24 @@ class Namespace:
             rec["ctime"] = now
             self._save(txn, ino, rec)
         return self.attr(ino, rec)
+
+    @staticmethod
+    def _drops_set_id(cred: Cred, rec: Rec, mode: int) -> bool:
+        """Whether a non-owner's mode change of ``rec`` to ``mode`` only drops its
+        set-user-ID / set-group-ID bits and the caller may write the file. A write or
+        truncate by a caller without CAP_FSETID drops them (Linux ``file_remove_privs``);
+        a FUSE kernel that leaves that to itself (no ``handle_killpriv``) asks for it as
+        a SETATTR of the mode in the writer's name. It grants nothing a write does not."""
+        old = rec["mode"] & 0o7777
+        set_id = stat.S_ISUID | stat.S_ISGID
+        if (not stat.S_ISREG(rec["mode"]) or not old & set_id or mode & ~old
+                or (old & ~mode) & ~set_id):
+            return False
+        try:
+            Namespace.check_perm(cred, rec, W_OK)
+        except OSError:
+            return False
+        return True
 
     def truncate_plan(self, txn: Txn, cred: Cred, ino: int, size: int
                       ) -> tuple[dict[str, Any], int] | None:

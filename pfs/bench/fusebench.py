@@ -4,11 +4,17 @@ MooseFS mount, all measured in one run, the way a plain filesystem benchmark mea
   write      ``dd if=SRC of=DIR/f bs=1M count=MB conv=fsync``  (SRC: random bytes in /dev/shm)
   cold read  drop caches (sync; echo 3 > /proc/sys/vm/drop_caches), ``dd if=DIR/f of=/dev/null bs=1M``
   metadata   create (open O_CREAT|O_EXCL + close), stat, unlink of NFILES empty files in a
-             fresh directory, one client process (see ``pfs bench meta``)
+             fresh directory, by this process; and between stat and unlink one cold
+             ``ls -l`` of that directory (scandir + lstat of each entry, once cached
+             attributes expired): entries/s
 
 The native client does the same with its own API: the same random bytes written from memory
 in 64 MiB calls, fsync, close; cold read into a preallocated buffer in 64 MiB calls; the
-metadata loop through the path API. MB/s = 10^6 B/s as dd prints it; medians of --reps.
+metadata loop through the path API (``pfs bench meta``, one client process). MB/s = 10^6
+B/s as dd prints it; medians of --reps. The CPU of each metadata operation is split by
+process: the caller (this process), the FUSE daemon (pfs mount, mfsmount) and the servers
+(pfs metaserver + data servers, MooseFS master + chunk servers), in microseconds of CPU
+per operation (user + system, every thread, from /proc/PID/stat).
 Targets are interleaved within each repetition so drift on a noisy machine hits all alike.
 
 MooseFS is started with ``moosefs-up.sh`` (1 master, 4 chunk servers, goal 1, on loopback)
@@ -47,6 +53,9 @@ from pfs.bench.common import (
 )
 
 METRICS = ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops")
+META_PHASES = ("create", "stat", "readdir", "unlink")
+PARTS = ("caller", "daemon", "servers")  # where a metadata operation's CPU goes
+ATTR_EXPIRY = 1.2  # seconds before the listing: the mounts' cached attributes (1 s) expired
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -128,8 +137,17 @@ def _is_mounted(mnt: Path) -> bool:
 
 
 class Target:
-    def __init__(self, name: str, path: Path | None, pids: list[int]) -> None:
-        self.name, self.path, self.pids = name, path, pids
+    def __init__(self, name: str, path: Path | None, servers: list[int],
+                 daemon: list[int] | None = None) -> None:
+        self.name, self.path = name, path
+        self.servers, self.daemon = servers, daemon or []
+        self.pids = servers + self.daemon
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of this process, the FUSE daemon and the servers."""
+        return {"caller": time.process_time(),
+                "daemon": sum(proc_cpu(p) for p in self.daemon),
+                "servers": sum(proc_cpu(p) for p in self.servers)}
 
 
 # -- set-up ----------------------------------------------------------------------
@@ -181,17 +199,21 @@ def moosefs_down(peers: Path, mnt: Path, env: dict[str, str]) -> None:
         log(f"moosefs-down.sh: {r.stderr.strip()}")
 
 
-def moosefs_pids(base: Path) -> list[int]:
-    pids = []
-    for lock in [base / "master" / ".mfsmaster.lock", *base.glob("cs*/var/.mfschunkserver.lock"),
-                 base / "mfsmount.pid"]:
-        try:
-            txt = "".join(ch for ch in lock.read_text() if ch.isdigit())
-            if txt:
-                pids.append(int(txt))
-        except OSError:
-            pass
-    return pids
+def moosefs_pids(base: Path) -> tuple[list[int], list[int]]:
+    """(master and chunk servers, mfsmount) of the MooseFS in ``base``."""
+    def pids(files: list[Path]) -> list[int]:
+        out = []
+        for lock in files:
+            try:
+                txt = "".join(ch for ch in lock.read_text() if ch.isdigit())
+                if txt:
+                    out.append(int(txt))
+            except OSError:
+                pass
+        return out
+    return (pids([base / "master" / ".mfsmaster.lock",
+                  *base.glob("cs*/var/.mfschunkserver.lock")]),
+            pids([base / "mfsmount.pid"]))
 
 
 # -- one target, one repetition -----------------------------------------------------
@@ -244,15 +266,62 @@ def native_io(c: Any, data: memoryview, rbuf: memoryview, pids: list[int]) -> di
 
 
 def meta_ops(t: Target, nfiles: int, toml: Path | None) -> dict[str, Any]:
-    if t.name == "native":
-        rec = metabench.measure("pfs", str(toml), 1, nfiles, t.pids, t.name)
-    else:
-        rec = metabench.measure("posix", str(t.path), 1, nfiles, t.pids, t.name)
+    if t.name != "native":
+        return posix_meta(t, nfiles)
+    rec = metabench.measure("pfs", str(toml), 1, nfiles, t.pids, t.name)
     return {"create_ops": rec["create"]["ops_per_s"], "stat_ops": rec["stat"]["ops_per_s"],
             "unlink_ops": rec["unlink"]["ops_per_s"],
             "create_cpu_us": rec["create"]["cpu_us_per_op"],
             "stat_cpu_us": rec["stat"]["cpu_us_per_op"],
             "unlink_cpu_us": rec["unlink"]["cpu_us_per_op"]}
+
+
+def posix_meta(t: Target, nfiles: int) -> dict[str, Any]:
+    """The metadata loops through a mounted filesystem, in this process: per phase,
+    operations per second and CPU per operation by part (``Target.cpu``)."""
+    assert t.path is not None
+    d = t.path / f"fsmeta-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir()
+    paths = [str(d / f"f{i:06d}") for i in range(nfiles)]
+
+    def create() -> int:
+        for p in paths:
+            os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return nfiles
+
+    def stat_() -> int:
+        for p in paths:
+            os.stat(p)
+        return nfiles
+
+    def readdir() -> int:  # ls -l: the listing, then each entry's attributes
+        n = 0
+        with os.scandir(d) as it:
+            for e in it:
+                e.stat(follow_symlinks=False)
+                n += 1
+        return n
+
+    def unlink() -> int:
+        for p in paths:
+            os.unlink(p)
+        return nfiles
+
+    out: dict[str, Any] = {}
+    try:
+        for ph, fn in zip(META_PHASES, (create, stat_, readdir, unlink), strict=True):
+            if ph == "readdir":
+                time.sleep(ATTR_EXPIRY)
+            c0, t0 = t.cpu(), time.perf_counter()
+            n = fn()
+            secs, c1 = time.perf_counter() - t0, t.cpu()
+            out[f"{ph}_ops"] = n / secs if secs > 0 else 0.0
+            for part in PARTS:
+                out[f"{ph}_{part}_us"] = 1e6 * (c1[part] - c0[part]) / max(n, 1)
+            out[f"{ph}_cpu_us"] = sum(out[f"{ph}_{part}_us"] for part in PARTS)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
 
 
 # -- the run -----------------------------------------------------------------------
@@ -314,8 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         log("mounting pfs")
                         assert toml is not None  # the mount needs a cluster
                         pfs_mount(toml, pmnt, args.mount_opts)
-                        targets.append(Target("mount", pmnt / "bench-fuse",
-                                              server_pids + _pids_of_mount(pmnt)))
+                        targets.append(Target("mount", pmnt / "bench-fuse", server_pids,
+                                              _pids_of_mount(pmnt)))
                     elif name == "native":
                         targets.append(Target("native", None, server_pids))
                     elif name == "moosefs":
@@ -324,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         mfs_env = moosefs_up(peers, mmnt, mbase)
                         if args.replicas:
                             moosefs_goal(mmnt, args.replicas)
-                        targets.append(Target("moosefs", mmnt, moosefs_pids(mbase)))
+                        targets.append(Target("moosefs", mmnt, *moosefs_pids(mbase)))
                     else:
                         raise SystemExit(f"unknown target {name!r}")
                 runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
@@ -373,6 +442,17 @@ def report(res: dict[str, Any]) -> str:
              f"{r['read_cpu_s']:.2f}"] for name, r in med.items()]
     lines.append(table(rows, ["target", "write MB/s", "cold read MB/s", "creates/s", "stats/s",
                               "unlinks/s", "write CPU s", "read CPU s"]))
+    cpu_rows = [[name] + [f"{r[f'{ph}_{part}_us']:,.0f}" for ph in META_PHASES
+                          for part in PARTS]
+                for name, r in med.items() if "create_daemon_us" in r]
+    if cpu_rows:
+        lines.append("")
+        lines.append("CPU us per operation (per entry for readdir: a cold ls -l), by part: "
+                     "c = the caller, d = the FUSE daemon, s = the servers")
+        lines.append(table(cpu_rows, ["target"] + [f"{ph[:6]} {part[0]}" for ph in META_PHASES
+                                                   for part in PARTS]))
+        lines.append("entries/s (cold ls -l): " + ", ".join(
+            f"{name} {r['readdir_ops']:,.0f}" for name, r in med.items() if "readdir_ops" in r))
     lines.append("")
     lines.append("ratios:")
     for k, v in res["ratios"].items():

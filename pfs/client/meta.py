@@ -111,6 +111,10 @@ class MetaClient:
         # direct mode: the blocking connection's number (handle ids are per connection),
         # and the handles closed with nothing to commit, released by the next request
         self.generation = 0
+        # handles closed with nothing to commit are released along with the next
+        # request instead of a round trip each: always in direct mode, and where the
+        # owner asks for it (the mount: a clean RELEASE costs no metaserver call)
+        self.defer_closes = direct
         self._closes: list[int] = []
         self._closes_gen = 0
         self._closes_lock = threading.Lock()
@@ -134,6 +138,7 @@ class MetaClient:
                 except OSError as exc:
                     raise self._unreachable(exc) from None
                 await self._rpc.request(M.Hello(client=f"pfs-{os.getpid()}"))
+                self.generation += 1  # handle ids are per connection
             return self._rpc
 
     @property
@@ -178,12 +183,7 @@ class MetaClient:
             sent = False
             try:
                 rpc = self._blocking_client()
-                closes = None
-                if self._closes:
-                    with self._closes_lock:
-                        closes, self._closes = self._closes, []
-                        if self._closes_gen != self.generation:
-                            closes = None  # opened on a connection that is gone
+                closes = self._take_closes() if self._closes else None
                 sent = True
                 reply = rpc.request(msg, closes=closes)
                 self._reached = True
@@ -200,15 +200,24 @@ class MetaClient:
             return Retry(self.name, self.timeout)
         return Retry(self.name, min(self.timeout, self.connect_timeout), quiet=True)
 
+    def _take_closes(self) -> list[int] | None:
+        """The deferred closes to send with a request on connection ``generation``."""
+        with self._closes_lock:
+            closes, self._closes = self._closes, []
+            if self._closes_gen != self.generation:
+                return None  # opened on a connection that is gone
+            return closes
+
     def defer_close(self, fh: int, generation: int) -> bool:
-        """Direct mode: release handle ``fh`` (opened on connection ``generation``, with
-        nothing to commit) along with the next request, or a ``release`` of its own
-        after CLOSE_DELAY, instead of a round trip now (docs/rpc.md, ``closes``). False:
-        not deferred (not direct mode), close it now."""
-        if not self.direct:
+        """Release handle ``fh`` (opened on connection ``generation``, with nothing to
+        commit) along with the next request, or a ``release`` of its own after
+        CLOSE_DELAY, instead of a round trip now (docs/rpc.md, ``closes``). False: not
+        deferred (``defer_closes`` off), close it now."""
+        if not self.defer_closes:
             return False
         with self._closes_lock:
-            if generation != self.generation or self._blocking is None:
+            conn = self._blocking if self.direct else self._rpc
+            if generation != self.generation or conn is None:
                 return True  # its connection is gone, and the handle with it
             if self._closes_gen != generation:
                 self._closes, self._closes_gen = [], generation
@@ -229,11 +238,18 @@ class MetaClient:
         with self._closes_lock:
             self._flush_due = False
             due = bool(self._closes)
-        if due:
-            try:  # not retried: this is the trio thread, and a lost connection
-                self.request_blocking(M.Release(), retry_outage=False)  # released them
-            except OSError as exc:  # the connection broke: the server released them
-                log.debug("releasing closed handles: %s", exc)
+        if not due:
+            return
+        try:  # not retried: a lost connection released them
+            if self.direct:  # (this is the trio thread: one blocking round trip)
+                self.request_blocking(M.Release(), retry_outage=False)
+            else:
+                rpc = self._rpc
+                closes = self._take_closes()
+                if rpc is not None and rpc.alive and closes:
+                    await rpc.send(M.Release(), closes=closes)
+        except OSError as exc:  # the connection broke: the server released them
+            log.debug("releasing closed handles: %s", exc)
 
     async def request(self, msg: RequestMessage) -> Any:
         """A typed call: ``msg`` (a request of :mod:`pfs.core.messages.meta`) out, its typed
@@ -246,8 +262,9 @@ class MetaClient:
             sent = False
             try:
                 rpc = await self._client()
+                closes = self._take_closes() if self._closes else None
                 sent = True
-                reply = parse_reply(msg, (await rpc.send(msg)).fields)
+                reply = parse_reply(msg, (await rpc.send(msg, closes=closes)).fields)
                 self._reached = True
                 return reply
             except OSError as exc:

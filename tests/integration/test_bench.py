@@ -105,6 +105,11 @@ def test_fuse_bench_local_and_native(cluster_dir: Path, tmp_path: Path,
         for k in ("write_MBps", "read_MBps", "create_ops", "stat_ops", "unlink_ops"):
             assert _positive(rec[k]), (name, k, rec)
     assert _positive(res["ratios"]["native/local write_MBps"])
+    # a mounted target's metadata CPU is split by part; a listing is measured too
+    assert "CPU us per operation" in text
+    local = res["median"]["local"]
+    assert _positive(local["readdir_ops"]) and _positive(local["create_caller_us"])
+    assert local["create_daemon_us"] == local["create_servers_us"] == 0
 
 
 def test_sigterm_stops_the_clusters_a_bench_started(tmp_path: Path) -> None:

@@ -335,6 +335,25 @@ def test_write_by_non_root_drops_setuid(mdir: Path, user: AsUser) -> None:
     assert not s.st_mode & (stat.S_ISUID | stat.S_ISGID) and stat.S_IMODE(s.st_mode) == 0o755
 
 
+@pytest.mark.parametrize("mode", [0o6777, 0o4777, 0o2777])
+def test_write_by_non_owner_drops_set_id_bits(mdir: Path, user: AsUser, mode: int) -> None:
+    """A write by a user who may write a root-owned set-ID file (not its owner, no
+    CAP_FSETID) succeeds and drops the bits, as on a local filesystem: the kernel asks
+    for that as a mode change in the writer's name."""
+    f = put(mdir / "suid", b"root", mode)
+    assert uerr(user, "write(p, 'user', flags=os.O_WRONLY | os.O_APPEND)", p=f) == "ok"
+    s = os.stat(f)
+    assert stat.S_IMODE(s.st_mode) == 0o777 and s.st_uid == 0
+    assert f.read_bytes() == b"rootuser"
+    # a truncating open by the same user too
+    os.chmod(f, mode)
+    assert uerr(user, "write(p, 'again')", p=f) == "ok"
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o777 and f.read_bytes() == b"again"
+    # still no chmod for them: only the drop a write makes
+    os.chmod(f, mode)
+    assert uerr(user, "os.chmod(p, 0o777)", p=f) == "EPERM"
+
+
 def test_open_fd_keeps_its_access(mdir: Path, user: AsUser) -> None:
     f = mdir / "f"
     user("write(p, 'abc')", p=f)

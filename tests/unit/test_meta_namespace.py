@@ -415,6 +415,28 @@ def test_setattr_rules(fs: FS) -> None:
     assert stat.S_ISDIR(fs.setattr(ROOT, pub, mode=0o700)["mode"])
 
 
+def test_setattr_writer_drops_set_id_bits(fs: FS) -> None:
+    """A write by a non-owner drops the file's set-ID bits: a FUSE kernel asks for that
+    as a mode change in the writer's name, allowed to one who may write the file, and
+    only that change (Linux ``file_remove_privs``)."""
+    pub = fs.mkdir(ROOT, 1, b"pub", 0o777)["ino"]
+    f = fs.file(pub, b"f", ROOT, 0o6777)
+    a = fs.getattr(f)
+    err(errno.EPERM, fs.setattr, USER, f, mode=0o6775)  # a chmod, not a drop
+    err(errno.EPERM, fs.setattr, USER, f, mode=0o4777 | 0o2000 | 0o1000)  # adds sticky
+    b = fs.setattr(USER, f, mode=0o777)
+    assert b["mode"] & 0o7777 == 0o777 and b["uid"] == 0 and b["ctime"] > a["ctime"]
+    err(errno.EPERM, fs.setattr, USER, f, mode=0o777)  # nothing left to drop: a chmod
+    fs.setattr(ROOT, f, gid=50, mode=0o6777)  # USER is in group 50: setgid may stay
+    assert fs.setattr(USER, f, mode=0o2777)["mode"] & 0o7777 == 0o2777
+    fs.setattr(ROOT, f, mode=0o6777)  # OTHER is not: the setgid bit goes with setuid
+    assert fs.setattr(OTHER, f, mode=0o2777)["mode"] & 0o7777 == 0o777
+    fs.setattr(ROOT, f, mode=0o6755)  # not writable by others: no drop for them
+    err(errno.EPERM, fs.setattr, USER, f, mode=0o755)
+    d = fs.mkdir(ROOT, pub, b"d", 0o2777)["ino"]  # only regular files
+    err(errno.EPERM, fs.setattr, USER, d, mode=0o777)
+
+
 def test_setgid_directories(fs: FS) -> None:
     d = fs.mkdir(ROOT, 1, b"d", 0o777)["ino"]
     fs.setattr(ROOT, d, gid=50, mode=0o2777)

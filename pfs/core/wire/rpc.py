@@ -173,10 +173,14 @@ class RpcClient:
 
     async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
-                   timeout: float | None = None) -> Result:
-        """One typed request; the reply's map unparsed (see :meth:`request`), its payload
-        in ``into`` (a buffer, or a list of buffers filled in order) when given."""
-        return await self._exchange(msg.method, msg.to_wire(), payload, into, timeout)
+                   timeout: float | None = None, closes: list[int] | None = None) -> Result:
+        """One typed request (with handles to release first, ``closes``: a metaserver
+        request); the reply's map unparsed (see :meth:`request`), its payload in
+        ``into`` (a buffer, or a list of buffers filled in order) when given."""
+        wire = msg.to_wire()
+        if closes:
+            wire["closes"] = closes
+        return await self._exchange(msg.method, wire, payload, into, timeout)
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
                    payload: Payload | None = None,

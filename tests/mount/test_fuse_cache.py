@@ -1,0 +1,113 @@
+"""What the mount leaves to the kernel's caches, and what it answers without the
+metaserver: negative entries (``negative_timeout``) against close-to-open across two
+mounts, and FLUSH/RELEASE of a handle that wrote nothing (no metaserver call)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fuse_fixtures import *  # noqa: F403
+from tests.fuse_fixtures import mounted
+
+NEG = 3.0  # seconds of negative_timeout on the caching mount
+
+
+def _missing(p: Path) -> bool:
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def test_default_mount_sees_a_name_made_elsewhere_at_once(mdir: Path, mdir2: Path) -> None:
+    """Without negative_timeout (the default) a name this mount just found missing is
+    there at the next open by path once another mount created it (close-to-open)."""
+    a, b = mdir / "late", mdir2 / "late"
+    assert _missing(a)
+    b.write_bytes(b"from b")
+    assert a.read_bytes() == b"from b"
+    os.unlink(b)
+    with pytest.raises(FileNotFoundError):  # gone at open, cached entry or not
+        a.read_bytes()
+
+
+def test_negative_entries_expire_and_never_hide_a_create(client_toml: Path, mnt: Path,
+                                                        mdir: Path) -> None:
+    """With negative_timeout a missing name may stay missing on this mount for that
+    long after another mount created it, then it is there; an exclusive create, or a
+    create of the cached name, still finds the file the other mount made."""
+    with mounted(client_toml, f"negative_timeout={NEG:g}") as neg:
+        here = neg / mdir.relative_to(mnt)
+        names = ("seen", "excl", "creat")
+        t0 = time.monotonic()
+        for n in names:
+            assert _missing(here / n)  # cached as missing for NEG seconds
+        for n in names:
+            (mdir / n).write_bytes(b"made elsewhere")
+        # O_EXCL makes the kernel ask again: EEXIST, not a second file
+        with pytest.raises(FileExistsError):
+            os.open(here / "excl", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        # O_CREAT of a name cached as missing opens the existing file
+        fd = os.open(here / "creat", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, b"+")
+        finally:
+            os.close(fd)
+        assert (mdir / "creat").read_bytes() == b"made elsewhere+"
+        if time.monotonic() - t0 < NEG - 0.5:  # (a slow machine may be past it already)
+            assert _missing(here / "seen")  # the kernel's cached answer
+        time.sleep(max(0.0, t0 + NEG + 0.5 - time.monotonic()))
+        assert (here / "seen").read_bytes() == b"made elsewhere"
+        # a name this mount creates itself is there at once
+        assert _missing(here / "own")
+        (here / "own").write_bytes(b"own")
+        assert (mdir / "own").read_bytes() == b"own"
+
+
+def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path) -> None:
+    """FLUSH and RELEASE of a handle that wrote nothing send no request of their own:
+    the release rides on the next request (or one batched ``release``); a handle that
+    wrote still commits its size when it is closed (FLUSH)."""
+    from tests.integration.test_metrics import _free_port, _scrape, _value
+
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    n = 40
+    with mounted(toml) as m:
+        d = m / f"clean-{os.getpid()}"
+        d.mkdir()
+        (d / "data").write_bytes(b"x" * 100)
+        before = _scrape(port)
+        for i in range(n):
+            os.close(os.open(d / f"f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            with open(d / "data", "rb") as f:
+                assert f.read() == b"x" * 100
+        time.sleep(0.5)  # the last releases go out in a batch of their own
+        after = _scrape(port)
+        with open(d / "data", "ab") as w:
+            w.write(b"y")
+        assert os.stat(d / "data").st_size == 101
+        last = _scrape(port)
+        # an unlink right after a close: the file is gone, not kept open
+        os.close(os.open(d / "gone", os.O_CREAT | os.O_WRONLY, 0o644))
+        os.unlink(d / "gone")
+        assert sorted(os.listdir(d)) == ["data"] + sorted(f"f{i}" for i in range(n))
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+    def calls(text: str, method: str) -> float:
+        return _value(text, "pfs_rpc_requests_total", service="client", method=method)
+
+    assert calls(after, "close") - calls(before, "close") == 0
+    assert calls(after, "commit_size") - calls(before, "commit_size") == 0
+    assert calls(after, "create") - calls(before, "create") == n
+    assert calls(after, "release") - calls(before, "release") < n  # batched, if at all
+    assert calls(last, "commit_size") - calls(after, "commit_size") == 1  # at FLUSH
+
