@@ -14,7 +14,6 @@ import crc32c
 import pytest
 import trio
 
-from pfs.core.engine import PosixEngine
 from pfs.dataserver import kvslab
 from pfs.dataserver.kvstore import KvStore
 
@@ -32,14 +31,12 @@ def run(fn: Callable[[], Awaitable[None]]) -> None:
 @asynccontextmanager
 async def store(dirs: list[Path], budget: int = 4 << 20, slab: int = 0
                 ) -> AsyncIterator[KvStore]:
-    engine = PosixEngine()
-    kv = KvStore([str(d) for d in dirs], budget, engine, slab_bytes=slab)
+    kv = KvStore([str(d) for d in dirs], budget, slab_bytes=slab)
     try:
         await kv.start()
         yield kv
     finally:
         kv.close()
-        engine.close()
 
 
 async def put(kv: KvStore, key: bytes, value: bytes, pin: bool = False) -> None:
@@ -48,7 +45,11 @@ async def put(kv: KvStore, key: bytes, value: bytes, pin: bool = False) -> None:
 
 async def get(kv: KvStore, key: bytes, maxlen: int = 1 << 22) -> bytes | None:
     got = await kv.get(NS, key, maxlen)
-    return None if got is None else bytes(got[0])
+    if got is None:
+        return None
+    value = bytes(got.view)
+    got.release()
+    return value
 
 
 def slabs(d: Path) -> list[Path]:
