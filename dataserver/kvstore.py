@@ -192,7 +192,7 @@ class KvCounters:
     misses: int = 0
     puts: int = 0
     evictions: int = 0  # records dropped to make room (moves not counted)
-    corrupt: int = 0  # records whose value failed its checksum when read
+    corrupt: int = 0  # records whose value failed its checksum (or a read) when read
     bytes_in: int = 0  # value bytes stored
     bytes_out: int = 0  # value bytes served
     reclaimed: int = 0  # bytes given back to file writes (ENOSPC)
@@ -218,7 +218,6 @@ class KvStore:
         self._evicting = trio.Lock()
         self._free_at: dict[str, tuple[float, int, int]] = {}  # dir -> (when, free, total)
         self._pressure_until = 0.0
-        self._opened = False
 
     @property
     def enabled(self) -> bool:
@@ -235,6 +234,9 @@ class KvStore:
                 names = os.listdir(kvd)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # a drive gone: its blocks are misses
+                log.error("kv: cannot list %s: %s", kvd, exc)
+                continue
             for name in names:
                 sid = fmt.slab_id(name)
                 if sid is not None:
@@ -243,12 +245,17 @@ class KvStore:
         best: dict[Key, tuple[fmt.Scanned, Slab]] = {}
         for sid, path, d in found:
             self.next_sid = max(self.next_sid, sid + 1)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                log.error("kv slab %s cannot be opened, skipped: %s", path, exc)
+                continue
             try:
                 recs, end = fmt.scan(fd, path)
             except OSError as exc:
-                log.error("kv slab %s unreadable, dropped: %s", path, exc)
-                recs, end = [], 0
+                log.error("kv slab %s unreadable, skipped: %s", path, exc)
+                os.close(fd)
+                continue
             if end == 0:
                 os.close(fd)
                 os.unlink(path)
@@ -267,7 +274,6 @@ class KvStore:
             if not rec.flags & fmt.TOMBSTONE:
                 self._index(key, Entry(slab, rec.off, rec.head_len, rec.vlen, rec.vcrc,
                                        rec.seq, bool(rec.flags & fmt.PINNED)))
-        self._opened = True
         if found:
             log.info("kv store: %d blocks in %d slabs (%d bytes) after the scan",
                      len(self.index), len(self.slabs), self.used)
@@ -339,11 +345,20 @@ class KvStore:
     def _new_slab(self) -> Slab:
         sid = self.next_sid
         self.next_sid += 1
-        d = self.dirs[sid % len(self.dirs)]
-        kvd = os.path.join(d, fmt.KV_DIR)
-        os.makedirs(kvd, exist_ok=True)
-        path = os.path.join(kvd, fmt.slab_name(sid))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        first: OSError | None = None
+        for i in range(len(self.dirs)):  # the directories in turn; one gone is skipped
+            d = self.dirs[(sid + i) % len(self.dirs)]
+            kvd = os.path.join(d, fmt.KV_DIR)
+            path = os.path.join(kvd, fmt.slab_name(sid))
+            try:
+                os.makedirs(kvd, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except OSError as exc:
+                first = first or exc
+        else:
+            assert first is not None
+            raise first
         slab = Slab(sid, path, d, fd)
         self.slabs[sid] = slab
         self.current = slab
@@ -367,6 +382,19 @@ class KvStore:
         self.used += size
         slab.writers += 1
         return slab, off
+
+    async def _append(self, slab: Slab, off: int, bufs: list[memoryview]) -> None:
+        """Write a reserved record, whatever happens: a cancelled or failed append
+        would leave a hole, which ends the slab's scan at the next start (so a failed
+        one seals the slab: nothing more goes after it)."""
+        try:
+            with trio.CancelScope(shield=True):
+                await self._io(sum(len(b) for b in bufs), _pwrite_all, slab.fd, off, bufs)
+        except OSError:
+            self._seal(slab)
+            raise
+        finally:
+            self._written(slab)
 
     def _written(self, slab: Slab) -> None:
         slab.writers -= 1
@@ -457,9 +485,19 @@ class KvStore:
                 else:
                     self._drop(key, e)
                     self.counters.evictions += 1
-            bufs = [bytearray(e.size) for _k, e in keep]
-            for (_k, e), buf in zip(keep, bufs, strict=True):
-                await self._io(e.size, _pread_all, victim.fd, e.off, buf)
+            bufs: list[bytearray] = []
+            for key, e in list(keep):
+                buf = bytearray(e.size)
+                try:
+                    await self._io(e.size, _pread_all, victim.fd, e.off, buf)
+                except OSError as exc:  # unreadable: it cannot move; a miss from now
+                    log.error("kv slab %s: block at %d unreadable, dropped: %s",
+                              victim.path, e.off, exc)
+                    keep.remove((key, e))
+                    if self.index.get(key) is e:
+                        self._drop(key, e)
+                    continue
+                bufs.append(buf)
             # the kept records stay readable where they are (the victim's descriptor
             # is held) until their copy lands
             victim.keys.clear()
@@ -469,13 +507,7 @@ class KvStore:
                 if self.index.get(key) is not e:  # removed or put again meanwhile
                     continue
                 slab, off = self._reserve(len(buf))
-                try:
-                    await self._io(len(buf), _pwrite_all, slab.fd, off, [memoryview(buf)])
-                except OSError:
-                    self._seal(slab)  # a hole: nothing more after it
-                    raise
-                finally:
-                    self._written(slab)
+                await self._append(slab, off, [memoryview(buf)])
                 if self.index.get(key) is not e:
                     continue
                 e.slab, e.off, e.ref = slab, off, False
@@ -535,13 +567,7 @@ class KvStore:
         flags = fmt.PINNED if pin else 0
         head = fmt.pack_head(nsb, key, n, seq, crc, flags)
         slab, off = self._reserve(size)
-        try:
-            await self._io(n, _pwrite_all, slab.fd, off, [memoryview(head), view])
-        except OSError:
-            self._seal(slab)  # a hole ends the slab's scan: nothing more after it
-            raise
-        finally:
-            self._written(slab)
+        await self._append(slab, off, [memoryview(head), view])
         k = (ns, key)
         old = self.index.get(k)
         if old is not None:
@@ -569,9 +595,12 @@ class KvStore:
         buf = self.buffers.take(e.vlen)
         view = memoryview(buf)[:e.vlen]
         slab.refs += 1
+        why = "failed its checksum"
         try:
             ok = await self._io(e.vlen, _pread_checked, slab.fd, e.off + e.hlen, view,
                                 e.crc)
+        except OSError as exc:  # a bad sector, a drive gone: a miss, not an error
+            ok, why = False, f"unreadable ({exc.strerror})"
         except BaseException:
             self.buffers.give(buf)
             raise
@@ -581,8 +610,8 @@ class KvStore:
             self.buffers.give(buf)
             self.counters.corrupt += 1
             self.counters.misses += 1
-            log.error("kv block %s/%s in slab %s at %d failed its checksum; dropped", ns,
-                      key.hex(), slab.path, e.off)
+            log.error("kv block %s/%s in slab %s at %d %s; dropped", ns, key.hex(),
+                      slab.path, e.off, why)
             if self.index.get(k) is e:
                 self._drop(k, e)
             return None
@@ -625,13 +654,7 @@ class KvStore:
             log.warning("kv remove: tombstones not written: %s", exc)
             return len(gone)
         slab, off = self._reserve(len(blob))
-        try:
-            await self._io(len(blob), _pwrite_all, slab.fd, off, [memoryview(blob)])
-        except OSError:
-            self._seal(slab)
-            raise
-        finally:
-            self._written(slab)
+        await self._append(slab, off, [memoryview(blob)])
         return len(gone)
 
     def stats(self) -> dict[str, int]:
