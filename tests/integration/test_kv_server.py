@@ -6,10 +6,13 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +35,35 @@ from pfs.tools import cluster
 
 TIMEOUT = 60
 NS = "model-a"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> str:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return str(r.read().decode())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name:
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+    return total
 
 
 def run(fn: Callable[[], Awaitable[None]]) -> None:
@@ -373,3 +405,60 @@ def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
     # which makes every capability stale)
     logs = "".join(p.read_text() for p in (private_cluster / "logs").glob("data*"))
     assert logs and "retrying (serving data meanwhile)" not in logs
+
+
+def test_metrics_count_kv_hits_misses_and_bytes(private_cluster: Path) -> None:
+    port = _free_port()
+    toml = cluster.up(private_cluster, data_servers=1,
+                      data_args=["--metrics-port", str(port), "--kv-budget", str(16 << 20)])
+    cfg = load(ClientConfig, toml)
+    creds = auth.client_auth(cfg.key_file, cfg.key_name, wire=cfg.wire_security)
+    with pfs.connect(config=toml) as c:
+        (srv,) = c._run(c.aio.meta.servers).values()
+
+    async def main() -> None:
+        async with KvServerClient.connect(srv["host"], srv["port"], creds) as kv:
+            await kv.put(NS, b"k", b"v" * 1000)
+            out = memoryview(bytearray(1000))
+            assert await kv.get_into(NS, b"k", out) == 1000
+            assert await kv.get_into(NS, b"absent", out) is None
+
+    run(main)
+    text = _scrape(port)
+    assert _value(text, "pfs_kv_events", event="hits") == 1
+    assert _value(text, "pfs_kv_events", event="misses") == 1
+    assert _value(text, "pfs_kv_events", event="bytes_out") == 1000
+    assert _value(text, "pfs_kv_bytes", kind="budget") == 16 << 20
+    assert _value(text, "pfs_kv_bytes", kind="used") > 1000
+
+
+def test_many_clients_on_overlapping_keys_get_right_bytes_or_misses(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    values = {b"k%d" % i: rng.randbytes(rng.choice([100, 16 << 10, 100_000, 300_000]))
+              for i in range(60)}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_data, config([tmp_path / "d0"], budget=3 << 20))
+
+            async def client(seed: int) -> None:
+                r = random.Random(seed)
+                out = memoryview(bytearray(300_000))
+                async with KvServerClient.connect("127.0.0.1", port, connections=2) as kv:
+                    for _ in range(150):
+                        k = r.choice(list(values))
+                        if r.random() < 0.4:
+                            await kv.put(NS, k, values[k])
+                        else:
+                            n = await kv.get_into(NS, k, out)
+                            assert n is None or bytes(out[:n]) == values[k]
+
+            async with trio.open_nursery() as clients:
+                for s in range(6):
+                    clients.start_soon(client, s)
+            async with KvServerClient.connect("127.0.0.1", port) as kv:
+                st = await kv.stats()
+                assert st["used"] <= 3 << 20 and st["evictions"] > 0 and st["corrupt"] == 0
+            nursery.cancel_scope.cancel()
+
+    run(main)
