@@ -276,3 +276,34 @@ def test_kv_slabs_count_as_free_space_per_filesystem() -> None:
     out = with_reclaimable(vols, {"/a": 200, "/c": 100})
     assert [v.free for v in out] == [300, 300, 1000]  # a disk shared: once; capped
     assert with_reclaimable(vols, {}) is vols
+
+
+def test_flushes_beside_evictions_keep_every_descriptor_its_own(tmp_path: Path) -> None:
+    """A slab evicted while the flusher was busy with another is skipped, not closed
+    twice (which would close whatever slab took its descriptor number since)."""
+    rng = random.Random(4)
+
+    async def main() -> None:
+        async with store([tmp_path], budget=1 << 20, slab=64 << 10) as kv:
+            values = {b"k%d" % i: rng.randbytes(rng.randrange(1000, 30_000))
+                      for i in range(200)}
+            done = trio.Event()
+
+            async def flusher() -> None:
+                while not done.is_set():
+                    await kv.sync()
+                    await trio.lowlevel.checkpoint()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(flusher)
+                for k, v in values.items():
+                    await put(kv, k, v)
+                    assert await get(kv, k) == v
+                done.set()
+            for slab in kv.slabs.values():
+                assert os.readlink(f"/proc/self/fd/{slab.fd}") == slab.path
+            for k, v in values.items():
+                assert await get(kv, k) in (None, v)
+            assert kv.counters.corrupt == 0
+
+    run(main)
