@@ -39,6 +39,15 @@ def _checked(msg: _M, payload: Any = None) -> _M:
     return type(msg).from_wire(msg.to_wire(), payload)
 
 
+def _bytes_view(buf: Buffer, what: str) -> memoryview:
+    """``buf`` as a flat byte view; EINVAL for what has none (not contiguous)."""
+    try:
+        return memoryview(buf).cast("B")
+    except TypeError as exc:
+        raise OSError(errno.EINVAL, f"kv {what}: the buffer must be contiguous bytes "
+                                    f"({exc})") from None
+
+
 async def _crc(view: memoryview) -> int:
     if view.nbytes >= THREAD_CRC:
         return int(await trio.to_thread.run_sync(crc32c.crc32c, view))
@@ -98,7 +107,7 @@ class KvServerClient:
         """Store ``buf`` (1 byte to 64 MiB) under ``key`` in namespace ``ns``; the bytes
         stored. The server evicts other blocks to make room (it never refuses a put for
         a full cache)."""
-        view = memoryview(buf).cast("B")
+        view = _bytes_view(buf, "put")
         if not 0 < view.nbytes <= K.MAX_VALUE:
             raise OSError(errno.EMSGSIZE if view.nbytes else errno.EINVAL,
                           f"kv put: a value of {view.nbytes} bytes; values are 1 to "
@@ -113,7 +122,7 @@ class KvServerClient:
         """The value of ``key`` read into ``out``: its length, or None for a miss (absent,
         evicted, or dropped by the server as corrupt). ``ERANGE`` when it is longer than
         ``out``; ``EIO`` when the bytes received do not match its CRC32C."""
-        view = memoryview(out).cast("B")
+        view = _bytes_view(out, "get")
         if view.readonly:
             raise OSError(errno.EINVAL, "kv get: the output buffer is read-only")
         if not view.nbytes:

@@ -143,6 +143,12 @@ def test_bad_input_errors(tmp_path: Path) -> None:
             with pytest.raises(OSError) as e:
                 await kv.get_into(NS, b"k", memoryview(bytearray(0)))
             assert e.value.errno == errno.EINVAL
+            with pytest.raises(OSError) as e:  # not contiguous
+                await kv.get_into(NS, b"k", memoryview(bytearray(64))[::2])
+            assert e.value.errno == errno.EINVAL
+            with pytest.raises(OSError) as e:
+                await kv.get_into(NS, b"k", memoryview(bytes(64)))  # read-only
+            assert e.value.errno == errno.EINVAL
 
     run(main)
 
