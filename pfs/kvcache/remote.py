@@ -10,12 +10,16 @@ Requests are checked here as the server checks them (namespace, key and value li
 (the server refuses a value that does not match it) and comes back with the get, where
 it is checked again on the bytes received: a mismatch is ``EIO``, never wrong bytes
 returned as a hit. Connections are opened on first use and again after one failed; the
-credentials are the client's (its node key's data-plane key, as for file data).
+credentials are the client's (its node key's data-plane key, as for file data). Given
+the server's id (``sid``), a client on the server's host talks to it over its local Unix
+socket (``\0pfs-data/<sid>``, as short-circuit file reads do; the same authentication),
+which skips TCP; anywhere else, or when that socket refuses it, over TCP.
 """
 from __future__ import annotations
 
 import errno
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -24,10 +28,14 @@ import crc32c
 import trio
 
 from pfs.core.auth import ClientAuth
+from pfs.core.errors import ProtocolError
 from pfs.core.messages import kv as K
 from pfs.core.messages.base import RequestMessage, parse_reply
 from pfs.core.wire.connect import open_rpc
 from pfs.core.wire.rpc import RpcClient
+from pfs.core.wire.transport import local_socket_name, open_unix_connection
+
+log = logging.getLogger(__name__)
 
 THREAD_CRC = 1 << 20  # values from this size are checksummed in a thread
 _M = TypeVar("_M", bound=RequestMessage)
@@ -60,8 +68,11 @@ class KvServerClient:
 
     def __init__(self, nursery: trio.Nursery, host: str, port: int,
                  auth: ClientAuth | None = None, *, timeout: float = 60.0,
-                 connections: int = 1) -> None:
+                 connections: int = 1, sid: str | None = None) -> None:
         self.host, self.port = host, port
+        # the server's id: try its local socket first (None: TCP only)
+        self.sid = sid
+        self.local: bool | None = None  # over the local socket (None: not tried yet)
         self.timeout = timeout
         self._auth = (auth or ClientAuth()).for_data()
         self._nursery = nursery
@@ -92,9 +103,39 @@ class KvServerClient:
         async with self._locks[i]:
             conn = self._conns[i]
             if conn is None or not conn.alive:
-                conn = self._conns[i] = await open_rpc(self._auth, self._nursery, self.host,
-                                                       self.port, timeout=self.timeout)
+                conn = await self._open_local() if self.local is not False else None
+                if conn is None:
+                    conn = await open_rpc(self._auth, self._nursery, self.host, self.port,
+                                          timeout=self.timeout)
+                self._conns[i] = conn
             return conn
+
+    async def _open_local(self) -> RpcClient | None:
+        """A connection over the server's local socket, or None (not on this host, no
+        ``sid``, or refused: TCP from then on)."""
+        if self.sid is None:
+            self.local = False
+            return None
+        try:
+            conn = await open_unix_connection(local_socket_name(self.sid))
+        except OSError:  # no server of this id on this host
+            self.local = False
+            return None
+        try:
+            await self._auth.hello(conn)
+        except (OSError, ProtocolError, trio.TooSlowError) as exc:
+            conn.close()
+            self.local = False
+            log.info("local data server %s refused us (%s): KV blocks over TCP",
+                     self.sid, exc)
+            return None
+        except BaseException:
+            conn.close()
+            raise
+        self.local = True
+        client = RpcClient(conn, self.timeout)
+        self._nursery.start_soon(client.run, name=f"kv-local {self.sid}")
+        return client
 
     def close(self) -> None:
         for i, conn in enumerate(self._conns):

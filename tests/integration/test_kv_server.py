@@ -366,6 +366,21 @@ def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
             async with KvServerClient.connect(host, port, creds) as kv:
                 for k, v in blocks.items():
                     await kv.put(NS, k, v)
+                assert kv.local is False  # no server id given: TCP
+
+    async def local_reads(sids: list[str]) -> None:
+        out = memoryview(bytearray(200_000))
+        for sid in sids:  # on this host: through the server's local socket
+            s = found[sid]
+            async with KvServerClient.connect(s["host"], s["port"], creds, sid=sid) as kv:
+                for k, v in blocks.items():
+                    assert await kv.get_into(NS, k, out) == len(v)
+                    assert bytes(out[:len(v)]) == v
+                assert kv.local is True
+            async with KvServerClient.connect(s["host"], s["port"], creds,
+                                              sid="nosuchserver") as kv:
+                assert await kv.exists(NS, [b"key0"]) == [True]
+                assert kv.local is False  # no such socket: TCP
 
     async def check_all(addrs: list[tuple[str, int]]) -> None:
         out = memoryview(bytearray(200_000))
@@ -387,6 +402,7 @@ def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
         assert time.monotonic() < deadline, found
         time.sleep(0.1)
     assert all(s["kv"]["used"] > 2_000_000 for s in found.values())
+    run(lambda: local_reads(list(found)))
     env = {**os.environ, "PFS_CONFIG": str(toml)}
     df = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "df"], env=env,
                         capture_output=True, timeout=120)
