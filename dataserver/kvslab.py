@@ -42,6 +42,7 @@ MAX_NS = 128
 MAX_KEY = 256
 MAX_VALUE = 64 << 20
 _PREFIX = HEAD.size + MAX_NS + MAX_KEY  # a head with the longest namespace and key
+SCAN_CHUNK = 1 << 20  # bytes a scan reads at once among small records
 
 
 def record_size(ns: bytes, key: bytes, vlen: int) -> int:
@@ -107,16 +108,23 @@ def value_ok(fd: int, rec: Scanned) -> bool:
 def scan(fd: int, path: str) -> tuple[list[Scanned], int]:
     """The records of an open slab and where its good part ends; a torn or garbled
     tail is cut off the file (logged), a last record whose value does not check out
-    too."""
+    too. Small records are parsed from reads of SCAN_CHUNK bytes; past a large one,
+    only the next head is read (its value is not needed)."""
     size = os.fstat(fd).st_size
     out: list[Scanned] = []
     off = 0
+    buf, at = b"", 0  # file bytes [at, at + len(buf))
+    small = True  # the last record was small: read ahead a chunk
     while off < size:
-        rec = parse_head(os.pread(fd, min(_PREFIX, size - off), off), off, size)
+        want = min(_PREFIX, size - off)
+        if not (at <= off and off + want <= at + len(buf)):
+            buf, at = os.pread(fd, min(SCAN_CHUNK if small else _PREFIX, size - off), off), off
+        rec = parse_head(memoryview(buf)[off - at:], off, size)
         if rec is None:
             break
         out.append(rec)
         off += rec.size
+        small = rec.size < SCAN_CHUNK // 4
     if out and out[-1].vlen and not value_ok(fd, out[-1]):
         off = out.pop().off
     if off < size:

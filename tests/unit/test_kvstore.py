@@ -307,3 +307,24 @@ def test_flushes_beside_evictions_keep_every_descriptor_its_own(tmp_path: Path) 
             assert kv.counters.corrupt == 0
 
     run(main)
+
+
+def test_the_scan_reads_small_records_in_chunks_and_skips_large_values(tmp_path: Path) -> None:
+    rng = random.Random(6)
+    path = tmp_path / kvslab.slab_name(1)
+    written = []
+    with path.open("wb") as f:
+        off = 0
+        for i in range(1500):  # heads straddle chunk boundaries somewhere
+            v = rng.randbytes(rng.choice([1, 100, 3000, 20_000]) if i % 40 else 400_000)
+            key = b"k%d" % i
+            rec = kvslab.pack_head(b"ns", key, len(v), i + 1, crc32c.crc32c(v), 0) + v
+            f.write(rec)
+            written.append((off, key, len(v)))
+            off += len(rec)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        recs, end = kvslab.scan(fd, str(path))
+    finally:
+        os.close(fd)
+    assert end == off and [(r.off, r.key, r.vlen) for r in recs] == written
