@@ -530,16 +530,21 @@ class KvStore:
             victim.keys.clear()
             self._delete(victim)
             moved = 0
-            for (key, e), buf in zip(keep, bufs, strict=True):
-                if self.index.get(key) is not e:  # removed or put again meanwhile
-                    continue
-                slab, off = self._reserve(len(buf))
-                await self._append(slab, off, [memoryview(buf)])
-                if self.index.get(key) is not e:
-                    continue
-                e.slab, e.off, e.ref = slab, off, False
-                slab.keys.add(key)
-                moved += len(buf)
+            try:
+                for (key, e), buf in zip(keep, bufs, strict=True):
+                    if self.index.get(key) is not e:  # removed or put again meanwhile
+                        continue
+                    slab, off = self._reserve(len(buf))
+                    await self._append(slab, off, [memoryview(buf)])
+                    if self.index.get(key) is not e:
+                        continue
+                    e.slab, e.off, e.ref = slab, off, False
+                    slab.keys.add(key)
+                    moved += len(buf)
+            finally:  # a copy failed (the disk is full): the rest go with the victim
+                for key, e in keep:
+                    if e.slab is victim and self.index.get(key) is e:
+                        self._drop(key, e)
             return victim.size - moved
         finally:
             self._unref(victim)

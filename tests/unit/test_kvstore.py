@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from pfs.core.messages.records import Volume
-from pfs.dataserver import kvslab
+from pfs.dataserver import kvslab, kvstore
 from pfs.dataserver.capacity import with_reclaimable
 from pfs.dataserver.kvstore import KvStore
 
@@ -328,3 +328,39 @@ def test_the_scan_reads_small_records_in_chunks_and_skips_large_values(tmp_path:
     finally:
         os.close(fd)
     assert end == off and [(r.off, r.key, r.vlen) for r in recs] == written
+
+
+def test_a_failed_move_during_eviction_leaves_no_entry_on_a_dropped_slab(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = kvstore._pwrite_all
+    full = False
+
+    def pwrite(fd: int, off: int, bufs: list[memoryview]) -> None:
+        if full and len(bufs) == 1:  # a moved record (a put writes head and value)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, off, bufs)
+
+    monkeypatch.setattr(kvstore, "_pwrite_all", pwrite)
+
+    async def main() -> None:
+        nonlocal full
+        async with store([tmp_path], budget=512 << 10, slab=64 << 10) as kv:
+            values = {b"h%d" % i: os.urandom(20_000) for i in range(25)}
+            for k, v in values.items():
+                await put(kv, k, v)
+            for k, v in values.items():  # all hot: an eviction moves them
+                assert await get(kv, k) == v
+            full = True
+            with pytest.raises(OSError) as e:
+                for i in range(40):
+                    await put(kv, b"c%d" % i, os.urandom(20_000))
+            assert e.value.errno == errno.ENOSPC
+            full = False
+            assert all(not e.slab.dead for e in kv.index.values())
+            assert sum(e.size for e in kv.index.values()) == kv.live
+            for k, v in values.items():
+                assert await get(kv, k) in (None, v)
+            await put(kv, b"after", b"ok")
+            assert await get(kv, b"after") == b"ok"
+
+    run(main)
