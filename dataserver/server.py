@@ -24,6 +24,7 @@ from pfs.core.config import DataConfig, parse_addr
 from pfs.core.daemon import FD_RESERVE, nofile_limit
 from pfs.core.engine import Engine, get_engine
 from pfs.core.messages import data as D
+from pfs.core.messages import kv as K
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import Empty
 from pfs.core.messages.records import MAX_ID, Volume
@@ -35,6 +36,7 @@ from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
 from pfs.dataserver.chain import Peers, Replicator
+from pfs.dataserver.kvstore import KvStore, default_budget
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.repair import ObjectRepair, read_verified
 from pfs.dataserver.scrub import Scrubber
@@ -45,6 +47,8 @@ MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
 MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
+KV_RECLAIM_SLACK = 16 << 20  # bytes of KV slabs dropped beyond a full write's size
+KV_BYTES = frozenset({"budget", "used", "live", "reclaimed"})  # kv stats that are sizes
 VERSION = package_version()  # reported at registration and in heartbeats
 
 
@@ -58,10 +62,14 @@ class DataService(RpcService):
                  *, use_sendfile: bool = True, auth: ServerAuth | None = None,
                  own_auth: ClientAuth | None = None, verify_caps: bool | None = None,
                  free_override: int = -1, meta: str = "",
-                 forward_timeout: float = 5.0) -> None:
+                 forward_timeout: float = 5.0, kv: KvStore | None = None,
+                 kv_namespaces: dict[str, set[str]] | None = None) -> None:
         super().__init__(limits, auth)
         self.store = store
         self.engine = engine
+        # KV-cache blocks (kvstore.py); a server without a budget answers EOPNOTSUPP
+        self.kv = kv if kv is not None else KvStore(store.dirs, 0)
+        self.kv_namespaces = kv_namespaces or {}  # namespace -> node keys that may use it
         self.use_sendfile = use_sendfile
         self.sid: str | None = store.load_sid()
         self.sid_known = trio.Event()  # set once ``sid`` is (it names the local socket)
@@ -118,7 +126,12 @@ class DataService(RpcService):
         # one connection go out one after another anyway: no task of its own (a
         # checked read may wait for its blocks' lock first, which must not stall the
         # connection's reader: it runs in a task of its own, sendfile or not)
-        return self.use_sendfile and req.method == "read" and not self.store.checksums
+        if req.method == "read":
+            return self.use_sendfile and not self.store.checksums
+        # KV probes, misses and small blocks never wait either (read in the loop)
+        if req.method == "kv_get":
+            return self.kv.answers_at_once(req.fields.get("ns"), req.fields.get("key"))
+        return req.method == "kv_exists"
 
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
@@ -420,7 +433,27 @@ class DataService(RpcService):
 
     async def _apply(self, obj: tuple[int, int], off: int, data: Any, locked: bool) -> int:
         """Write ``data`` at ``off`` of ``obj`` and its checksums, under the blocks'
-        exclusive lock (taken here unless the caller holds it)."""
+        exclusive lock (taken here unless the caller holds it). A full disk first takes
+        back the KV store's space (its blocks are a cache) and tries once more."""
+        try:
+            return await self._apply_once(obj, off, data, locked)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            first = exc
+        if await self.kv.reclaim(len(data) + KV_RECLAIM_SLACK):
+            try:
+                return await self._apply_once(obj, off, data, locked)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                first = exc
+        self.report_now.set()
+        raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
+                                    f"{list(obj)}, {len(data)} bytes at {off})") from first
+
+    async def _apply_once(self, obj: tuple[int, int], off: int, data: Any,
+                          locked: bool) -> int:
         got = self.store.acquire_checked(obj, create=True)
         assert got is not None
         fd, cfd, release = got
@@ -435,16 +468,60 @@ class DataService(RpcService):
                 async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
                     n = await self.engine.write(fd, off, data)
                     ck.update(fd, cfd, off, memoryview(data)[:n])
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            self.report_now.set()
-            raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
-                                        f"{list(obj)}, {len(data)} bytes at {off})") from exc
         finally:
             release()
         self.unsynced.add(obj)
         return n
+
+    # -- KV-cache blocks (kvstore.py; docs/architecture.md "KV-cache tier") ----------
+    def _kv_allowed(self, ctx: ConnContext, ns: str, method: str) -> None:
+        """EACCES unless the connection's key may use namespace ``ns`` (one listed in
+        ``kv_namespaces``: its node keys and the cluster key; any other: anyone the
+        server let in)."""
+        allowed = self.kv_namespaces.get(ns)
+        if allowed is None:
+            return
+        ident = ctx.identity
+        if ident is not None and (ident.role == "server" or ident.name in allowed):
+            return
+        who = ident.name if ident is not None else "?"
+        raise OSError(errno.EACCES, f"{method}: namespace {ns!r} is restricted to node "
+                                    f"keys {sorted(allowed)}; this connection is {who!r}")
+
+    async def rpc_kv_put(self, ctx: ConnContext, req: K.KvPut) -> K.KvPutReply:
+        self._kv_allowed(ctx, req.ns, "kv_put")
+        data = req.payload
+        if not data:
+            raise OSError(errno.EINVAL, f"kv_put: an empty value (values are 1 to "
+                                        f"{K.MAX_VALUE} bytes)")
+        if len(data) > K.MAX_VALUE:
+            raise OSError(errno.EMSGSIZE, f"kv_put: a value of {len(data)} bytes; at most "
+                                          f"{K.MAX_VALUE}")
+        return K.KvPutReply(n=await self.kv.put(req.ns, req.key, data, req.crc, req.pin))
+
+    async def rpc_kv_get(self, ctx: ConnContext, req: K.KvGet) -> Reply | K.KvGetReply:
+        self._kv_allowed(ctx, req.ns, "kv_get")
+        got = await self.kv.get(req.ns, req.key, req.len)
+        if got is None:
+            return K.KvGetReply(found=False, n=0, crc=0)
+        # sent from the store's buffer, which goes back to it once sent
+        return Reply(K.KvGetReply(found=True, n=len(got.view), crc=got.crc),
+                     payload=got.view, release=got.release)
+
+    async def rpc_kv_exists(self, ctx: ConnContext, req: K.KvExists) -> K.KvExistsReply:
+        self._kv_allowed(ctx, req.ns, "kv_exists")
+        return K.KvExistsReply(present=self.kv.exists(req.ns, req.keys))
+
+    async def rpc_kv_remove(self, ctx: ConnContext, req: K.KvRemove) -> K.KvRemoveReply:
+        self._kv_allowed(ctx, req.ns, "kv_remove")
+        return K.KvRemoveReply(n=await self.kv.remove(req.ns, req.keys))
+
+    async def rpc_kv_stats(self, ctx: ConnContext, req: K.KvStats) -> K.KvStatsReply:
+        st = self.kv.stats()
+        return K.KvStatsReply(budget=st["budget"], used=st["used"], blocks=st["blocks"],
+                              hits=st["hits"], misses=st["misses"],
+                              evictions=st["evictions"], puts=st["puts"],
+                              pinned=st["pinned"], corrupt=st["corrupt"])
 
     async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CatchUpReply:
         cap = self._cap(ctx, req, caps.ADMIN, (0, 0))
@@ -602,11 +679,21 @@ class DataService(RpcService):
         return D.ListObjectsReply(objects=[list(o) for o in objs], end=end)
 
     # -- registration ----------------------------------------------------------
+    def _kv_report(self) -> list[int] | None:
+        """The KV store's budget, bytes used, blocks, hits, misses and evictions for the
+        metaserver (None: no KV store here)."""
+        if not self.kv.enabled:
+            return None
+        st = self.kv.stats()
+        return [st[k] for k in ("budget", "used", "blocks", "hits", "misses", "evictions")]
+
     def space(self) -> tuple[int, int, list[Volume]]:
-        """Total and free bytes (each filesystem once) and each data directory's."""
+        """Total and free bytes (each filesystem once) and each data directory's. The
+        KV store's slabs count as free: a file write takes them back (kvstore.py)."""
         # (a drive gone is left out until the directory check made it again)
         dirs = [d for d in self.store.dirs if os.path.isdir(d)] or self.store.dirs
-        vols = capacity.volumes(dirs, self.free_override)
+        vols = capacity.with_reclaimable(capacity.volumes(dirs, self.free_override),
+                                         self.kv.used_by_dir())
         total, free = capacity.space(vols)
         return total, free, vols
 
@@ -649,7 +736,7 @@ class DataService(RpcService):
                             beat = await client.request(M.Heartbeat(
                                 sid=self.sid, total=total, free=free, dirs=vols,
                                 load=self.load.sample(), version=VERSION,
-                                protocol=list(SUPPORTED)))
+                                protocol=list(SUPPORTED), kv=self._kv_report()))
                             self.replicator.taken_out(beat.stale or [])
                     finally:
                         client.close()
@@ -670,7 +757,8 @@ class DataService(RpcService):
         total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
             sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols,
-            domain=self.domain or None, version=VERSION, protocol=list(SUPPORTED)))
+            domain=self.domain or None, version=VERSION, protocol=list(SUPPORTED),
+            kv=self._kv_report()))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
@@ -755,9 +843,13 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
     except BaseException:
         store.close()
         raise
+    budget = default_budget(config.dirs) if config.kv_budget < 0 else config.kv_budget
+    kv = KvStore(config.dirs, budget)
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override,
-                          meta=config.meta, forward_timeout=config.forward_timeout)
+                          meta=config.meta, forward_timeout=config.forward_timeout, kv=kv,
+                          kv_namespaces={n.name: set(n.keys)
+                                         for n in config.kv_namespaces})
     service.domain = config.domain
     # what the object cache may hold (two descriptors an object: data and checksums)
     # is not left to connections
@@ -767,9 +859,21 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                            "dir", lambda: {v.path: v.total for v in service.space()[2]})
         metrics.add_gauges("pfs_data_free_bytes", "a data directory's free bytes", "dir",
                            lambda: {v.path: v.free for v in service.space()[2]})
+        if kv.enabled:
+            metrics.add_gauges("pfs_kv_bytes", "KV-cache slabs: bytes of the budget, used, "
+                               "in live blocks, of data given back to file writes", "kind",
+                               lambda: {k: float(v) for k, v in kv.stats().items()
+                                        if k in KV_BYTES})
+            metrics.add_gauges("pfs_kv_events", "KV-cache blocks since the server started: "
+                               "hits, misses, puts, evictions, corrupt; bytes in and out",
+                               "event", lambda: {k: float(v) for k, v in kv.stats().items()
+                                                 if k not in KV_BYTES})
     try:
+        await kv.start()
         async with trio.open_nursery() as nursery:
             await nursery.start(service.peers.run)
+            if kv.enabled:
+                await nursery.start(kv.run)
             port: int = await nursery.start(service.serve, config.host, config.port)
             if config.meta:
                 await nursery.start(service.keep_registered, config.meta, config.host, port,
@@ -782,5 +886,6 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                 nursery.start_soon(service.scrubber.run, config.scrub_rate)
             task_status.started(port)
     finally:
+        kv.close()
         engine.close()
         store.close()
