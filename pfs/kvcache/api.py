@@ -35,7 +35,7 @@ from pfs.client.sync import _Loop
 from pfs.core import metrics
 from pfs.core.config import client_config
 from pfs.kvcache.nodetier import NodeTier
-from pfs.kvcache.pool import UNREACHABLE, BlockStore, Connect, Lookup, Pool
+from pfs.kvcache.pool import SKIP, BlockStore, Connect, Lookup, Pool
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ class AsyncKVCache:
             async with self._slots:
                 await self.pool.store(sid).put(self.ns, k, view, pin=self.pin)
         except OSError as exc:
-            if exc.errno not in UNREACHABLE:
+            if exc.errno not in SKIP:
                 raise
             failed.append((sid, exc))
 
@@ -265,7 +265,7 @@ class AsyncKVCache:
 
     async def get_into(self, key: Any, out: Any, *, node_checked: bool = False) -> int | None:
         """Fill the start of ``out`` with the block: its length, or None on a miss.
-        EMSGSIZE when the block is larger than ``out``."""
+        ERANGE when the block is larger than ``out``."""
         self._open()
         k = check_key(key)
         if device.is_device_buffer(out):
@@ -295,7 +295,11 @@ class AsyncKVCache:
                 async with self._slots:
                     n = await self.pool.store(sid).get_into(self.ns, k, view)
             except OSError as exc:
-                if exc.errno not in UNREACHABLE:
+                if exc.errno == errno.EIO:  # damaged on the way: a miss here, never bytes
+                    log.warning("KV get from %s: %s", sid, exc)
+                    self.counts["remote_errors"] += 1
+                    continue
+                if exc.errno not in SKIP:
                     raise
                 self.counts["remote_errors"] += 1
                 self.pool.mark_down(sid, exc)
@@ -357,7 +361,7 @@ class AsyncKVCache:
                 async with self._slots:
                     got = await self.pool.store(sid).exists(self.ns, [keys[i] for i in idx])
             except OSError as exc:
-                if exc.errno not in UNREACHABLE:
+                if exc.errno not in SKIP:
                     raise
                 self.counts["remote_errors"] += 1
                 self.pool.mark_down(sid, exc)
@@ -390,7 +394,7 @@ class AsyncKVCache:
             try:
                 n = await self.pool.store(sid).remove(self.ns, batch)
             except OSError as exc:
-                if exc.errno not in UNREACHABLE:
+                if exc.errno not in SKIP:
                     raise
                 self.pool.mark_down(sid, exc)
                 return
@@ -409,7 +413,7 @@ class AsyncKVCache:
             try:
                 out[sid] = dict(await self.pool.store(sid).stats())
             except OSError as exc:
-                if exc.errno not in UNREACHABLE:
+                if exc.errno not in SKIP:
                     raise
                 out[sid] = {"error": str(exc)}
 

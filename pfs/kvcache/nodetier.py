@@ -129,7 +129,7 @@ class NodeTier:
 
     def get_into(self, ns: str, key: bytes, out: memoryview) -> int | None:
         """Read the block into ``out``; its length, or None (a miss: absent, or what
-        was there did not check out). A block longer than ``out``: EMSGSIZE."""
+        was there did not check out). A block longer than ``out``: ERANGE."""
         path = self.path(ns, key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -169,7 +169,7 @@ class NodeTier:
             # (not dropped: a colliding block is some other key's to keep)
             return None
         if length > room:
-            raise OSError(errno.EMSGSIZE, f"KV block is {length} bytes, the buffer holds "
+            raise OSError(errno.ERANGE, f"KV block is {length} bytes, the buffer holds "
                                           f"{room}")
         if got - len(head) < length:
             self._drop(fd, path, "short value")

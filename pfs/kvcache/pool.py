@@ -27,6 +27,8 @@ MIN_REFRESH_GAP = 1.0  # seconds between two refreshes asked for by failures
 UNREACHABLE = frozenset({errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
                          errno.ETIMEDOUT, errno.EPIPE, errno.ENOTCONN, errno.EHOSTUNREACH,
                          errno.ENETUNREACH, errno.ESHUTDOWN, errno.EAGAIN})
+# ... and the servers to pass over: one that does not answer, or keeps no KV store
+SKIP = UNREACHABLE | {errno.EOPNOTSUPP}
 
 
 class BlockStore(Protocol):
@@ -81,8 +83,12 @@ class Pool:
             servers = await self._lookup()
             self._last_refresh = self._clock()
             self.refreshes += 1
-            self.addrs = {sid: (str(s["host"]), int(s["port"])) for sid, s in servers.items()
-                          if in_pool(s)}
+            addrs = {sid: (str(s["host"]), int(s["port"])) for sid, s in servers.items()
+                     if in_pool(s)}
+            for sid, addr in addrs.items():
+                if sid in self._down and self.addrs.get(sid) != addr:
+                    del self._down[sid]  # restarted elsewhere: try it again at once
+            self.addrs = addrs
             for sid in list(self._stores):
                 if self._stores[sid][0] != self.addrs.get(sid):
                     self._drop_store(sid)  # gone, or moved (restarted on another port)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pfs.tools import admin_keys, admin_repair, admin_servers, fscmds, transfer
+from pfs.tools import admin_keys, admin_kv, admin_repair, admin_servers, fscmds, transfer
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
@@ -413,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin_keys.add_parser(adm)
     admin_servers.add_commands(adm, _client)  # servers, drain, undrain
     admin_repair.add_commands(adm, _client)  # repair status, lost, rebalance
+    admin_kv.add_commands(adm)  # kv
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")
