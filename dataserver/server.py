@@ -24,6 +24,7 @@ from pfs.core.config import DataConfig, parse_addr
 from pfs.core.daemon import FD_RESERVE, nofile_limit
 from pfs.core.engine import Engine, get_engine
 from pfs.core.messages import data as D
+from pfs.core.messages import kv as K
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import Empty
 from pfs.core.messages.records import MAX_ID, Volume
@@ -35,6 +36,7 @@ from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
 from pfs.dataserver.chain import Peers, Replicator
+from pfs.dataserver.kvstore import KvStore, default_budget
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.repair import ObjectRepair, read_verified
 from pfs.dataserver.scrub import Scrubber
@@ -45,6 +47,7 @@ MAX_DELETE = D.MAX_DELETE  # object ids in one delete request
 MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
 MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
+KV_RECLAIM_SLACK = 16 << 20  # bytes of KV slabs dropped beyond a full write's size
 VERSION = package_version()  # reported at registration and in heartbeats
 
 
@@ -58,10 +61,14 @@ class DataService(RpcService):
                  *, use_sendfile: bool = True, auth: ServerAuth | None = None,
                  own_auth: ClientAuth | None = None, verify_caps: bool | None = None,
                  free_override: int = -1, meta: str = "",
-                 forward_timeout: float = 5.0) -> None:
+                 forward_timeout: float = 5.0, kv: KvStore | None = None,
+                 kv_namespaces: dict[str, set[str]] | None = None) -> None:
         super().__init__(limits, auth)
         self.store = store
         self.engine = engine
+        # KV-cache blocks (kvstore.py); a server without a budget answers EOPNOTSUPP
+        self.kv = kv if kv is not None else KvStore(store.dirs, 0, engine)
+        self.kv_namespaces = kv_namespaces or {}  # namespace -> node keys that may use it
         self.use_sendfile = use_sendfile
         self.sid: str | None = store.load_sid()
         self.sid_known = trio.Event()  # set once ``sid`` is (it names the local socket)
@@ -420,7 +427,27 @@ class DataService(RpcService):
 
     async def _apply(self, obj: tuple[int, int], off: int, data: Any, locked: bool) -> int:
         """Write ``data`` at ``off`` of ``obj`` and its checksums, under the blocks'
-        exclusive lock (taken here unless the caller holds it)."""
+        exclusive lock (taken here unless the caller holds it). A full disk first takes
+        back the KV store's space (its blocks are a cache) and tries once more."""
+        try:
+            return await self._apply_once(obj, off, data, locked)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            first = exc
+        if await self.kv.reclaim(len(data) + KV_RECLAIM_SLACK):
+            try:
+                return await self._apply_once(obj, off, data, locked)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                first = exc
+        self.report_now.set()
+        raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
+                                    f"{list(obj)}, {len(data)} bytes at {off})") from first
+
+    async def _apply_once(self, obj: tuple[int, int], off: int, data: Any,
+                          locked: bool) -> int:
         got = self.store.acquire_checked(obj, create=True)
         assert got is not None
         fd, cfd, release = got
@@ -435,16 +462,59 @@ class DataService(RpcService):
                 async with self.locks.hold(obj, bl.start, bl.stop - 1, exclusive=True):
                     n = await self.engine.write(fd, off, data)
                     ck.update(fd, cfd, off, memoryview(data)[:n])
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            self.report_now.set()
-            raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
-                                        f"{list(obj)}, {len(data)} bytes at {off})") from exc
         finally:
             release()
         self.unsynced.add(obj)
         return n
+
+    # -- KV-cache blocks (kvstore.py; docs/architecture.md "KV-cache tier") ----------
+    def _kv_allowed(self, ctx: ConnContext, ns: str, method: str) -> None:
+        """EACCES unless the connection's key may use namespace ``ns`` (one listed in
+        ``kv_namespaces``: its node keys and the cluster key; any other: anyone the
+        server let in)."""
+        allowed = self.kv_namespaces.get(ns)
+        if allowed is None:
+            return
+        ident = ctx.identity
+        if ident is not None and (ident.role == "server" or ident.name in allowed):
+            return
+        who = ident.name if ident is not None else "?"
+        raise OSError(errno.EACCES, f"{method}: namespace {ns!r} is restricted to node "
+                                    f"keys {sorted(allowed)}; this connection is {who!r}")
+
+    async def rpc_kv_put(self, ctx: ConnContext, req: K.KvPut) -> K.KvPutReply:
+        self._kv_allowed(ctx, req.ns, "kv_put")
+        data = req.payload
+        if not data:
+            raise OSError(errno.EINVAL, f"kv_put: an empty value (values are 1 to "
+                                        f"{K.MAX_VALUE} bytes)")
+        if len(data) > K.MAX_VALUE:
+            raise OSError(errno.EMSGSIZE, f"kv_put: a value of {len(data)} bytes; at most "
+                                          f"{K.MAX_VALUE}")
+        return K.KvPutReply(n=await self.kv.put(req.ns, req.key, data, req.crc, req.pin))
+
+    async def rpc_kv_get(self, ctx: ConnContext, req: K.KvGet) -> Reply | K.KvGetReply:
+        self._kv_allowed(ctx, req.ns, "kv_get")
+        got = await self.kv.get(req.ns, req.key, req.len)
+        if got is None:
+            return K.KvGetReply(found=False, n=0, crc=0)
+        view, crc = got
+        return Reply(K.KvGetReply(found=True, n=len(view), crc=crc), payload=view)
+
+    async def rpc_kv_exists(self, ctx: ConnContext, req: K.KvExists) -> K.KvExistsReply:
+        self._kv_allowed(ctx, req.ns, "kv_exists")
+        return K.KvExistsReply(present=self.kv.exists(req.ns, req.keys))
+
+    async def rpc_kv_remove(self, ctx: ConnContext, req: K.KvRemove) -> K.KvRemoveReply:
+        self._kv_allowed(ctx, req.ns, "kv_remove")
+        return K.KvRemoveReply(n=await self.kv.remove(req.ns, req.keys))
+
+    async def rpc_kv_stats(self, ctx: ConnContext, req: K.KvStats) -> K.KvStatsReply:
+        st = self.kv.stats()
+        return K.KvStatsReply(budget=st["budget"], used=st["used"], blocks=st["blocks"],
+                              hits=st["hits"], misses=st["misses"],
+                              evictions=st["evictions"], puts=st["puts"],
+                              pinned=st["pinned"], corrupt=st["corrupt"])
 
     async def rpc_catch_up(self, ctx: ConnContext, req: D.CatchUp) -> D.CatchUpReply:
         cap = self._cap(ctx, req, caps.ADMIN, (0, 0))
@@ -755,9 +825,13 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
     except BaseException:
         store.close()
         raise
+    budget = default_budget(config.dirs) if config.kv_budget < 0 else config.kv_budget
+    kv = KvStore(config.dirs, budget, engine)
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override,
-                          meta=config.meta, forward_timeout=config.forward_timeout)
+                          meta=config.meta, forward_timeout=config.forward_timeout, kv=kv,
+                          kv_namespaces={n.name: set(n.keys)
+                                         for n in config.kv_namespaces})
     service.domain = config.domain
     # what the object cache may hold (two descriptors an object: data and checksums)
     # is not left to connections
@@ -768,8 +842,11 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         metrics.add_gauges("pfs_data_free_bytes", "a data directory's free bytes", "dir",
                            lambda: {v.path: v.free for v in service.space()[2]})
     try:
+        await kv.start()
         async with trio.open_nursery() as nursery:
             await nursery.start(service.peers.run)
+            if kv.enabled:
+                await nursery.start(kv.run)
             port: int = await nursery.start(service.serve, config.host, config.port)
             if config.meta:
                 await nursery.start(service.keep_registered, config.meta, config.host, port,
@@ -782,5 +859,6 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                 nursery.start_soon(service.scrubber.run, config.scrub_rate)
             task_status.started(port)
     finally:
+        kv.close()
         engine.close()
         store.close()

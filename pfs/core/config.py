@@ -225,6 +225,18 @@ class MetaConfig:
 
 
 @dataclass
+class KvNamespace:
+    """A KV-cache namespace only the named node keys may use (the cluster key too)."""
+
+    name: str
+    keys: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("kv_namespaces: a namespace needs a name")
+
+
+@dataclass
 class DataConfig:
     dirs: list[str] = field(default_factory=lambda: ["data"])
     host: str = "127.0.0.1"
@@ -248,9 +260,17 @@ class DataConfig:
     connections: ConnLimits = field(default_factory=ConnLimits)
     metrics_port: int = 0  # Prometheus /metrics on this port (0: off; docs: 9402)
     wire_security: str = "mac"  # frames after a key handshake: mac, encrypt or none
+    # KV-cache blocks (docs/architecture.md "KV-cache tier"): bytes of slabs at most;
+    # -1: a tenth of the first data directory's filesystem, at most 64 GiB; 0: none
+    kv_budget: int = -1
+    # namespaces restricted to named node keys (any other namespace: any client)
+    kv_namespaces: list[KvNamespace] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_wire_security(self.wire_security)
+        if self.kv_budget < -1:
+            raise ConfigError(f"kv_budget {self.kv_budget}: want bytes, 0 (none) or -1 "
+                              f"(a tenth of the disk)")
 
 
 def parse_addr(text: str) -> tuple[str, int]:

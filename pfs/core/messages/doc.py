@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from pfs.core.messages import data, meta
+from pfs.core.messages import data, kv, meta
 from pfs.core.messages.base import (
     REQUIRED,
     Field,
@@ -70,6 +70,7 @@ def meta_table(registry: Registry = meta.REGISTRY) -> str:
 
 
 def data_table(registry: Registry = data.REGISTRY) -> str:
+    assert kv.KvGet.method in registry  # the KV-block methods are the data server's too
     rows = ["| method | arguments | payload in | result / payload out |", "|---|---|---|---|"]
     for cls in registry:
         out = result(cls.reply) + _note(cls.note, cls.reply.note)

@@ -1,0 +1,542 @@
+"""The data server's KV block store: blocks of the KV-cache tier (docs/architecture.md
+"KV-cache tier"), packed into slab files under ``kv/`` of the data directories.
+
+Records are appended to the current slab (the format is :mod:`pfs.dataserver.kvslab`);
+an in-memory index maps ``(namespace, key)`` to the newest record of the key, and is
+rebuilt by scanning the slabs when the server starts. A get reads the value into a
+buffer of its own with the I/O engine and checks its CRC32C before it goes out (a
+mismatch is dropped, counted and answered as a miss); a put checks the CRC the client
+sent before anything is stored (EIO).
+
+Space: ``budget`` bytes of slab files at most (the sum of their sizes, dead records
+included), and less when the filesystem is nearly full (the store stops growing while
+less than ``low_water`` bytes are free there), so file data always comes first; a file
+write that still meets ENOSPC calls :meth:`KvStore.reclaim`, which drops whole slabs.
+
+Eviction takes the oldest slab (FIFO over slabs, the log-structured cache's order) and
+gives its records a second chance, CLOCK-like: a record read since it was written (or
+since its last move) and a pinned one are copied forward to the current slab with the
+reference bit cleared; the rest are dropped with the slab. A pinned record goes only
+when nothing unpinned is left to evict. A removal appends a tombstone so that a restart
+does not bring the key back.
+
+Durability (it is a cache): a put is acknowledged once its record is in the page cache;
+every slab written to is flushed (fdatasync) within ``SYNC_INTERVAL`` seconds. A
+crashed process loses nothing acknowledged; a power loss loses at most the last
+seconds of puts, and the torn tail it may leave is cut off at the next start, never
+served.
+
+Blocking work stays off the event loop: reads and writes go through the engine (in
+threads or io_uring), CRCs of large values and flushes run in threads, the start-up scan
+runs in a thread (:meth:`KvStore.open`, before the server serves).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import crc32c
+import trio
+
+from pfs.core.engine import Engine
+from pfs.dataserver import kvslab as fmt
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRACTION = 0.10  # of the first data directory's filesystem, when not configured
+DEFAULT_CAP = 64 << 30  # ... at most
+MAX_SLAB = 64 << 20  # bytes of records a slab takes before the next one opens
+MIN_SLAB = 256 << 10
+SYNC_INTERVAL = 2.0  # seconds between flushes of the slabs written to
+THREAD_CRC = 1 << 20  # values from this size are checksummed in a thread
+STATFS_EVERY = 1.0  # seconds a filesystem's free space is trusted
+PRESSURE_HOLD = 30.0  # seconds the store does not grow after a file write hit ENOSPC
+Key = tuple[str, bytes]
+
+
+def default_budget(dirs: list[str]) -> int:
+    """A tenth of the first data directory's filesystem, at most DEFAULT_CAP."""
+    try:
+        st = os.statvfs(dirs[0])
+    except OSError:
+        return 0
+    return min(DEFAULT_CAP, int(st.f_blocks * st.f_frsize * DEFAULT_FRACTION))
+
+
+def low_water_of(total: int) -> int:
+    """Free bytes the store leaves a filesystem of ``total`` bytes (file data's):
+    2 %, at most 512 MiB."""
+    return min(512 << 20, total // 50)
+
+
+class Slab:
+    __slots__ = ("sid", "path", "dir", "fd", "size", "keys", "refs", "writers", "idle",
+                 "sealed", "dead", "dirty")
+
+    def __init__(self, sid: int, path: str, d: str, fd: int) -> None:
+        self.sid, self.path, self.dir, self.fd = sid, path, d, fd
+        self.size = 0  # bytes appended or reserved
+        self.keys: set[Key] = set()  # the keys whose newest record is here
+        self.refs = 0  # reads, flushes, evictions using ``fd``: closed after the last
+        self.writers = 0  # appends in flight
+        self.idle: trio.Event | None = None  # set when the last append lands
+        self.sealed = False
+        self.dead = False  # unlinked; ``fd`` closes with the last ref
+        self.dirty = False  # written since its last flush
+
+
+class Entry:
+    """Where the newest record of a key lies, and its eviction state."""
+
+    __slots__ = ("slab", "off", "hlen", "vlen", "crc", "seq", "pinned", "ref")
+
+    def __init__(self, slab: Slab, off: int, hlen: int, vlen: int, crc: int, seq: int,
+                 pinned: bool) -> None:
+        self.slab, self.off, self.hlen, self.vlen = slab, off, hlen, vlen
+        self.crc, self.seq, self.pinned = crc, seq, pinned
+        self.ref = False  # read since written or moved: survives one eviction
+
+    @property
+    def size(self) -> int:
+        return self.hlen + self.vlen
+
+
+@dataclass
+class KvCounters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0  # records dropped to make room (moves not counted)
+    corrupt: int = 0  # records whose value failed its checksum when read
+    bytes_in: int = 0  # value bytes stored
+    bytes_out: int = 0  # value bytes served
+    reclaimed: int = 0  # bytes given back to file writes (ENOSPC)
+
+
+class KvStore:
+    def __init__(self, dirs: list[str], budget: int, engine: Engine, *,
+                 slab_bytes: int = 0) -> None:
+        self.dirs = list(dirs)
+        self.budget = max(0, budget)
+        self.engine = engine
+        self.slab_bytes = slab_bytes or max(MIN_SLAB, min(MAX_SLAB, self.budget // 8))
+        self.index: dict[Key, Entry] = {}
+        self.slabs: OrderedDict[int, Slab] = OrderedDict()  # oldest first
+        self.current: Slab | None = None
+        self.used = 0  # bytes of slab files
+        self.live = 0  # bytes of indexed records
+        self.pinned = 0  # indexed pinned records
+        self.pinned_bytes = 0
+        self.seq = 1
+        self.next_sid = 1
+        self.counters = KvCounters()
+        self._evicting = trio.Lock()
+        self._free_at: dict[str, tuple[float, int, int]] = {}  # dir -> (when, free, total)
+        self._pressure_until = 0.0
+        self._opened = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    # -- start and stop ------------------------------------------------------------
+    def open(self) -> None:
+        """Rebuild the index from the slabs on disk (blocking: run it in a thread
+        before serving). The newest record of each key wins; a tombstone hides it."""
+        found: list[tuple[int, str, str]] = []
+        for d in self.dirs:
+            kvd = os.path.join(d, fmt.KV_DIR)
+            try:
+                names = os.listdir(kvd)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                sid = fmt.slab_id(name)
+                if sid is not None:
+                    found.append((sid, os.path.join(kvd, name), d))
+        found.sort()
+        best: dict[Key, tuple[fmt.Scanned, Slab]] = {}
+        for sid, path, d in found:
+            self.next_sid = max(self.next_sid, sid + 1)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                recs, end = fmt.scan(fd, path)
+            except OSError as exc:
+                log.error("kv slab %s unreadable, dropped: %s", path, exc)
+                recs, end = [], 0
+            if end == 0:
+                os.close(fd)
+                os.unlink(path)
+                continue
+            slab = Slab(sid, path, d, fd)
+            slab.size, slab.sealed = end, True
+            self.slabs[sid] = slab
+            self.used += end
+            for rec in recs:
+                key = (rec.ns, rec.key)
+                old = best.get(key)
+                if old is None or rec.seq > old[0].seq:
+                    best[key] = (rec, slab)
+                self.seq = max(self.seq, rec.seq + 1)
+        for key, (rec, slab) in best.items():
+            if not rec.flags & fmt.TOMBSTONE:
+                self._index(key, Entry(slab, rec.off, rec.head_len, rec.vlen, rec.vcrc,
+                                       rec.seq, bool(rec.flags & fmt.PINNED)))
+        self._opened = True
+        if found:
+            log.info("kv store: %d blocks in %d slabs (%d bytes) after the scan",
+                     len(self.index), len(self.slabs), self.used)
+
+    async def start(self) -> None:
+        """Open (in a thread) and trim to the budget (it may have been lowered)."""
+        await trio.to_thread.run_sync(self.open)
+        if self.used > self.budget:
+            await self._make_room(0)
+
+    def close(self) -> None:
+        for slab in self.slabs.values():
+            slab.dead = True
+            if slab.refs == 0:
+                os.close(slab.fd)
+        self.slabs.clear()
+        self.index.clear()
+        self.current = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Flush the slabs written to, every SYNC_INTERVAL seconds, until cancelled."""
+        task_status.started()
+        while True:
+            await trio.sleep(SYNC_INTERVAL)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """fdatasync every slab written to since its last flush."""
+        for slab in [s for s in self.slabs.values() if s.dirty]:
+            slab.dirty = False
+            slab.refs += 1
+            try:
+                await trio.to_thread.run_sync(os.fdatasync, slab.fd)
+            except OSError as exc:
+                log.error("kv slab %s: flush failed: %s", slab.path, exc)
+            finally:
+                self._unref(slab)
+
+    # -- the index -----------------------------------------------------------------
+    def _index(self, key: Key, e: Entry) -> None:
+        self.index[key] = e
+        e.slab.keys.add(key)
+        self.live += e.size
+        if e.pinned:
+            self.pinned += 1
+            self.pinned_bytes += e.size
+
+    def _drop(self, key: Key, e: Entry) -> None:
+        del self.index[key]
+        e.slab.keys.discard(key)
+        self.live -= e.size
+        if e.pinned:
+            self.pinned -= 1
+            self.pinned_bytes -= e.size
+
+    # -- slabs ---------------------------------------------------------------------
+    def _new_slab(self) -> Slab:
+        sid = self.next_sid
+        self.next_sid += 1
+        d = self.dirs[sid % len(self.dirs)]
+        kvd = os.path.join(d, fmt.KV_DIR)
+        os.makedirs(kvd, exist_ok=True)
+        path = os.path.join(kvd, fmt.slab_name(sid))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        slab = Slab(sid, path, d, fd)
+        self.slabs[sid] = slab
+        self.current = slab
+        return slab
+
+    def _seal(self, slab: Slab) -> None:
+        slab.sealed = True
+        if self.current is slab:
+            self.current = None
+
+    def _reserve(self, size: int) -> tuple[Slab, int]:
+        """Room for a record of ``size`` bytes at the end of the current slab (a new one
+        when it is full); the caller writes it, then calls :meth:`_written`."""
+        slab = self.current
+        if slab is None or (slab.size and slab.size + size > self.slab_bytes):
+            if slab is not None:
+                self._seal(slab)
+            slab = self._new_slab()
+        off = slab.size
+        slab.size += size
+        self.used += size
+        slab.writers += 1
+        return slab, off
+
+    def _written(self, slab: Slab) -> None:
+        slab.writers -= 1
+        slab.dirty = True
+        if slab.writers == 0 and slab.idle is not None:
+            slab.idle.set()
+            slab.idle = None
+
+    def _unref(self, slab: Slab) -> None:
+        slab.refs -= 1
+        if slab.dead and slab.refs == 0:
+            os.close(slab.fd)
+
+    def _delete(self, slab: Slab) -> None:
+        """The slab's file goes (its records must be out of the index)."""
+        assert not slab.keys
+        del self.slabs[slab.sid]
+        if self.current is slab:
+            self.current = None
+        self.used -= slab.size
+        slab.dead = True
+        try:
+            os.unlink(slab.path)
+        except FileNotFoundError:
+            pass
+        if slab.refs == 0:
+            os.close(slab.fd)
+
+    async def _quiet(self, slab: Slab) -> None:
+        """Wait for the appends in flight to ``slab`` (sealed: no new ones come)."""
+        while slab.writers:
+            if slab.idle is None:
+                slab.idle = trio.Event()
+            await slab.idle.wait()
+
+    # -- space ---------------------------------------------------------------------
+    def _fs_room(self) -> int:
+        """Bytes the store may grow by before its filesystems get below low water."""
+        now = time.monotonic()
+        room = None
+        for d in self.dirs:
+            cached = self._free_at.get(d)
+            if cached is None or now - cached[0] > STATFS_EVERY:
+                try:
+                    st = os.statvfs(d)
+                except OSError:
+                    continue
+                cached = (now, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+                self._free_at[d] = cached
+            r = cached[1] - low_water_of(cached[2])
+            room = r if room is None else min(room, r)
+        return max(0, room) if room is not None else 0
+
+    def cap(self) -> int:
+        """The bytes of slabs the store may hold now."""
+        if time.monotonic() < self._pressure_until:
+            return min(self.budget, self.used)
+        return min(self.budget, self.used + self._fs_room())
+
+    async def _make_room(self, n: int) -> None:
+        """Evict until ``n`` more bytes fit the cap; ENOSPC if they cannot (the disk is
+        full of file data)."""
+        if self.used + n <= self.cap():
+            return
+        async with self._evicting:
+            futile = 0
+            while self.used + n > self.cap() and self.slabs:
+                victim = next(iter(self.slabs.values()))
+                self._seal(victim)
+                take_pinned = futile > len(self.slabs) or self.pinned_bytes >= self.live
+                freed = await self._evict(victim, take_pinned)
+                futile = futile + 1 if freed <= 0 else 0
+                self._free_at.clear()
+            if self.used + n > self.cap():
+                raise OSError(errno.ENOSPC, f"kv store: no room for a {n}-byte record "
+                                            f"(the data disk is nearly full)")
+
+    async def _evict(self, victim: Slab, take_pinned: bool) -> int:
+        """Drop the oldest slab; its referenced (and, unless ``take_pinned``, pinned)
+        records move to the current slab first. The bytes it freed."""
+        await self._quiet(victim)
+        victim.refs += 1
+        try:
+            keep: list[tuple[Key, Entry]] = []
+            for key in list(victim.keys):
+                e = self.index[key]
+                if e.ref or (e.pinned and not take_pinned):
+                    keep.append((key, e))
+                else:
+                    self._drop(key, e)
+                    self.counters.evictions += 1
+            bufs = [bytearray(e.size) for _k, e in keep]
+            if keep:
+                await self.engine.readv([(victim.fd, e.off, e.size, b)
+                                         for (_k, e), b in zip(keep, bufs, strict=True)])
+            # the kept records stay readable where they are (the victim's descriptor
+            # is held) until their copy lands
+            victim.keys.clear()
+            self._delete(victim)
+            moved = 0
+            for (key, e), buf in zip(keep, bufs, strict=True):
+                if self.index.get(key) is not e:  # removed or put again meanwhile
+                    continue
+                slab, off = self._reserve(len(buf))
+                try:
+                    await self.engine.write(slab.fd, off, buf)
+                finally:
+                    self._written(slab)
+                if self.index.get(key) is not e:
+                    continue
+                e.slab, e.off, e.ref = slab, off, False
+                slab.keys.add(key)
+                moved += len(buf)
+            return victim.size - moved
+        finally:
+            self._unref(victim)
+
+    async def reclaim(self, nbytes: int) -> int:
+        """Give ``nbytes`` of disk back to file data (a file write met ENOSPC): drop the
+        oldest slabs, pinned records included, and stop growing for a while. The bytes
+        freed (0: the store held nothing)."""
+        freed = 0
+        self._pressure_until = time.monotonic() + PRESSURE_HOLD
+        async with self._evicting:
+            while freed < nbytes and self.slabs:
+                victim = next(iter(self.slabs.values()))
+                self._seal(victim)
+                await self._quiet(victim)
+                for key in list(victim.keys):
+                    self._drop(key, self.index[key])
+                    self.counters.evictions += 1
+                freed += victim.size
+                self._delete(victim)
+        self.counters.reclaimed += freed
+        if freed:
+            log.warning("kv store: gave %d bytes back to file data (the disk was full)",
+                        freed)
+        return freed
+
+    # -- operations ----------------------------------------------------------------
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise OSError(errno.EOPNOTSUPP, "this data server keeps no KV blocks "
+                                            "(kv_budget 0)")
+
+    async def put(self, ns: str, key: bytes, value: bytes | bytearray | memoryview,
+                  crc: int, pin: bool = False) -> int:
+        """Store ``value`` under ``(ns, key)`` (replacing an older one): EIO when it
+        does not match ``crc``; EFBIG when the record exceeds the whole budget."""
+        self._check_enabled()
+        view = memoryview(value)
+        n = view.nbytes
+        got = (await trio.to_thread.run_sync(crc32c.crc32c, view) if n >= THREAD_CRC
+               else crc32c.crc32c(view))
+        if got != crc:
+            raise OSError(errno.EIO, f"kv_put {ns}/{key.hex()}: the value's CRC32C is "
+                                     f"{got:#010x}, not {crc:#010x} as sent: not stored")
+        nsb = ns.encode("ascii")
+        size = fmt.record_size(nsb, key, n)
+        if size > self.budget:
+            raise OSError(errno.EFBIG, f"kv_put: a {n}-byte value exceeds this server's "
+                                       f"whole KV budget of {self.budget} bytes")
+        await self._make_room(size)
+        seq = self.seq
+        self.seq += 1
+        flags = fmt.PINNED if pin else 0
+        head = fmt.pack_head(nsb, key, n, seq, crc, flags)
+        slab, off = self._reserve(size)
+        try:
+            await self.engine.writev([(slab.fd, off, len(head), head),
+                                      (slab.fd, off + len(head), n, view)])
+        finally:
+            self._written(slab)
+        k = (ns, key)
+        old = self.index.get(k)
+        if old is not None:
+            if old.seq > seq:  # a later put of the key landed first
+                return n
+            self._drop(k, old)
+        self._index(k, Entry(slab, off, len(head), n, crc, seq, pin))
+        self.counters.puts += 1
+        self.counters.bytes_in += n
+        return n
+
+    async def get(self, ns: str, key: bytes, maxlen: int) -> tuple[memoryview, int] | None:
+        """The value of ``(ns, key)`` and its CRC32C, checked; None for a miss (absent,
+        or its record failed its checksum: dropped). ERANGE when the value is longer
+        than ``maxlen``."""
+        k = (ns, key)
+        e = self.index.get(k)
+        if e is None:
+            self.counters.misses += 1
+            return None
+        if e.vlen > maxlen:
+            raise OSError(errno.ERANGE, f"kv_get {ns}/{key.hex()}: the value is {e.vlen} "
+                                        f"bytes, the buffer {maxlen}")
+        slab = e.slab
+        buf = bytearray(e.vlen)
+        view = memoryview(buf)
+        slab.refs += 1
+        try:
+            got = await self.engine.read_into(slab.fd, e.off + e.hlen, view)
+        finally:
+            self._unref(slab)
+        ok = got == e.vlen and (
+            (await trio.to_thread.run_sync(crc32c.crc32c, view) if got >= THREAD_CRC
+             else crc32c.crc32c(view)) == e.crc)
+        if not ok:
+            self.counters.corrupt += 1
+            self.counters.misses += 1
+            log.error("kv block %s/%s in slab %s at %d: %s; dropped", ns, key.hex(),
+                      slab.path, e.off, "short" if got != e.vlen else "checksum mismatch")
+            if self.index.get(k) is e:
+                self._drop(k, e)
+            return None
+        e.ref = True
+        self.counters.hits += 1
+        self.counters.bytes_out += e.vlen
+        return view, e.crc
+
+    def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
+        return [(ns, k) in self.index for k in keys]
+
+    async def remove(self, ns: str, keys: list[bytes]) -> int:
+        """Forget the keys present (a tombstone each, so that a restart does not bring
+        them back); how many were."""
+        gone: list[tuple[bytes, Entry]] = []
+        for key in dict.fromkeys(keys):
+            e = self.index.get((ns, key))
+            if e is not None:
+                self._drop((ns, key), e)
+                gone.append((key, e))
+        if not gone:
+            return 0
+        nsb = ns.encode("ascii")
+        heads = []
+        for key, _e in gone:
+            heads.append(fmt.pack_head(nsb, key, 0, self.seq, 0, fmt.TOMBSTONE))
+            self.seq += 1
+        blob = b"".join(heads)
+        try:
+            await self._make_room(len(blob))
+        except OSError as exc:  # no room for tombstones: a restart may bring them back
+            log.warning("kv remove: tombstones not written: %s", exc)
+            return len(gone)
+        slab, off = self._reserve(len(blob))
+        try:
+            await self.engine.write(slab.fd, off, blob)
+        finally:
+            self._written(slab)
+        return len(gone)
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        return {"budget": self.budget, "used": self.used, "blocks": len(self.index),
+                "hits": c.hits, "misses": c.misses, "evictions": c.evictions,
+                "puts": c.puts, "pinned": self.pinned, "corrupt": c.corrupt,
+                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "live": self.live,
+                "reclaimed": c.reclaimed}
+
+    def used_by_dir(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slab in self.slabs.values():
+            out[slab.dir] = out.get(slab.dir, 0) + slab.size
+        return out
