@@ -36,6 +36,7 @@ from pfs.core import metrics
 from pfs.core.config import client_config
 from pfs.kvcache.nodetier import NodeTier
 from pfs.kvcache.pool import SKIP, BlockStore, Connect, Lookup, Pool
+from pfs.kvcache.remote import KvServerClient
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -484,8 +485,6 @@ def make_cache(nursery: trio.Nursery, config: Any = None, namespace: str = "defa
     fs = AsyncClient(cfg, nursery)
 
     def connect(sid: str, host: str, port: int) -> BlockStore:
-        from pfs.kvcache.remote import KvServerClient  # TODO(merge kvserver): top level
-
         return KvServerClient(nursery, host, port, auth=fs.data_auth, timeout=cfg.timeout)
 
     kv = AsyncKVCache(nursery, namespace, fs.meta.servers, connect, node_tier=node, **kw)

@@ -65,7 +65,7 @@ def test_node_tier_round_trip_and_checks(tier: NodeTier) -> None:
     assert tier.get_into(NS, b"k1", memoryview(big)) == 5000 and big[:5000] == value
     with pytest.raises(OSError) as e:
         tier.get_into(NS, b"k1", memoryview(bytearray(10)))
-    assert e.value.errno == errno.EMSGSIZE
+    assert e.value.errno == errno.ERANGE
     assert tier.get_into(NS, b"k2", memoryview(out)) is None
     assert tier.get_into("other", b"k1", memoryview(out)) is None  # namespaces never mix
     assert tier.exists(NS, b"k1") and not tier.exists(NS, b"k2")
@@ -151,7 +151,7 @@ class FakeStore:
         if v is None:
             return None
         if len(v) > len(out):
-            raise OSError(errno.EMSGSIZE, "too big")
+            raise OSError(errno.ERANGE, "too big")
         out[:len(v)] = v
         return len(v)
 
@@ -303,7 +303,7 @@ def test_bad_input_is_refused_clearly(world: FakeWorld, tmp_path: Path) -> None:
         kv.put(b"k", b"v" * 100)
         with pytest.raises(OSError) as e:
             kv.get(b"k", bytearray(50))  # too small
-        assert e.value.errno == errno.EMSGSIZE
+        assert e.value.errno == errno.ERANGE
         with pytest.raises(OSError) as e:
             kv.get(b"k", bytearray(200))  # not the block's size
         assert e.value.errno == errno.EINVAL and "100 bytes, the buffer 200" in str(e.value)
