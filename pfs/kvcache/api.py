@@ -20,6 +20,7 @@ import errno
 import logging
 import math
 import re
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -105,6 +106,7 @@ class AsyncKVCache:
         self._bg_bytes = 0
         self._bg_count = 0
         self._bg_changed = trio.Condition()
+        self._bg_lock = threading.Lock()
         self._bg_errors: list[OSError] = []
         self._slots = trio.Semaphore(PARALLEL)
         self._copies: device.Copies | None = None
@@ -175,11 +177,20 @@ class AsyncKVCache:
             return
         data = bytes(view)  # the caller may reuse its buffer once put returns
         async with self._bg_changed:
-            while self._bg_bytes and self._bg_bytes + len(data) > self._bg_limit:
+            while not self._reserve(len(data)):
                 await self._bg_changed.wait()
-            self._bg_bytes += len(data)
-            self._bg_count += 1
         self._nursery.start_soon(self._background, k, data)
+
+    def _reserve(self, n: int) -> bool:
+        """Count ``n`` bytes into the background queue unless that would pass its bound
+        (an empty queue takes any block). From any thread: the blocking twin queues
+        from its callers' threads."""
+        with self._bg_lock:
+            if self._bg_bytes and self._bg_bytes + n > self._bg_limit:
+                return False
+            self._bg_bytes += n
+            self._bg_count += 1
+            return True
 
     async def _background(self, k: bytes, data: bytes) -> None:
         try:
@@ -189,9 +200,10 @@ class AsyncKVCache:
             self._bg_errors.append(exc)
             log.warning("KV put of a %d-byte block (sync=False) failed: %s", len(data), exc)
         finally:
-            async with self._bg_changed:
+            with self._bg_lock:
                 self._bg_bytes -= len(data)
                 self._bg_count -= 1
+            async with self._bg_changed:
                 self._bg_changed.notify_all()
 
     async def _put_remote(self, k: bytes, view: memoryview) -> None:
@@ -541,31 +553,50 @@ class KVCache:
         return self._loop.run(fn, *args)
 
     def put(self, key: Any, buf: Any, *, sync: bool = True) -> None:
+        """As AsyncKVCache.put; with ``sync=False`` under the queue's bound, the block is
+        handed to the event loop without waiting for it (no thread round trip)."""
         aio = self.aio
         k, view = aio._put_args(key, buf)
         if self.node is not None:
             self.node.put(self.ns, k, view)
+        if not sync and self._loop.token is not None:
+            data = bytes(view)
+            if aio._reserve(len(data)):
+                aio.counts["puts"] += 1
+                aio.counts["put_bytes"] += len(data)
+                self._loop.token.run_sync_soon(aio._nursery.start_soon, aio._background, k,
+                                               data)
+                return
         self._run(aio._put_after_node, k, view, sync)
 
     def get(self, key: Any, out: Any) -> bool:
-        self.aio._open()
-        if self.node is not None and not device.is_device_buffer(out):
-            k = check_key(key)
-            view = host_view(out, "output")
-            n = self.node.get_into(self.ns, k, view)
-            if n is not None:
-                self.aio.counts["gets"] += 1
-                self.aio.counts["node_hits"] += 1
-                self.aio.counts["get_bytes"] += n
-                metrics.kv_op("get", "node", "hit", n)
-                if n != len(view):
-                    raise OSError(errno.EINVAL, f"KV block {k.hex()[:32]} is {n} bytes, "
-                                                f"the buffer {len(view)}")
-                return True
-        return self._run(self.aio.get, key, out)
+        n = self.get_into(key, out)
+        if n is None:
+            return False
+        size = device.buffer_size(out)
+        if n != size:
+            raise OSError(errno.EINVAL, f"KV block {check_key(key).hex()[:32]} is {n} "
+                                        f"bytes, the buffer {size}")
+        return True
 
     def get_into(self, key: Any, out: Any) -> int | None:
-        return self._run(self.aio.get_into, key, out)
+        """As AsyncKVCache.get_into; a node-tier hit is served in this thread."""
+        self.aio._open()
+        if self.node is None or device.is_device_buffer(out):
+            return self._run(self.aio.get_into, key, out)
+        k = check_key(key)
+        view = host_view(out, "output")
+        if view.readonly:
+            raise OSError(errno.EINVAL, "KV get into a read-only buffer")
+        n = self.node.get_into(self.ns, k, view)
+        if n is None:
+            return self._run(partial(self.aio.get_into, k, view, node_checked=True))
+        counts = self.aio.counts
+        counts["gets"] += 1
+        counts["node_hits"] += 1
+        counts["get_bytes"] += n
+        metrics.kv_op("get", "node", "hit", n)
+        return n
 
     def exists(self, keys: Sequence[Any]) -> int:
         return self._run(self.aio.exists, keys)
