@@ -199,3 +199,23 @@ def test_admin_kv_shows_servers_and_this_node(client_toml: Path, tmp_path: Path)
     assert rec["node"]["blocks"] == 1 and rec["node"]["bytes"] > 5000
     assert len(rec["servers"]) >= 1
     assert sum(s.get("blocks", 0) for s in rec["servers"].values()) >= 1
+
+
+def test_bench_kvcache_runs(cluster_dir: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    from pfs.bench import main as bench_main
+
+    out = tmp_path / "kv.json"
+    assert bench_main(["kvcache", "--dir", str(cluster_dir), "--sizes", "16k,256k",
+                       "--procs", "1,2", "--bytes", "1m", "--local-dir", str(tmp_path),
+                       "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("node", "server", "file", "get GB/s/core"):
+        assert word in text
+    res = json.loads(out.read_text())
+    assert {c["backend"] for c in res["cells"]} >= {"node", "server", "file"}
+    assert len(res["cells"]) >= 2 * 2 * 3
+    for c in res["cells"]:
+        assert c["errors"] == 0, c
+        assert c["get"]["ops"] >= 4 and c["get"]["GBps"] > 0
+    assert any("node tier / local file" in a for a in res["aims"])
