@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
     p.add_argument("--domain", help="failure domain (a rack label; default: the host)")
     p.add_argument("--forward-timeout", type=float, metavar="S",
                    help="seconds a chain member waits for the next before reporting it")
+    p.add_argument("--kv-budget", type=int, metavar="BYTES",
+                   help="bytes of KV-cache blocks at most (0: none; -1: a tenth of the disk)")
     p.add_argument("--insecure-skip-caps", action="store_true",
                    help="TEST ONLY: do not check capabilities (the benchmark's off switch)")
     args = p.parse_args(argv)
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DataConfig, int | None, s
                                    ("metrics_port", args.metrics_port),
                                    ("domain", args.domain),
                                    ("forward_timeout", args.forward_timeout),
+                                   ("kv_budget", args.kv_budget),
                                    ("checksums", False if args.no_checksums else None))
                  if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)

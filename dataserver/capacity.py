@@ -51,3 +51,14 @@ def space(vols: list[Volume]) -> tuple[int, int]:
     """Total and free bytes of ``vols``, each filesystem counted once."""
     seen = {v.fs: v for v in vols}
     return sum(v.total for v in seen.values()), sum(v.free for v in seen.values())
+
+
+def with_reclaimable(vols: list[Volume], held: dict[str, int]) -> list[Volume]:
+    """``vols`` with the bytes a cache holds in each directory (``held``: the KV store's
+    slabs, given back to file writes) counted as free, per filesystem."""
+    if not held:
+        return vols
+    by_fs: dict[str, int] = {}
+    for v in vols:
+        by_fs[v.fs] = by_fs.get(v.fs, 0) + held.get(v.path, 0)
+    return [v._replace(free=min(v.total, v.free + by_fs[v.fs])) for v in vols]

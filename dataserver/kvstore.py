@@ -54,7 +54,7 @@ MIN_SLAB = 256 << 10
 SYNC_INTERVAL = 2.0  # seconds between flushes of the slabs written to
 THREAD_CRC = 1 << 20  # values from this size are checksummed in a thread
 STATFS_EVERY = 1.0  # seconds a filesystem's free space is trusted
-PRESSURE_HOLD = 30.0  # seconds the store does not grow after a file write hit ENOSPC
+PRESSURE_HOLD = 30.0  # seconds free space is not cached after a file write met ENOSPC
 Key = tuple[str, bytes]
 
 
@@ -314,10 +314,11 @@ class KvStore:
     def _fs_room(self) -> int:
         """Bytes the store may grow by before its filesystems get below low water."""
         now = time.monotonic()
+        fresh = now < self._pressure_until  # a file write met ENOSPC lately: ask each time
         room = None
         for d in self.dirs:
             cached = self._free_at.get(d)
-            if cached is None or now - cached[0] > STATFS_EVERY:
+            if cached is None or fresh or now - cached[0] > STATFS_EVERY:
                 try:
                     st = os.statvfs(d)
                 except OSError:
@@ -330,8 +331,6 @@ class KvStore:
 
     def cap(self) -> int:
         """The bytes of slabs the store may hold now."""
-        if time.monotonic() < self._pressure_until:
-            return min(self.budget, self.used)
         return min(self.budget, self.used + self._fs_room())
 
     async def _make_room(self, n: int) -> None:
@@ -394,8 +393,8 @@ class KvStore:
 
     async def reclaim(self, nbytes: int) -> int:
         """Give ``nbytes`` of disk back to file data (a file write met ENOSPC): drop the
-        oldest slabs, pinned records included, and stop growing for a while. The bytes
-        freed (0: the store held nothing)."""
+        oldest slabs, pinned records included; for a while, every put looks at the free
+        space afresh. The bytes freed (0: the store held nothing)."""
         freed = 0
         self._pressure_until = time.monotonic() + PRESSURE_HOLD
         async with self._evicting:

@@ -48,6 +48,7 @@ MAX_BACKOFF = 10.0  # seconds between registration attempts, at most
 MAX_FENCES = 1 << 16  # inode fences kept before old ones are pruned
 MIN_REPORT_GAP = 0.1  # seconds between heartbeats sent early (a full disk), at least
 KV_RECLAIM_SLACK = 16 << 20  # bytes of KV slabs dropped beyond a full write's size
+KV_BYTES = frozenset({"budget", "used", "live", "reclaimed"})  # kv stats that are sizes
 VERSION = package_version()  # reported at registration and in heartbeats
 
 
@@ -672,11 +673,21 @@ class DataService(RpcService):
         return D.ListObjectsReply(objects=[list(o) for o in objs], end=end)
 
     # -- registration ----------------------------------------------------------
+    def _kv_report(self) -> list[int] | None:
+        """The KV store's budget, bytes used, blocks, hits, misses and evictions for the
+        metaserver (None: no KV store here)."""
+        if not self.kv.enabled:
+            return None
+        st = self.kv.stats()
+        return [st[k] for k in ("budget", "used", "blocks", "hits", "misses", "evictions")]
+
     def space(self) -> tuple[int, int, list[Volume]]:
-        """Total and free bytes (each filesystem once) and each data directory's."""
+        """Total and free bytes (each filesystem once) and each data directory's. The
+        KV store's slabs count as free: a file write takes them back (kvstore.py)."""
         # (a drive gone is left out until the directory check made it again)
         dirs = [d for d in self.store.dirs if os.path.isdir(d)] or self.store.dirs
-        vols = capacity.volumes(dirs, self.free_override)
+        vols = capacity.with_reclaimable(capacity.volumes(dirs, self.free_override),
+                                         self.kv.used_by_dir())
         total, free = capacity.space(vols)
         return total, free, vols
 
@@ -719,7 +730,7 @@ class DataService(RpcService):
                             beat = await client.request(M.Heartbeat(
                                 sid=self.sid, total=total, free=free, dirs=vols,
                                 load=self.load.sample(), version=VERSION,
-                                protocol=list(SUPPORTED)))
+                                protocol=list(SUPPORTED), kv=self._kv_report()))
                             self.replicator.taken_out(beat.stale or [])
                     finally:
                         client.close()
@@ -740,7 +751,8 @@ class DataService(RpcService):
         total, free, vols = self.space()
         res: M.RegisterReply = await client.request(M.Register(
             sid=self.sid, host=host, port=port, total=total, free=free, dirs=vols,
-            domain=self.domain or None, version=VERSION, protocol=list(SUPPORTED)))
+            domain=self.domain or None, version=VERSION, protocol=list(SUPPORTED),
+            kv=self._kv_report()))
         sid = res.sid
         if not sid:
             raise OSError(errno.EPROTO, f"register: the metaserver sent sid {sid!r}")
@@ -841,6 +853,15 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
                            "dir", lambda: {v.path: v.total for v in service.space()[2]})
         metrics.add_gauges("pfs_data_free_bytes", "a data directory's free bytes", "dir",
                            lambda: {v.path: v.free for v in service.space()[2]})
+        if kv.enabled:
+            metrics.add_gauges("pfs_kv_bytes", "KV-cache slabs: bytes of the budget, used, "
+                               "in live blocks, of data given back to file writes", "kind",
+                               lambda: {k: float(v) for k, v in kv.stats().items()
+                                        if k in KV_BYTES})
+            metrics.add_gauges("pfs_kv_events", "KV-cache blocks since the server started: "
+                               "hits, misses, puts, evictions, corrupt; bytes in and out",
+                               "event", lambda: {k: float(v) for k, v in kv.stats().items()
+                                                 if k not in KV_BYTES})
     try:
         await kv.start()
         async with trio.open_nursery() as nursery:

@@ -54,6 +54,7 @@ class LiveServer:
     version: str = ""  # package version ("": an older server that does not say)
     protocol: tuple[int, int] | None = None  # wire protocol range it speaks
     load: tuple[int, ...] | None = None  # requests/s, bytes in/s, out/s, connections
+    kv: tuple[int, ...] | None = None  # KV-cache blocks (KV_KEYS; None: no KV store)
 
 
 class State(enum.Enum):
@@ -83,10 +84,15 @@ def _volumes(sid: str, total: int, free: int, dirs: list[Volume] | None) -> list
 
 
 LOAD_KEYS = ("requests", "bytes_in", "bytes_out", "connections")  # a heartbeat's load
+KV_KEYS = ("budget", "used", "blocks", "hits", "misses", "evictions")  # ... and its kv
 
 
 def _range(protocol: list[int] | None) -> tuple[int, int] | None:
     return (protocol[0], protocol[-1]) if protocol else None
+
+
+def _kv(kv: list[int] | None) -> tuple[int, ...] | None:
+    return tuple(kv) if kv and kv[0] > 0 else None
 
 
 def _fs_key(sid: str, v: Volume) -> str:
@@ -137,7 +143,8 @@ class Registry:
 
     def register(self, sid: str, host: str, port: int, total: int, free: int,
                  dirs: list[Volume] | None = None, domain: str = "",
-                 version: str | None = None, protocol: list[int] | None = None) -> None:
+                 version: str | None = None, protocol: list[int] | None = None,
+                 kv: list[int] | None = None) -> None:
         """``sid`` is up at ``host:port`` (a registration, or a heartbeat from a server
         registered before this metaserver started); ``domain``: its failure domain
         (default: its host); ``version``, ``protocol``: what it runs, if it says."""
@@ -145,11 +152,12 @@ class Registry:
         with self._lock:
             self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols,
                                          domain=domain or host, version=version or "",
-                                         protocol=_range(protocol))
+                                         protocol=_range(protocol), kv=_kv(kv))
 
     def heartbeat(self, sid: str, total: int, free: int,
                   dirs: list[Volume] | None = None, load: list[int] | None = None,
-                  version: str | None = None, protocol: list[int] | None = None) -> bool:
+                  version: str | None = None, protocol: list[int] | None = None,
+                  kv: list[int] | None = None) -> bool:
         """``sid`` is still up (its lease renewed; a refusal or unanswered probe
         before is forgotten); False when it has not registered since this start.
         ``load``: what it served over the last interval, if it says."""
@@ -161,6 +169,7 @@ class Registry:
             live.total, live.free, live.seen, live.dirs = total, free, self._clock(), vols
             live.refused = live.unanswered = None
             live.load = tuple(load) if load is not None else None
+            live.kv = _kv(kv)
             if version:
                 live.version, live.protocol = version, _range(protocol) or live.protocol
             return True
@@ -274,6 +283,8 @@ class Registry:
                         extra.update(version=live.version, protocol=live.protocol)
                     if live.load is not None:
                         extra["load"] = dict(zip(LOAD_KEYS, live.load, strict=False))
+                    if live.kv is not None:
+                        extra["kv"] = dict(zip(KV_KEYS, live.kv, strict=False))
                 else:
                     rec = {k: v for k, v in rec.items() if k != "draining"}
                     extra["state"] = State.DOWN.value

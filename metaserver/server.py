@@ -603,7 +603,7 @@ class MetaService(RpcService):
         await self.commit.mutate(
             lambda t: self.ns.register_server(t, sid, host, port, total, free, domain))
         self.registry.register(sid, host, port, total, free, req.dirs, domain,
-                               req.version, req.protocol)
+                               req.version, req.protocol, req.kv)
         self.dataplane.forget(sid)
         log.info("data server %s registered at %s:%d (%d of %d bytes free)",
                  sid, host, port, free, total)
@@ -644,15 +644,15 @@ class MetaService(RpcService):
             raise OSError(errno.EACCES, "heartbeat: only data servers send heartbeats")
         sid, total, free = req.sid, req.total, req.free
         if self.registry.heartbeat(sid, total, free, req.dirs, req.load, req.version,
-                                   req.protocol):
+                                   req.protocol, req.kv):
             return M.HeartbeatReply(stale=self._stale_on(sid))
         with self.store.read() as txn:
             rec = self.ns.list_servers(txn).get(sid)
         if rec is None:
             raise OSError(errno.ENOENT, f"unknown data server {sid}; register first")
         self.registry.register(sid, rec["host"], rec["port"], total, free, req.dirs,
-                               rec.get("domain", ""), req.version, req.protocol)
-        self.registry.heartbeat(sid, total, free, req.dirs, req.load)
+                               rec.get("domain", ""), req.version, req.protocol, req.kv)
+        self.registry.heartbeat(sid, total, free, req.dirs, req.load, kv=req.kv)
         return M.HeartbeatReply(stale=self._stale_on(sid))
 
 

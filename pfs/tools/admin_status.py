@@ -30,7 +30,25 @@ def server_records(servers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "used_pct": round(100 * (total - free) / total, 1) if total else 0.0,
             "heartbeat_age": s.get("age"), "dirs": len(s.get("dirs") or []),
             "version": s.get("version"), "protocol": s.get("protocol"),
-            "load": s.get("load")})
+            "load": s.get("load"), "kv": s.get("kv")})
+    return out
+
+
+def kv_table(records: list[dict[str, Any]]) -> list[str]:
+    """The KV-cache blocks of the servers that keep some (none: no lines): bytes used of
+    the budget, blocks, and hits, misses and evictions since each server started."""
+    rows = [s for s in records if s.get("kv")]
+    if not rows:
+        return []
+    out = [f"{'kv cache':<8} {'used':>10} {'budget':>10} {'blocks':>8} {'hits':>10} "
+           f"{'misses':>10} {'hit%':>5} {'evictions':>10}"]
+    for s in rows:
+        kv = s["kv"]
+        hits, misses = kv.get("hits", 0), kv.get("misses", 0)
+        pct = f"{100 * hits / (hits + misses):5.1f}" if hits + misses else f"{'-':>5}"
+        out.append(f"{s['sid'][:8]:<8} {human(kv.get('used', 0)):>10} "
+                   f"{human(kv.get('budget', 0)):>10} {kv.get('blocks', 0):>8} {hits:>10} "
+                   f"{misses:>10} {pct} {kv.get('evictions', 0):>10}")
     return out
 
 
@@ -87,3 +105,6 @@ def cmd_admin_status(args: argparse.Namespace, c: Any) -> None:
     print(f"data servers: {up} of {len(servers)} up;  capacity {human(cap['total'])}, "
           f"{human(cap['free'])} free;  {cap['files']} files")
     print("\n".join(server_table(servers)))
+    kv = kv_table(servers)
+    if kv:
+        print("\n" + "\n".join(kv))

@@ -214,7 +214,9 @@ def _df_row(name: str, total: int, free: int, note: str = "") -> str:
 
 def cmd_df(args: argparse.Namespace, c: Any) -> None:
     """One row per data server (and per data directory where it has several), then the
-    total, each physical filesystem counted once (``lfs df``)."""
+    total, each physical filesystem counted once (``lfs df``). A server's KV-cache
+    blocks (bytes used of its budget) are noted on its row; they count as avail, since
+    file writes take their space back."""
     servers = live_servers(c)
     s = c.statvfs()
     total, free = s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
@@ -222,7 +224,8 @@ def cmd_df(args: argparse.Namespace, c: Any) -> None:
     if args.json:
         print_json({"servers": [{"sid": sid, "address": f"{v['host']}:{v['port']}",
                                  "state": server_state(v), "total": v["total"],
-                                 "free": v["free"], "dirs": v.get("dirs") or []}
+                                 "free": v["free"], "dirs": v.get("dirs") or [],
+                                 **({"kv": v["kv"]} if v.get("kv") else {})}
                                 for sid, v in ordered],
                     "total": total, "free": free, "files": s.f_files - s.f_ffree})
         return
@@ -230,8 +233,12 @@ def cmd_df(args: argparse.Namespace, c: Any) -> None:
           "state")
     for sid, srv in ordered:
         state = server_state(srv)
+        note = state.upper() if state != "up" else state
+        kv = srv.get("kv")
+        if kv:
+            note += f"  kv cache {human(kv['used'])} of {human(kv['budget'])}"
         print(_df_row(f"{sid[:8]} {srv['host']}:{srv['port']}", srv["total"], srv["free"],
-                      state.upper() if state != "up" else state))
+                      note))
         dirs = srv.get("dirs") or []
         if len(dirs) > 1:
             for dpath, _fs, dtotal, dfree in dirs:

@@ -6,16 +6,21 @@ from __future__ import annotations
 import errno
 import os
 import random
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
+import pfs
 from pfs.core import auth
-from pfs.core.config import DataConfig
+from pfs.core.config import ClientConfig, DataConfig, load
 from pfs.core.engine import PosixEngine
 from pfs.core.wire.rpc import RpcClient
 from pfs.dataserver import kvslab
@@ -23,6 +28,7 @@ from pfs.dataserver.kvstore import KvStore
 from pfs.dataserver.objects import ObjectStore
 from pfs.dataserver.server import DataService, serve_data
 from pfs.kvcache.remote import KvServerClient
+from pfs.tools import cluster
 
 TIMEOUT = 60
 NS = "model-a"
@@ -299,3 +305,58 @@ def test_file_write_takes_back_kv_space_on_a_full_disk(tmp_path: Path) -> None:
         run(main)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
+        private_cluster: Path) -> None:
+    """Real processes: the metaserver lists each server's KV budget and use (``pfs df``,
+    ``pfs admin status``), blocks put with a node key come back, and a data server killed
+    with SIGKILL still holds them after its restart (the index rebuilt from its slabs)."""
+    args = ["--heartbeat", "0.2", "--kv-budget", str(64 << 20)]
+    toml = cluster.up(private_cluster, data_servers=2, data_args=args)
+    cfg = load(ClientConfig, toml)
+    creds = auth.client_auth(cfg.key_file, cfg.key_name, wire=cfg.wire_security)
+    blocks = {b"key%d" % i: os.urandom(100_000 + i) for i in range(20)}
+
+    def servers() -> dict[str, dict[str, Any]]:
+        with pfs.connect(config=toml) as c:
+            out: dict[str, dict[str, Any]] = c._run(c.aio.meta.servers)
+            return out
+
+    async def put_all(addrs: list[tuple[str, int]]) -> None:
+        for host, port in addrs:
+            async with KvServerClient.connect(host, port, creds) as kv:
+                for k, v in blocks.items():
+                    await kv.put(NS, k, v)
+
+    async def check_all(addrs: list[tuple[str, int]]) -> None:
+        out = memoryview(bytearray(200_000))
+        for host, port in addrs:
+            async with KvServerClient.connect(host, port, creds) as kv:
+                for k, v in blocks.items():
+                    assert await kv.get_into(NS, k, out) == len(v)
+                    assert bytes(out[:len(v)]) == v
+
+    found = servers()
+    assert all(s["kv"]["budget"] == 64 << 20 for s in found.values()), found
+    addrs = [(s["host"], s["port"]) for s in found.values()]
+    run(lambda: put_all(addrs))
+    deadline = time.monotonic() + 20
+    while True:
+        found = servers()
+        if all(s["kv"]["blocks"] == len(blocks) for s in found.values()):
+            break
+        assert time.monotonic() < deadline, found
+        time.sleep(0.1)
+    assert all(s["kv"]["used"] > 2_000_000 for s in found.values())
+    env = {**os.environ, "PFS_CONFIG": str(toml)}
+    df = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "df"], env=env,
+                        capture_output=True, timeout=120)
+    assert df.returncode == 0 and df.stdout.decode().count("kv cache") == 2, df
+    os.kill(cluster.running(private_cluster)["data0"], signal.SIGKILL)
+    cluster.up(private_cluster, data_args=args)
+    addrs = [(s["host"], s["port"]) for s in servers().values()]
+    run(lambda: check_all(addrs))
+    status = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "admin", "status"],
+                            env=env, capture_output=True, timeout=120)
+    assert status.returncode == 0 and "kv cache" in status.stdout.decode(), status

@@ -147,8 +147,10 @@ class ServersReply(ReplyMessage):
                                       '"full", "dirs": [[path, fs, total, free], ...], '
                                       '"state", "draining", "domain", "age", "version", "protocol", '
                                       '"load": {"requests", "bytes_in", "bytes_out", '
-                                      '"connections"}}}; version, protocol and load: '
-                                      'when the server reported them')
+                                      '"connections"}, "kv": {"budget", "used", "blocks", "hits", "misses", '
+                                      '"evictions"}}}; '
+                                      'version, protocol, load and kv: when the server '
+                                      'reported them (kv: servers with a KV store)')
 
 
 class RegisterReply(ReplyMessage):
@@ -364,6 +366,10 @@ class Register(MetaRequest, method="register", reply=RegisterReply):
     protocol: list[int] | None = List(Int(lo=0), default=None, max_len=2,
                                       doc="[lowest, highest] wire protocol version it "
                                           "speaks (absent: an older server)")
+    kv: list[int] | None = List(Int(lo=0), default=None, max_len=8,
+                                doc="its KV-cache blocks: [budget, used (bytes), blocks, "
+                                    "hits, misses, evictions (since it started)] (absent: "
+                                    "no KV store, or an older server)")
 
 
 class ChainDrop(MetaRequest, method="chain_drop", reply=ChainReply):
@@ -396,6 +402,7 @@ class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
                                                             "learns it here)")
     protocol: list[int] | None = List(Int(lo=0), default=None, max_len=2,
                                       doc="as in `register`")
+    kv: list[int] | None = List(Int(lo=0), default=None, max_len=2, doc="as in `register`")
 
 
 # ------------------------------------------------------------------ admin scans (pfs fsck)

@@ -1,0 +1,250 @@
+"""The data server's KV block store without a server: records, the index rebuilt from
+the slabs (torn tails cut, tombstones kept), corrupt records answered as misses,
+eviction under a budget (pinned and hot blocks kept), space given back to file data."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import crc32c
+import pytest
+import trio
+
+from pfs.core.engine import PosixEngine
+from pfs.dataserver import kvslab
+from pfs.dataserver.kvstore import KvStore
+
+NS = "ns"
+
+
+def run(fn: Callable[[], Awaitable[None]]) -> None:
+    async def main() -> None:
+        with trio.fail_after(60):
+            await fn()
+
+    trio.run(main)
+
+
+@asynccontextmanager
+async def store(dirs: list[Path], budget: int = 4 << 20, slab: int = 0
+                ) -> AsyncIterator[KvStore]:
+    engine = PosixEngine()
+    kv = KvStore([str(d) for d in dirs], budget, engine, slab_bytes=slab)
+    try:
+        await kv.start()
+        yield kv
+    finally:
+        kv.close()
+        engine.close()
+
+
+async def put(kv: KvStore, key: bytes, value: bytes, pin: bool = False) -> None:
+    assert await kv.put(NS, key, value, crc32c.crc32c(value), pin) == len(value)
+
+
+async def get(kv: KvStore, key: bytes, maxlen: int = 1 << 22) -> bytes | None:
+    got = await kv.get(NS, key, maxlen)
+    return None if got is None else bytes(got[0])
+
+
+def slabs(d: Path) -> list[Path]:
+    return sorted((d / kvslab.KV_DIR).glob("*.slab"))
+
+
+def test_records_round_trip_and_survive_a_restart(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    blocks = {rng.randbytes(rng.randrange(1, 257)): rng.randbytes(rng.randrange(1, 50_000))
+              for _ in range(60)}
+    keys = list(blocks)
+
+    async def main() -> None:
+        async with store(dirs, slab=256 << 10) as kv:
+            for k, v in blocks.items():
+                await put(kv, k, v)
+            blocks[keys[0]] = b"newer value"
+            await put(kv, keys[0], b"newer value")
+            assert await kv.remove(NS, keys[1:4] + [b"absent"]) == 3
+            for k in keys[1:4]:
+                del blocks[k]
+            assert len(slabs(dirs[0])) and len(slabs(dirs[1]))  # spread over both
+            used = kv.used
+        async with store(dirs, slab=256 << 10) as kv:
+            assert kv.used == used
+            assert len(kv.index) == len(blocks)
+            for k in keys:
+                assert await get(kv, k) == blocks.get(k)
+            assert kv.exists(NS, keys[:5]) == [True, False, False, False, True]
+            assert kv.exists("other", keys[:1]) == [False]
+
+    run(main)
+
+
+@pytest.mark.parametrize("tail", ["half_head", "short_value", "garbage", "zeros_value"])
+def test_a_torn_tail_is_cut_never_served(tmp_path: Path, tail: str) -> None:
+    async def main() -> None:
+        async with store([tmp_path]) as kv:
+            await put(kv, b"keep", b"K" * 1000)
+        (slab,) = slabs(tmp_path)
+        good = slab.stat().st_size
+        head = kvslab.pack_head(NS.encode(), b"torn", 4000, 99, crc32c.crc32c(b"T" * 4000), 0)
+        extra = {"half_head": head[:20], "short_value": head + b"T" * 3000,
+                 "garbage": os.urandom(500), "zeros_value": head + bytes(4000)}[tail]
+        with slab.open("ab") as f:
+            f.write(extra)
+        async with store([tmp_path]) as kv:
+            assert await get(kv, b"torn") is None
+            assert await get(kv, b"keep") == b"K" * 1000
+            assert slab.stat().st_size == good
+            await put(kv, b"after", b"A")  # appends go to a new slab
+        async with store([tmp_path]) as kv:
+            assert await get(kv, b"after") == b"A"
+
+    run(main)
+
+
+def test_a_corrupt_record_is_a_miss(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with store([tmp_path]) as kv:
+            await put(kv, b"a", b"a" * 10_000)
+            await put(kv, b"b", b"b" * 10_000)
+            (slab,) = slabs(tmp_path)
+            with slab.open("r+b") as f:  # rot in a's value while the server runs
+                data = f.read()
+                f.seek(data.index(b"a" * 64) + 5000)
+                f.write(b"X")
+            assert await get(kv, b"a") is None
+            assert await get(kv, b"a") is None  # dropped: a plain miss now
+            assert await get(kv, b"b") == b"b" * 10_000
+            st = kv.stats()
+            assert st["corrupt"] == 1 and st["misses"] == 2 and st["blocks"] == 1
+
+    run(main)
+
+
+def test_put_refuses_a_wrong_crc_and_a_value_over_the_budget(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with store([tmp_path], budget=1 << 20) as kv:
+            with pytest.raises(OSError) as e:
+                await kv.put(NS, b"k", b"value", 1234)
+            assert e.value.errno == errno.EIO
+            assert kv.exists(NS, [b"k"]) == [False]
+            big = bytes(2 << 20)
+            with pytest.raises(OSError) as e:
+                await kv.put(NS, b"k", big, crc32c.crc32c(big))
+            assert e.value.errno == errno.EFBIG
+            await put(kv, b"k", b"x" * 11)
+            with pytest.raises(OSError) as e:
+                await kv.get(NS, b"k", 10)
+            assert e.value.errno == errno.ERANGE and "11 bytes" in str(e.value)
+
+    run(main)
+
+
+def test_eviction_keeps_the_budget_pinned_and_hot_blocks(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    budget = 1 << 20
+
+    async def main() -> None:
+        async with store([tmp_path], budget=budget) as kv:
+            pinned = {b"p%d" % i: rng.randbytes(10_000) for i in range(5)}
+            hot = {b"h%d" % i: rng.randbytes(10_000) for i in range(5)}
+            for k, v in pinned.items():
+                await put(kv, k, v, pin=True)
+            for k, v in hot.items():
+                await put(kv, k, v)
+            cold = {}
+            for i in range(1000):
+                k, v = b"c%d" % i, rng.randbytes(rng.randrange(100, 20_000))
+                cold[k] = v
+                await put(kv, k, v)
+                assert kv.used <= budget
+                if i % 10 == 0:
+                    for hk, hv in hot.items():
+                        assert await get(kv, hk) == hv
+            assert kv.counters.evictions > 500
+            for k, v in (pinned | hot).items():
+                assert await get(kv, k) == v
+            for k, v in cold.items():
+                assert await get(kv, k) in (None, v)
+            assert kv.pinned == len(pinned)
+            assert sum(s.size for s in kv.slabs.values()) == kv.used
+            assert sum(e.size for e in kv.index.values()) == kv.live
+
+    run(main)
+
+
+def test_pinned_blocks_go_only_when_nothing_else_is_left(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with store([tmp_path], budget=512 << 10) as kv:
+            for i in range(200):  # pins alone, far past the budget: never refused
+                await put(kv, b"p%d" % i, os.urandom(10_000), pin=True)
+                assert kv.used <= 512 << 10
+            assert 0 < kv.pinned < 200
+            assert await get(kv, b"p199") is not None  # the newest stay
+
+    run(main)
+
+
+def test_concurrent_puts_and_gets_never_see_wrong_bytes(tmp_path: Path) -> None:
+    rng = random.Random(2)
+    values = {b"k%d" % i: rng.randbytes(rng.randrange(1, 60_000)) for i in range(100)}
+
+    async def main() -> None:
+        async with store([tmp_path], budget=1 << 20) as kv:
+            async def worker(seed: int) -> None:
+                r = random.Random(seed)
+                for _ in range(200):
+                    k = r.choice(list(values))
+                    if r.random() < 0.5:
+                        await put(kv, k, values[k], pin=r.random() < 0.05)
+                    elif r.random() < 0.9:
+                        assert await get(kv, k) in (None, values[k])
+                    else:
+                        await kv.remove(NS, [k])
+
+            async with trio.open_nursery() as n:
+                for s in range(8):
+                    n.start_soon(worker, s)
+            assert kv.used <= 1 << 20
+        async with store([tmp_path], budget=1 << 20) as kv:
+            for k, v in values.items():
+                assert await get(kv, k) in (None, v)
+
+    run(main)
+
+
+def test_reclaim_gives_slabs_back(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with store([tmp_path], budget=4 << 20, slab=256 << 10) as kv:
+            for i in range(40):
+                await put(kv, b"k%d" % i, os.urandom(50_000), pin=i % 2 == 0)
+            before = kv.used
+            freed = await kv.reclaim(1 << 20)
+            assert freed >= 1 << 20 and kv.used == before - freed
+            assert kv.counters.reclaimed == freed
+            assert sum(s.size for s in kv.slabs.values()) == kv.used
+            left = kv.used
+            assert await kv.reclaim(1 << 40) == left  # pinned blocks too
+            assert kv.used == 0 and not kv.index and kv.pinned == 0
+            await put(kv, b"again", b"v")  # it grows again
+
+    run(main)
+
+
+def test_a_lowered_budget_trims_at_start(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with store([tmp_path], budget=4 << 20, slab=256 << 10) as kv:
+            for i in range(60):
+                await put(kv, b"k%d" % i, os.urandom(50_000))
+        async with store([tmp_path], budget=1 << 20, slab=256 << 10) as kv:
+            assert kv.used <= 1 << 20 and kv.index
+            assert await get(kv, b"k59") is not None
+
+    run(main)
