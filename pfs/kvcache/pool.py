@@ -51,12 +51,13 @@ Connect = Callable[[str, str, int], BlockStore]
 
 def in_pool(s: dict[str, Any]) -> bool:
     """A server record (the metaserver's ``servers``) that holds KV blocks: up (or only
-    suspected, so a hiccup moves no keys), and with a KV budget where it reports one."""
+    suspected, so a hiccup moves no keys), not draining, and with a KV budget (its
+    ``kv`` record: servers without a KV store report none)."""
     state = s.get("state") or ("up" if s.get("alive", True) else "down")
     if state in ("down", "draining"):
         return False
-    budget = s.get("kv_budget")
-    return budget is None or int(budget) > 0
+    kv = s.get("kv")
+    return isinstance(kv, dict) and int(kv.get("budget", 0)) > 0
 
 
 class Pool:

@@ -39,6 +39,17 @@ def test_homes_are_stable_when_servers_join_and_leave() -> None:
             assert nine.homes(NS, k)[0] == ten.ranked(NS, k)[1]  # to their next home
 
 
+def test_the_pool_is_the_servers_with_a_kv_budget() -> None:
+    from pfs.kvcache.pool import in_pool
+
+    assert in_pool({"state": "up", "kv": {"budget": 1, "used": 0}})
+    assert in_pool({"state": "suspect", "kv": {"budget": 1}})  # a hiccup moves no keys
+    assert not in_pool({"state": "up"})  # no KV store
+    assert not in_pool({"state": "up", "kv": {"budget": 0}})
+    assert not in_pool({"state": "down", "kv": {"budget": 1}})
+    assert not in_pool({"state": "draining", "kv": {"budget": 1}})
+
+
 def test_homes_replicas_and_namespaces() -> None:
     h = Homes(["a", "b", "c"])
     k = b"key"
@@ -171,7 +182,7 @@ class FakeStore:
 class FakeWorld:
     def __init__(self, n: int) -> None:
         self.servers = {f"s{i}": {"host": "127.0.0.1", "port": 1000 + i, "state": "up",
-                                  "kv_budget": 1 << 30} for i in range(n)}
+                                  "kv": {"budget": 1 << 30}} for i in range(n)}
         self.blocks: dict[str, dict[tuple[str, bytes], bytes]] = {}
         self.down: set[str] = set()
         self.calls = 0
