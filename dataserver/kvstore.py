@@ -4,9 +4,10 @@
 Records are appended to the current slab (the format is :mod:`pfs.dataserver.kvslab`);
 an in-memory index maps ``(namespace, key)`` to the newest record of the key, and is
 rebuilt by scanning the slabs when the server starts. A get reads the value into a
-buffer of its own with the I/O engine and checks its CRC32C before it goes out (a
-mismatch is dropped, counted and answered as a miss); a put checks the CRC the client
-sent before anything is stored (EIO).
+reused buffer (``BufferPool``: no allocation or page faults per get; the reply is sent
+from it, then it goes back) and checks its CRC32C before it goes out (a mismatch is
+dropped, counted and answered as a miss); a put checks the CRC the client sent before
+anything is stored (EIO), then writes head and value with one ``pwritev``.
 
 Space: ``budget`` bytes of slab files at most (the sum of their sizes, dead records
 included), and less when the filesystem is nearly full (the store stops growing while
@@ -26,9 +27,11 @@ crashed process loses nothing acknowledged; a power loss loses at most the last
 seconds of puts, and the torn tail it may leave is cut off at the next start, never
 served.
 
-Blocking work stays off the event loop: reads and writes go through the engine (in
-threads or io_uring), CRCs of large values and flushes run in threads, the start-up scan
-runs in a thread (:meth:`KvStore.open`, before the server serves).
+Blocking work stays off the event loop as the I/O engine keeps it (pfs/core/engine.py):
+a value under ``INLINE_MAX`` is read or written, and checksummed, in the event loop (a
+thread hop would cost more than the copy); a larger one in a worker thread, read and
+CRC in one hop (at most ``QUEUE_DEPTH`` at once). Flushes run in threads, and so does
+the start-up scan (:meth:`KvStore.open`, before the server serves).
 """
 from __future__ import annotations
 
@@ -37,12 +40,13 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import crc32c
 import trio
 
-from pfs.core.engine import Engine
 from pfs.dataserver import kvslab as fmt
 
 log = logging.getLogger(__name__)
@@ -52,10 +56,13 @@ DEFAULT_CAP = 64 << 30  # ... at most
 MAX_SLAB = 64 << 20  # bytes of records a slab takes before the next one opens
 MIN_SLAB = 256 << 10
 SYNC_INTERVAL = 2.0  # seconds between flushes of the slabs written to
-THREAD_CRC = 1 << 20  # values from this size are checksummed in a thread
+INLINE_MAX = 64 << 10  # values below this are read, written and checksummed in the loop
+QUEUE_DEPTH = 32  # reads and writes in worker threads at once
+POOL_BYTES = 256 << 20  # get buffers kept for reuse, at most
 STATFS_EVERY = 1.0  # seconds a filesystem's free space is trusted
 PRESSURE_HOLD = 30.0  # seconds free space is not cached after a file write met ENOSPC
 Key = tuple[str, bytes]
+T = TypeVar("T")
 
 
 def default_budget(dirs: list[str]) -> int:
@@ -71,6 +78,80 @@ def low_water_of(total: int) -> int:
     """Free bytes the store leaves a filesystem of ``total`` bytes (file data's):
     2 %, at most 512 MiB."""
     return min(512 << 20, total // 50)
+
+
+def _pread_checked(fd: int, off: int, view: memoryview, crc: int) -> bool:
+    """Blocking: read ``view`` whole at ``off``; whether it matches ``crc``."""
+    done, total = 0, len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:]], off + done)
+        if n == 0:
+            return False  # cut short
+        done += n
+    return bool(crc32c.crc32c(view) == crc)
+
+
+def _pread_all(fd: int, off: int, buf: bytearray) -> None:
+    """Blocking: fill ``buf`` from ``off`` (EIO if the file ends first)."""
+    view, done = memoryview(buf), 0
+    while done < len(buf):
+        n = os.preadv(fd, [view[done:]], off + done)
+        if n == 0:
+            raise OSError(errno.EIO, "kv slab shorter than its index says")
+        done += n
+
+
+def _pwrite_all(fd: int, off: int, bufs: list[memoryview]) -> None:
+    """Blocking: write ``bufs`` one after another at ``off``."""
+    for buf in bufs:
+        done = 0
+        while done < len(buf):
+            done += os.pwritev(fd, [buf[done:]], off + done)
+        off += len(buf)
+
+
+def _crc(view: memoryview) -> int:
+    return int(crc32c.crc32c(view))
+
+
+class BufferPool:
+    """Buffers for get replies, reused: a power-of-two size class from 64 KiB up, at
+    most ``limit`` bytes kept (smaller values get a new buffer each)."""
+
+    def __init__(self, limit: int = POOL_BYTES) -> None:
+        self.limit = limit
+        self.kept = 0
+        self._free: dict[int, list[bytearray]] = {}
+
+    def take(self, n: int) -> bytearray:
+        if n < INLINE_MAX:
+            return bytearray(n)
+        size = 1 << (n - 1).bit_length()
+        free = self._free.get(size)
+        if free:
+            self.kept -= size
+            return free.pop()
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        if size < INLINE_MAX or size & (size - 1) or self.kept + size > self.limit:
+            return
+        self._free.setdefault(size, []).append(buf)
+        self.kept += size
+
+
+class Value:
+    """A value read by :meth:`KvStore.get`: its bytes, their CRC32C, and ``release``,
+    to call once the bytes are no longer needed (sent): the buffer is reused."""
+
+    __slots__ = ("view", "crc", "_buf", "_pool")
+
+    def __init__(self, view: memoryview, crc: int, buf: bytearray, pool: BufferPool) -> None:
+        self.view, self.crc, self._buf, self._pool = view, crc, buf, pool
+
+    def release(self) -> None:
+        self._pool.give(self._buf)
 
 
 class Slab:
@@ -111,18 +192,18 @@ class KvCounters:
     misses: int = 0
     puts: int = 0
     evictions: int = 0  # records dropped to make room (moves not counted)
-    corrupt: int = 0  # records whose value failed its checksum when read
+    corrupt: int = 0  # records whose value failed its checksum (or a read) when read
     bytes_in: int = 0  # value bytes stored
     bytes_out: int = 0  # value bytes served
     reclaimed: int = 0  # bytes given back to file writes (ENOSPC)
 
 
 class KvStore:
-    def __init__(self, dirs: list[str], budget: int, engine: Engine, *,
-                 slab_bytes: int = 0) -> None:
+    def __init__(self, dirs: list[str], budget: int, *, slab_bytes: int = 0) -> None:
         self.dirs = list(dirs)
         self.budget = max(0, budget)
-        self.engine = engine
+        self.buffers = BufferPool()
+        self._limiter = trio.CapacityLimiter(QUEUE_DEPTH)
         self.slab_bytes = slab_bytes or max(MIN_SLAB, min(MAX_SLAB, self.budget // 8))
         self.index: dict[Key, Entry] = {}
         self.slabs: OrderedDict[int, Slab] = OrderedDict()  # oldest first
@@ -137,7 +218,6 @@ class KvStore:
         self._evicting = trio.Lock()
         self._free_at: dict[str, tuple[float, int, int]] = {}  # dir -> (when, free, total)
         self._pressure_until = 0.0
-        self._opened = False
 
     @property
     def enabled(self) -> bool:
@@ -154,6 +234,9 @@ class KvStore:
                 names = os.listdir(kvd)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # a drive gone: its blocks are misses
+                log.error("kv: cannot list %s: %s", kvd, exc)
+                continue
             for name in names:
                 sid = fmt.slab_id(name)
                 if sid is not None:
@@ -162,12 +245,17 @@ class KvStore:
         best: dict[Key, tuple[fmt.Scanned, Slab]] = {}
         for sid, path, d in found:
             self.next_sid = max(self.next_sid, sid + 1)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                log.error("kv slab %s cannot be opened, skipped: %s", path, exc)
+                continue
             try:
                 recs, end = fmt.scan(fd, path)
             except OSError as exc:
-                log.error("kv slab %s unreadable, dropped: %s", path, exc)
-                recs, end = [], 0
+                log.error("kv slab %s unreadable, skipped: %s", path, exc)
+                os.close(fd)
+                continue
             if end == 0:
                 os.close(fd)
                 os.unlink(path)
@@ -186,7 +274,6 @@ class KvStore:
             if not rec.flags & fmt.TOMBSTONE:
                 self._index(key, Entry(slab, rec.off, rec.head_len, rec.vlen, rec.vcrc,
                                        rec.seq, bool(rec.flags & fmt.PINNED)))
-        self._opened = True
         if found:
             log.info("kv store: %d blocks in %d slabs (%d bytes) after the scan",
                      len(self.index), len(self.slabs), self.used)
@@ -226,6 +313,17 @@ class KvStore:
             finally:
                 self._unref(slab)
 
+    async def _io(self, nbytes: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, blocking I/O of ``nbytes``: in the event loop when small, else
+        in a worker thread."""
+        if nbytes < INLINE_MAX:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                return fn(*args)
+            finally:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
     # -- the index -----------------------------------------------------------------
     def _index(self, key: Key, e: Entry) -> None:
         self.index[key] = e
@@ -247,11 +345,20 @@ class KvStore:
     def _new_slab(self) -> Slab:
         sid = self.next_sid
         self.next_sid += 1
-        d = self.dirs[sid % len(self.dirs)]
-        kvd = os.path.join(d, fmt.KV_DIR)
-        os.makedirs(kvd, exist_ok=True)
-        path = os.path.join(kvd, fmt.slab_name(sid))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        first: OSError | None = None
+        for i in range(len(self.dirs)):  # the directories in turn; one gone is skipped
+            d = self.dirs[(sid + i) % len(self.dirs)]
+            kvd = os.path.join(d, fmt.KV_DIR)
+            path = os.path.join(kvd, fmt.slab_name(sid))
+            try:
+                os.makedirs(kvd, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except OSError as exc:
+                first = first or exc
+        else:
+            assert first is not None
+            raise first
         slab = Slab(sid, path, d, fd)
         self.slabs[sid] = slab
         self.current = slab
@@ -275,6 +382,19 @@ class KvStore:
         self.used += size
         slab.writers += 1
         return slab, off
+
+    async def _append(self, slab: Slab, off: int, bufs: list[memoryview]) -> None:
+        """Write a reserved record, whatever happens: a cancelled or failed append
+        would leave a hole, which ends the slab's scan at the next start (so a failed
+        one seals the slab: nothing more goes after it)."""
+        try:
+            with trio.CancelScope(shield=True):
+                await self._io(sum(len(b) for b in bufs), _pwrite_all, slab.fd, off, bufs)
+        except OSError:
+            self._seal(slab)
+            raise
+        finally:
+            self._written(slab)
 
     def _written(self, slab: Slab) -> None:
         slab.writers -= 1
@@ -365,10 +485,19 @@ class KvStore:
                 else:
                     self._drop(key, e)
                     self.counters.evictions += 1
-            bufs = [bytearray(e.size) for _k, e in keep]
-            if keep:
-                await self.engine.readv([(victim.fd, e.off, e.size, b)
-                                         for (_k, e), b in zip(keep, bufs, strict=True)])
+            bufs: list[bytearray] = []
+            for key, e in list(keep):
+                buf = bytearray(e.size)
+                try:
+                    await self._io(e.size, _pread_all, victim.fd, e.off, buf)
+                except OSError as exc:  # unreadable: it cannot move; a miss from now
+                    log.error("kv slab %s: block at %d unreadable, dropped: %s",
+                              victim.path, e.off, exc)
+                    keep.remove((key, e))
+                    if self.index.get(key) is e:
+                        self._drop(key, e)
+                    continue
+                bufs.append(buf)
             # the kept records stay readable where they are (the victim's descriptor
             # is held) until their copy lands
             victim.keys.clear()
@@ -378,10 +507,7 @@ class KvStore:
                 if self.index.get(key) is not e:  # removed or put again meanwhile
                     continue
                 slab, off = self._reserve(len(buf))
-                try:
-                    await self.engine.write(slab.fd, off, buf)
-                finally:
-                    self._written(slab)
+                await self._append(slab, off, [memoryview(buf)])
                 if self.index.get(key) is not e:
                     continue
                 e.slab, e.off, e.ref = slab, off, False
@@ -426,8 +552,7 @@ class KvStore:
         self._check_enabled()
         view = memoryview(value)
         n = view.nbytes
-        got = (await trio.to_thread.run_sync(crc32c.crc32c, view) if n >= THREAD_CRC
-               else crc32c.crc32c(view))
+        got = await self._io(n, _crc, view)
         if got != crc:
             raise OSError(errno.EIO, f"kv_put {ns}/{key.hex()}: the value's CRC32C is "
                                      f"{got:#010x}, not {crc:#010x} as sent: not stored")
@@ -442,11 +567,7 @@ class KvStore:
         flags = fmt.PINNED if pin else 0
         head = fmt.pack_head(nsb, key, n, seq, crc, flags)
         slab, off = self._reserve(size)
-        try:
-            await self.engine.writev([(slab.fd, off, len(head), head),
-                                      (slab.fd, off + len(head), n, view)])
-        finally:
-            self._written(slab)
+        await self._append(slab, off, [memoryview(head), view])
         k = (ns, key)
         old = self.index.get(k)
         if old is not None:
@@ -458,10 +579,10 @@ class KvStore:
         self.counters.bytes_in += n
         return n
 
-    async def get(self, ns: str, key: bytes, maxlen: int) -> tuple[memoryview, int] | None:
-        """The value of ``(ns, key)`` and its CRC32C, checked; None for a miss (absent,
-        or its record failed its checksum: dropped). ERANGE when the value is longer
-        than ``maxlen``."""
+    async def get(self, ns: str, key: bytes, maxlen: int) -> Value | None:
+        """The value of ``(ns, key)``, checked against its CRC32C; None for a miss
+        (absent, or its record failed its checksum: dropped). ERANGE when the value is
+        longer than ``maxlen``. The caller releases the value once sent."""
         k = (ns, key)
         e = self.index.get(k)
         if e is None:
@@ -471,28 +592,41 @@ class KvStore:
             raise OSError(errno.ERANGE, f"kv_get {ns}/{key.hex()}: the value is {e.vlen} "
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
-        buf = bytearray(e.vlen)
-        view = memoryview(buf)
+        buf = self.buffers.take(e.vlen)
+        view = memoryview(buf)[:e.vlen]
         slab.refs += 1
+        why = "failed its checksum"
         try:
-            got = await self.engine.read_into(slab.fd, e.off + e.hlen, view)
+            ok = await self._io(e.vlen, _pread_checked, slab.fd, e.off + e.hlen, view,
+                                e.crc)
+        except OSError as exc:  # a bad sector, a drive gone: a miss, not an error
+            ok, why = False, f"unreadable ({exc.strerror})"
+        except BaseException:
+            self.buffers.give(buf)
+            raise
         finally:
             self._unref(slab)
-        ok = got == e.vlen and (
-            (await trio.to_thread.run_sync(crc32c.crc32c, view) if got >= THREAD_CRC
-             else crc32c.crc32c(view)) == e.crc)
         if not ok:
+            self.buffers.give(buf)
             self.counters.corrupt += 1
             self.counters.misses += 1
-            log.error("kv block %s/%s in slab %s at %d: %s; dropped", ns, key.hex(),
-                      slab.path, e.off, "short" if got != e.vlen else "checksum mismatch")
+            log.error("kv block %s/%s in slab %s at %d %s; dropped", ns, key.hex(),
+                      slab.path, e.off, why)
             if self.index.get(k) is e:
                 self._drop(k, e)
             return None
         e.ref = True
         self.counters.hits += 1
         self.counters.bytes_out += e.vlen
-        return view, e.crc
+        return Value(view, e.crc, buf, self.buffers)
+
+    def answers_at_once(self, ns: object, key: object) -> bool:
+        """Whether a get of ``(ns, key)`` (as they came off the wire, unchecked) is a
+        miss or a value small enough to read in the event loop: it never waits."""
+        if not isinstance(ns, str) or not isinstance(key, bytes):
+            return False
+        e = self.index.get((ns, key))
+        return e is None or e.vlen < INLINE_MAX
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         return [(ns, k) in self.index for k in keys]
@@ -520,10 +654,7 @@ class KvStore:
             log.warning("kv remove: tombstones not written: %s", exc)
             return len(gone)
         slab, off = self._reserve(len(blob))
-        try:
-            await self.engine.write(slab.fd, off, blob)
-        finally:
-            self._written(slab)
+        await self._append(slab, off, [memoryview(blob)])
         return len(gone)
 
     def stats(self) -> dict[str, int]:

@@ -68,7 +68,7 @@ class DataService(RpcService):
         self.store = store
         self.engine = engine
         # KV-cache blocks (kvstore.py); a server without a budget answers EOPNOTSUPP
-        self.kv = kv if kv is not None else KvStore(store.dirs, 0, engine)
+        self.kv = kv if kv is not None else KvStore(store.dirs, 0)
         self.kv_namespaces = kv_namespaces or {}  # namespace -> node keys that may use it
         self.use_sendfile = use_sendfile
         self.sid: str | None = store.load_sid()
@@ -126,7 +126,12 @@ class DataService(RpcService):
         # one connection go out one after another anyway: no task of its own (a
         # checked read may wait for its blocks' lock first, which must not stall the
         # connection's reader: it runs in a task of its own, sendfile or not)
-        return self.use_sendfile and req.method == "read" and not self.store.checksums
+        if req.method == "read":
+            return self.use_sendfile and not self.store.checksums
+        # KV probes, misses and small blocks never wait either (read in the loop)
+        if req.method == "kv_get":
+            return self.kv.answers_at_once(req.fields.get("ns"), req.fields.get("key"))
+        return req.method == "kv_exists"
 
     # -- capabilities ----------------------------------------------------------
     def set_security(self, cap_key: bytes, floor: int, cap_ttl: float = 300.0,
@@ -499,8 +504,9 @@ class DataService(RpcService):
         got = await self.kv.get(req.ns, req.key, req.len)
         if got is None:
             return K.KvGetReply(found=False, n=0, crc=0)
-        view, crc = got
-        return Reply(K.KvGetReply(found=True, n=len(view), crc=crc), payload=view)
+        # sent from the store's buffer, which goes back to it once sent
+        return Reply(K.KvGetReply(found=True, n=len(got.view), crc=got.crc),
+                     payload=got.view, release=got.release)
 
     async def rpc_kv_exists(self, ctx: ConnContext, req: K.KvExists) -> K.KvExistsReply:
         self._kv_allowed(ctx, req.ns, "kv_exists")
@@ -838,7 +844,7 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         store.close()
         raise
     budget = default_budget(config.dirs) if config.kv_budget < 0 else config.kv_budget
-    kv = KvStore(config.dirs, budget, engine)
+    kv = KvStore(config.dirs, budget)
     service = DataService(store, engine, auth=server_auth, own_auth=own_auth,
                           verify_caps=verify_caps, free_override=config.free_override,
                           meta=config.meta, forward_timeout=config.forward_timeout, kv=kv,

@@ -240,7 +240,7 @@ def test_restricted_namespace_needs_a_listed_node_key(tmp_path: Path) -> None:
         "node-b": (key_b, auth.Identity("node-b", "client"))})
     store = ObjectStore([str(tmp_path / "d0")])
     engine = PosixEngine()
-    kvs = KvStore(store.dirs, 1 << 20, engine)
+    kvs = KvStore(store.dirs, 1 << 20)
     service = DataService(store, engine, auth=server_auth, kv=kvs,
                           kv_namespaces={"secret": {"node-a"}})
 

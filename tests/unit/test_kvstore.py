@@ -14,8 +14,9 @@ import crc32c
 import pytest
 import trio
 
-from pfs.core.engine import PosixEngine
+from pfs.core.messages.records import Volume
 from pfs.dataserver import kvslab
+from pfs.dataserver.capacity import with_reclaimable
 from pfs.dataserver.kvstore import KvStore
 
 NS = "ns"
@@ -32,14 +33,12 @@ def run(fn: Callable[[], Awaitable[None]]) -> None:
 @asynccontextmanager
 async def store(dirs: list[Path], budget: int = 4 << 20, slab: int = 0
                 ) -> AsyncIterator[KvStore]:
-    engine = PosixEngine()
-    kv = KvStore([str(d) for d in dirs], budget, engine, slab_bytes=slab)
+    kv = KvStore([str(d) for d in dirs], budget, slab_bytes=slab)
     try:
         await kv.start()
         yield kv
     finally:
         kv.close()
-        engine.close()
 
 
 async def put(kv: KvStore, key: bytes, value: bytes, pin: bool = False) -> None:
@@ -48,7 +47,11 @@ async def put(kv: KvStore, key: bytes, value: bytes, pin: bool = False) -> None:
 
 async def get(kv: KvStore, key: bytes, maxlen: int = 1 << 22) -> bytes | None:
     got = await kv.get(NS, key, maxlen)
-    return None if got is None else bytes(got[0])
+    if got is None:
+        return None
+    value = bytes(got.view)
+    got.release()
+    return value
 
 
 def slabs(d: Path) -> list[Path]:
@@ -248,3 +251,28 @@ def test_a_lowered_budget_trims_at_start(tmp_path: Path) -> None:
             assert await get(kv, b"k59") is not None
 
     run(main)
+
+
+def test_a_directory_that_cannot_take_slabs_is_skipped(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    (bad / kvslab.KV_DIR).write_text("not a directory")
+
+    async def main() -> None:
+        async with store([good, bad], slab=256 << 10) as kv:
+            for i in range(20):
+                await put(kv, b"k%d" % i, os.urandom(50_000))
+            assert len(slabs(good)) == len(kv.slabs) > 1
+        async with store([good, bad], slab=256 << 10) as kv:  # and the scan skips it
+            assert len(kv.index) == 20
+
+    run(main)
+
+
+def test_kv_slabs_count_as_free_space_per_filesystem() -> None:
+    vols = [Volume("/a", "fs1", 1000, 100), Volume("/b", "fs1", 1000, 100),
+            Volume("/c", "fs2", 1000, 950)]
+    out = with_reclaimable(vols, {"/a": 200, "/c": 100})
+    assert [v.free for v in out] == [300, 300, 1000]  # a disk shared: once; capped
+    assert with_reclaimable(vols, {}) is vols

@@ -402,7 +402,7 @@ class Heartbeat(MetaRequest, method="heartbeat", reply=HeartbeatReply):
                                                             "learns it here)")
     protocol: list[int] | None = List(Int(lo=0), default=None, max_len=2,
                                       doc="as in `register`")
-    kv: list[int] | None = List(Int(lo=0), default=None, max_len=2, doc="as in `register`")
+    kv: list[int] | None = List(Int(lo=0), default=None, max_len=8, doc="as in `register`")
 
 
 # ------------------------------------------------------------------ admin scans (pfs fsck)
