@@ -35,6 +35,7 @@ from pfs.client.data import run_all
 from pfs.client.sync import _Loop
 from pfs.core import metrics
 from pfs.core.config import client_config
+from pfs.kvcache.direct import DirectKv
 from pfs.kvcache.nodetier import NodeTier
 from pfs.kvcache.pool import SKIP, BlockStore, Connect, Lookup, Pool
 from pfs.kvcache.remote import KvServerClient
@@ -111,6 +112,9 @@ class AsyncKVCache:
         self._slots = trio.Semaphore(PARALLEL)
         self._copies: device.Copies | None = None
         self.on_close: list[Callable[[], None]] = []  # what else closes with the cache
+        # the blocking twin's route to the homes from its callers' threads (None: through
+        # the event loop only)
+        self.direct: DirectKv | None = None
         self.counts: dict[str, int] = dict.fromkeys(
             ("puts", "put_bytes", "gets", "node_hits", "remote_hits", "misses", "get_bytes",
              "remote_errors", "background_failed"), 0)
@@ -500,7 +504,8 @@ def make_cache(nursery: trio.Nursery, config: Any = None, namespace: str = "defa
         return KvServerClient(nursery, host, port, auth=fs.data_auth, timeout=cfg.timeout)
 
     kv = AsyncKVCache(nursery, namespace, fs.meta.servers, connect, node_tier=node, **kw)
-    kv.on_close.append(fs.close)
+    kv.direct = DirectKv(fs.data_auth, lambda sid: kv.pool.addrs.get(sid), cfg.timeout)
+    kv.on_close += [fs.close, kv.direct.close]
     return kv
 
 
@@ -557,8 +562,11 @@ class KVCache:
         handed to the event loop without waiting for it (no thread round trip)."""
         aio = self.aio
         k, view = aio._put_args(key, buf)
+        crc = crc32c.crc32c(view)
         if self.node is not None:
-            self.node.put(self.ns, k, view)
+            self.node.put(self.ns, k, view, crc)
+        if sync and aio.direct is not None and self._put_direct(k, view, crc):
+            return
         if not sync and self._loop.token is not None:
             data = bytes(view)
             if aio._reserve(len(data)):
@@ -568,6 +576,26 @@ class KVCache:
                                                data)
                 return
         self._run(aio._put_after_node, k, view, sync)
+
+    def _put_direct(self, k: bytes, view: memoryview, crc: int) -> bool:
+        """Store at the homes from this thread; False: take the event loop's path."""
+        aio = self.aio
+        assert aio.direct is not None
+        aio.pool.expire_down()
+        homes = aio._homes(k)
+        if not homes:
+            return False
+        try:
+            for sid in homes:
+                aio.direct.put(sid, self.ns, k, view, crc, aio.pin)
+        except OSError as exc:
+            if exc.errno in SKIP or exc.errno == errno.ENOTCONN:
+                return False  # the loop's path puts again (a put is idempotent)
+            raise
+        aio.counts["puts"] += 1
+        aio.counts["put_bytes"] += len(view)
+        metrics.kv_op("put", "remote", "ok", len(view))
+        return True
 
     def get(self, key: Any, out: Any) -> bool:
         n = self.get_into(key, out)
@@ -582,21 +610,57 @@ class KVCache:
     def get_into(self, key: Any, out: Any) -> int | None:
         """As AsyncKVCache.get_into; a node-tier hit is served in this thread."""
         self.aio._open()
-        if self.node is None or device.is_device_buffer(out):
+        if device.is_device_buffer(out):
             return self._run(self.aio.get_into, key, out)
         k = check_key(key)
         view = host_view(out, "output")
         if view.readonly:
             raise OSError(errno.EINVAL, "KV get into a read-only buffer")
+        if self.node is None:
+            return self._get_remote(k, view)
         n = self.node.get_into(self.ns, k, view)
         if n is None:
-            return self._run(partial(self.aio.get_into, k, view, node_checked=True))
+            return self._get_remote(k, view)
         counts = self.aio.counts
         counts["gets"] += 1
         counts["node_hits"] += 1
         counts["get_bytes"] += n
         metrics.kv_op("get", "node", "hit", n)
         return n
+
+    def _get_remote(self, k: bytes, view: memoryview) -> int | None:
+        """From the homes in this thread (the direct route); through the event loop
+        when that route cannot serve (no address yet, a server that does not answer:
+        the loop's path marks it down and refreshes the pool)."""
+        aio = self.aio
+        direct = aio.direct
+        if direct is None:
+            return self._run(partial(aio.get_into, k, view, node_checked=True))
+        aio.pool.expire_down()
+        counts = aio.counts
+        counts["gets"] += 1
+        for sid in aio._homes(k):
+            try:
+                n = direct.get_into(sid, self.ns, k, view)
+            except OSError as exc:
+                if exc.errno == errno.EIO:  # damaged on the way: a miss here
+                    log.warning("KV get from %s: %s", sid, exc)
+                    counts["remote_errors"] += 1
+                    continue
+                if exc.errno in SKIP or exc.errno == errno.ENOTCONN:
+                    counts["gets"] -= 1  # counted again there
+                    return self._run(partial(aio.get_into, k, view, node_checked=True))
+                raise
+            if n is not None:
+                counts["remote_hits"] += 1
+                counts["get_bytes"] += n
+                metrics.kv_op("get", "remote", "hit", n)
+                if self.node is not None:
+                    self.node.put(self.ns, k, view[:n])  # read-through
+                return n
+        counts["misses"] += 1
+        metrics.kv_op("get", "remote", "miss")
+        return None
 
     def exists(self, keys: Sequence[Any]) -> int:
         return self._run(self.aio.exists, keys)

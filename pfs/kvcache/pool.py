@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -68,11 +69,12 @@ class Pool:
         self._clock = clock
         self.addrs: dict[str, tuple[str, int]] = {}
         self.homes = Homes(())
-        self._all = Homes(())
         self._stores: dict[str, tuple[tuple[str, int], BlockStore]] = {}
         self._down: dict[str, float] = {}  # sid -> when it may be tried again
         self._last_refresh = -MIN_REFRESH_GAP
         self._refreshing = trio.Lock()
+        # the blocking twin ranks and marks servers from its callers' threads too
+        self._lock = threading.Lock()
         self.refreshes = 0
 
     async def refresh(self) -> None:
@@ -86,9 +88,10 @@ class Pool:
             self.refreshes += 1
             addrs = {sid: (str(s["host"]), int(s["port"])) for sid, s in servers.items()
                      if in_pool(s)}
-            for sid, addr in addrs.items():
-                if sid in self._down and self.addrs.get(sid) != addr:
-                    del self._down[sid]  # restarted elsewhere: try it again at once
+            with self._lock:
+                for sid, addr in addrs.items():
+                    if sid in self._down and self.addrs.get(sid) != addr:
+                        del self._down[sid]  # restarted elsewhere: try it again at once
             self.addrs = addrs
             for sid in list(self._stores):
                 if self._stores[sid][0] != self.addrs.get(sid):
@@ -104,10 +107,10 @@ class Pool:
                 log.warning("KV pool: the metaserver did not answer: %s", exc)
 
     def _rebuild(self) -> None:
-        now = self._clock()
-        self._down = {s: t for s, t in self._down.items() if t > now and s in self.addrs}
-        self._all = Homes(self.addrs)
-        self.homes = Homes(s for s in self.addrs if s not in self._down)
+        with self._lock:
+            now = self._clock()
+            self._down = {s: t for s, t in self._down.items() if t > now and s in self.addrs}
+            self.homes = Homes(s for s in self.addrs if s not in self._down)
 
     def _drop_store(self, sid: str) -> None:
         _addr, store = self._stores.pop(sid)
@@ -118,14 +121,17 @@ class Pool:
     def mark_down(self, sid: str, exc: OSError) -> None:
         log.warning("KV server %s did not answer (%s): its keys go to their next home for "
                     "%.0f s", sid, exc, DOWN_FOR)
-        self._down[sid] = self._clock() + DOWN_FOR
+        with self._lock:
+            self._down[sid] = self._clock() + DOWN_FOR
         if sid in self._stores:
             self._drop_store(sid)
         self._rebuild()
 
     def expire_down(self) -> None:
         """Let servers whose time out is over back into the homes."""
-        if self._down and min(self._down.values()) <= self._clock():
+        with self._lock:
+            due = bool(self._down) and min(self._down.values()) <= self._clock()
+        if due:
             self._rebuild()
 
     def store(self, sid: str) -> BlockStore:
