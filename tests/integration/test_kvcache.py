@@ -219,3 +219,29 @@ def test_bench_kvcache_runs(cluster_dir: Path, tmp_path: Path,
         assert c["errors"] == 0, c
         assert c["get"]["ops"] >= 4 and c["get"]["GBps"] > 0
     assert any("node tier / local file" in a for a in res["aims"])
+
+
+def test_a_block_corrupted_on_a_servers_disk_is_a_miss(cluster_dir: Path, client_toml: Path,
+                                                       tmp_path: Path) -> None:
+    key = b"rot-" + os.urandom(8)
+    value = value_of(key, 64 << 10)
+    with KVCache(client_toml, NS, node_tier_bytes=0) as kv:
+        kv.put(key, value)
+        hit = None
+        for slab in (cluster_dir / "data").glob("ds*/kv/*.slab"):
+            at = slab.read_bytes().find(value[1000:1064])
+            if at >= 0:
+                hit = (slab, at)
+        assert hit is not None, "the block is in no slab"
+        slab, at = hit
+        with open(slab, "r+b") as f:  # flip one byte of the value
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0xFF]))
+        out = bytearray(len(value))
+        assert not kv.get(key, out)  # a miss: never the damaged bytes
+        assert kv.exists([key]) == 0
+        kv.put(key, value)  # and a put heals it
+        assert kv.get(key, out) and out == value
+        kv.remove([key])
