@@ -49,6 +49,7 @@ NODE_TIER_BYTES = 1 << 30  # the node tier's default budget
 REFRESH = 30.0  # seconds between two reads of the pool from the metaserver
 BACKGROUND_BYTES = 256 << 20  # bytes of sync=False puts queued before a put waits
 PARALLEL = 32  # requests of one batch in flight at once
+THREAD_BYTES = 1 << 20  # the async client moves node-tier blocks this large in a thread
 _NS = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -150,15 +151,24 @@ class AsyncKVCache:
             await self.pool.refresh_soon()
 
     # -- put ------------------------------------------------------------------------
-    async def put(self, key: Any, buf: Any, *, sync: bool = True) -> None:
+    async def put(self, key: Any, buf: Any, *, sync: bool = True,
+                  pin: bool | None = None) -> None:
         """Store ``buf`` (host bytes, or a GPU buffer) under ``key``. ``sync=True``:
         returns once the block's homes hold it (visible to every node); ``sync=False``:
-        once this node's tier holds it, the homes later (:meth:`flush` waits)."""
+        once this node's tier holds it, the homes later (:meth:`flush` waits). ``pin``:
+        the homes evict it only when nothing unpinned is left (a hot prefix; default:
+        the cache's ``pin``)."""
         k, view = self._put_args(key, buf)
-        crc = crc32c.crc32c(view)
         if self.node is not None:
-            self.node.put(self.ns, k, view, crc)
-        await self._put_after_node(k, view, sync)
+            await self._node_put(k, view)
+        await self._put_after_node(k, view, sync, self.pin if pin is None else pin)
+
+    async def _node_put(self, k: bytes, view: memoryview) -> None:
+        assert self.node is not None
+        if len(view) >= THREAD_BYTES:  # keep the event loop free of long copies
+            await trio.to_thread.run_sync(self.node.put, self.ns, k, view)
+        else:
+            self.node.put(self.ns, k, view)
 
     def _put_args(self, key: Any, buf: Any) -> tuple[bytes, memoryview]:
         self._open()
@@ -173,17 +183,18 @@ class AsyncKVCache:
         check_value(len(view), "value")
         return k, view
 
-    async def _put_after_node(self, k: bytes, view: memoryview, sync: bool) -> None:
+    async def _put_after_node(self, k: bytes, view: memoryview, sync: bool,
+                              pin: bool) -> None:
         self.counts["puts"] += 1
         self.counts["put_bytes"] += len(view)
         if sync:
-            await self._put_remote(k, view)
+            await self._put_remote(k, view, pin)
             return
         data = bytes(view)  # the caller may reuse its buffer once put returns
         async with self._bg_changed:
             while not self._reserve(len(data)):
                 await self._bg_changed.wait()
-        self._nursery.start_soon(self._background, k, data)
+        self._nursery.start_soon(self._background, k, data, pin)
 
     def _reserve(self, n: int) -> bool:
         """Count ``n`` bytes into the background queue unless that would pass its bound
@@ -196,9 +207,9 @@ class AsyncKVCache:
             self._bg_count += 1
             return True
 
-    async def _background(self, k: bytes, data: bytes) -> None:
+    async def _background(self, k: bytes, data: bytes, pin: bool) -> None:
         try:
-            await self._put_remote(k, memoryview(data))
+            await self._put_remote(k, memoryview(data), pin)
         except OSError as exc:
             self.counts["background_failed"] += 1
             self._bg_errors.append(exc)
@@ -210,7 +221,7 @@ class AsyncKVCache:
             async with self._bg_changed:
                 self._bg_changed.notify_all()
 
-    async def _put_remote(self, k: bytes, view: memoryview) -> None:
+    async def _put_remote(self, k: bytes, view: memoryview, pin: bool) -> None:
         for attempt in range(2):
             homes = self._homes(k)
             if not homes:
@@ -220,7 +231,7 @@ class AsyncKVCache:
                     raise OSError(errno.EHOSTUNREACH, "KV put: no data server with a KV "
                                                       "budget is up")
             failed: list[tuple[str, OSError]] = []
-            await run_all([partial(self._put_home, s, k, view, failed) for s in homes])
+            await run_all([partial(self._put_home, s, k, view, pin, failed) for s in homes])
             if not failed:
                 metrics.kv_op("put", "remote", "ok", len(view))
                 return
@@ -236,25 +247,27 @@ class AsyncKVCache:
                                          f"{exc.strerror or exc}")
         raise AssertionError("unreachable")
 
-    async def _put_home(self, sid: str, k: bytes, view: memoryview,
+    async def _put_home(self, sid: str, k: bytes, view: memoryview, pin: bool,
                         failed: list[tuple[str, OSError]]) -> None:
         try:
             async with self._slots:
-                await self.pool.store(sid).put(self.ns, k, view, pin=self.pin)
+                await self.pool.store(sid).put(self.ns, k, view, pin=pin)
         except OSError as exc:
             if exc.errno not in SKIP:
                 raise
             failed.append((sid, exc))
 
     async def put_batch(self, keys: Sequence[Any], bufs: Sequence[Any], *,
-                        sync: bool = True) -> None:
+                        sync: bool = True, pin: bool | None = None) -> None:
+        """Put each block (concurrently at their homes); as :meth:`put`."""
         if len(keys) != len(bufs):
             raise OSError(errno.EINVAL, f"put_batch: {len(keys)} keys, {len(bufs)} buffers")
         args = [self._put_args(k, b) for k, b in zip(keys, bufs, strict=True)]
         for k, view in args:
             if self.node is not None:
-                self.node.put(self.ns, k, view)
-        await _all([partial(self._put_after_node, k, v, sync) for k, v in args])
+                await self._node_put(k, view)
+        pinned = self.pin if pin is None else pin
+        await _all([partial(self._put_after_node, k, v, sync, pinned) for k, v in args])
 
     async def flush(self) -> None:
         """Wait for every ``sync=False`` put so far to reach its homes; raises the
@@ -297,7 +310,10 @@ class AsyncKVCache:
             raise OSError(errno.EINVAL, "KV get into a read-only buffer")
         self.counts["gets"] += 1
         if self.node is not None and not node_checked:
-            n = self.node.get_into(self.ns, k, view)
+            if len(view) >= THREAD_BYTES:  # keep the event loop free of long copies
+                n = await trio.to_thread.run_sync(self.node.get_into, self.ns, k, view)
+            else:
+                n = self.node.get_into(self.ns, k, view)
             if n is not None:
                 self.counts["node_hits"] += 1
                 self.counts["get_bytes"] += n
@@ -327,7 +343,7 @@ class AsyncKVCache:
                 self.counts["get_bytes"] += n
                 metrics.kv_op("get", "remote", "hit", n)
                 if self.node is not None:
-                    self.node.put(self.ns, k, view[:n])  # read-through
+                    await self._node_put(k, view[:n])  # read-through
                 return n
         self.counts["misses"] += 1
         metrics.kv_op("get", "remote", "miss")
@@ -557,15 +573,16 @@ class KVCache:
             self.aio._open()
         return self._loop.run(fn, *args)
 
-    def put(self, key: Any, buf: Any, *, sync: bool = True) -> None:
+    def put(self, key: Any, buf: Any, *, sync: bool = True, pin: bool | None = None) -> None:
         """As AsyncKVCache.put; with ``sync=False`` under the queue's bound, the block is
         handed to the event loop without waiting for it (no thread round trip)."""
         aio = self.aio
         k, view = aio._put_args(key, buf)
+        pinned = aio.pin if pin is None else pin
         crc = crc32c.crc32c(view)
         if self.node is not None:
             self.node.put(self.ns, k, view, crc)
-        if sync and aio.direct is not None and self._put_direct(k, view, crc):
+        if sync and aio.direct is not None and self._put_direct(k, view, crc, pinned):
             return
         if not sync and self._loop.token is not None:
             data = bytes(view)
@@ -573,11 +590,11 @@ class KVCache:
                 aio.counts["puts"] += 1
                 aio.counts["put_bytes"] += len(data)
                 self._loop.token.run_sync_soon(aio._nursery.start_soon, aio._background, k,
-                                               data)
+                                               data, pinned)
                 return
-        self._run(aio._put_after_node, k, view, sync)
+        self._run(aio._put_after_node, k, view, sync, pinned)
 
-    def _put_direct(self, k: bytes, view: memoryview, crc: int) -> bool:
+    def _put_direct(self, k: bytes, view: memoryview, crc: int, pin: bool) -> bool:
         """Store at the homes from this thread; False: take the event loop's path."""
         aio = self.aio
         assert aio.direct is not None
@@ -587,7 +604,7 @@ class KVCache:
             return False
         try:
             for sid in homes:
-                aio.direct.put(sid, self.ns, k, view, crc, aio.pin)
+                aio.direct.put(sid, self.ns, k, view, crc, pin)
         except OSError as exc:
             if exc.errno in SKIP or exc.errno == errno.ENOTCONN:
                 return False  # the loop's path puts again (a put is idempotent)
@@ -663,11 +680,18 @@ class KVCache:
         return None
 
     def exists(self, keys: Sequence[Any]) -> int:
+        """As AsyncKVCache.exists; a chain held whole by the node tier is answered in
+        this thread."""
+        self.aio._open()
+        if self.node is not None:
+            ks = [check_key(k) for k in keys]
+            if all(self.node.exists(self.ns, k) for k in ks):
+                return len(ks)
         return self._run(self.aio.exists, keys)
 
     def put_batch(self, keys: Sequence[Any], bufs: Sequence[Any], *,
-                  sync: bool = True) -> None:
-        self._run(lambda: self.aio.put_batch(keys, bufs, sync=sync))
+                  sync: bool = True, pin: bool | None = None) -> None:
+        self._run(partial(self.aio.put_batch, keys, bufs, sync=sync, pin=pin))
 
     def get_batch(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[bool]:
         return self._run(self.aio.get_batch, keys, outs)

@@ -154,6 +154,8 @@ class FakeStore:
     async def put(self, ns: str, key: bytes, buf: Any, *, pin: bool = False) -> int:
         self._check()
         self.blocks[ns, key] = bytes(buf)
+        if pin:
+            self.world.pinned.add(key)
         return len(buf)
 
     async def get_into(self, ns: str, key: bytes, out: memoryview) -> int | None:
@@ -185,6 +187,7 @@ class FakeWorld:
                                   "kv": {"budget": 1 << 30}} for i in range(n)}
         self.blocks: dict[str, dict[tuple[str, bytes], bytes]] = {}
         self.down: set[str] = set()
+        self.pinned: set[bytes] = set()
         self.calls = 0
         self.lookups = 0
 
@@ -200,6 +203,11 @@ class FakeWorld:
         tier = NodeTier(tmp_path / "tier", 8 << 20) if node else None
         return lambda nursery: AsyncKVCache(nursery, NS, self.lookup, self.connect,
                                             node_tier=tier, refresh=0, **kw)
+
+
+def tier_of_async(kv: AsyncKVCache) -> NodeTier:
+    assert kv.node is not None
+    return kv.node
 
 
 def tier_of(kv: KVCache) -> NodeTier:
@@ -389,6 +397,37 @@ def test_gpu_route_through_the_mocked_device_path(world: FakeWorld, tmp_path: Pa
             kv.get(b"gpu", FakeDeviceArray(4096))
 
 
+def test_pinning_per_call_and_per_cache(world: FakeWorld, tmp_path: Path) -> None:
+    with KVCache.over(world.cache(tmp_path)) as kv:
+        kv.put(b"hot", b"h" * 10, pin=True)
+        kv.put(b"cold", b"c" * 10)
+        kv.put(b"later", b"l" * 10, sync=False, pin=True)
+        kv.put_batch([b"b1", b"b2"], [b"x", b"y"], pin=True)
+        kv.flush()
+        assert world.pinned == {b"hot", b"later", b"b1", b"b2"}
+    with KVCache.over(world.cache(tmp_path, pin=True)) as kv:
+        kv.put(b"cold", b"c" * 10)
+        kv.put(b"unpinned", b"u" * 10, pin=False)
+        assert b"cold" in world.pinned and b"unpinned" not in world.pinned
+
+
+def test_many_threads_share_one_cache(world: FakeWorld, tmp_path: Path) -> None:
+    from tests.conftest import run_threads
+
+    with KVCache.over(world.cache(tmp_path)) as kv:
+        def work(i: int) -> None:
+            for j in range(30):
+                k = b"t%d" % ((i + j) % 40)  # overlapping keys
+                v = k * 50
+                kv.put(k, v, sync=bool(j % 2))
+                out = bytearray(len(v))
+                assert kv.get(k, out) and out == v
+
+        assert run_threads(work, 8) == []
+        kv.flush()
+        assert kv.exists([b"t%d" % i for i in range(37)]) == 37  # t0..t36 were put
+
+
 def test_async_twin(world: FakeWorld, tmp_path: Path) -> None:
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -396,9 +435,16 @@ def test_async_twin(world: FakeWorld, tmp_path: Path) -> None:
             await kv.start()
             await kv.put(b"a", b"1" * 10)
             await kv.put(b"b", b"2" * 10, sync=False)
+            big = os.urandom(api.THREAD_BYTES)  # node tier in a worker thread
+            await kv.put(b"big", big)
             await kv.flush()
             out = bytearray(10)
             assert await kv.get(b"b", out) and out == b"2" * 10
+            got = bytearray(len(big))
+            assert await kv.get(b"big", got) and got == big
+            tier_of_async(kv).clear()
+            assert await kv.get(b"big", got) and got == big  # from the home, filled again
+            assert tier_of_async(kv).exists(NS, b"big")
             assert await kv.exists([b"a", b"b", b"c"]) == 2
             await kv.aclose()
 
