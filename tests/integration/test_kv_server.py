@@ -353,10 +353,23 @@ def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
     df = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "df"], env=env,
                         capture_output=True, timeout=120)
     assert df.returncode == 0 and df.stdout.decode().count("kv cache") == 2, df
-    os.kill(cluster.running(private_cluster)["data0"], signal.SIGKILL)
+    pid = cluster.running(private_cluster)["data0"]
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
     cluster.up(private_cluster, data_args=args)
-    addrs = [(s["host"], s["port"]) for s in servers().values()]
+    before = set(addrs)
+    while True:  # the restarted server registers anew, on another port
+        found = servers()
+        addrs = [(s["host"], s["port"]) for s in found.values() if s["state"] == "up"]
+        if len(addrs) == 2 and set(addrs) != before:
+            break
+        assert time.monotonic() < deadline + 30, found
+        time.sleep(0.1)
     run(lambda: check_all(addrs))
     status = subprocess.run([sys.executable, "-m", "pfs.tools.cli", "admin", "status"],
                             env=env, capture_output=True, timeout=120)
     assert status.returncode == 0 and "kv cache" in status.stdout.decode(), status
+    # the kv report rode on every heartbeat: none refused (each refusal re-registers,
+    # which makes every capability stale)
+    logs = "".join(p.read_text() for p in (private_cluster / "logs").glob("data*"))
+    assert logs and "retrying (serving data meanwhile)" not in logs
