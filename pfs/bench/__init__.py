@@ -1,5 +1,5 @@
 """Benchmarks: ``pfs bench throughput | meta | fuse | io500 | sweep | caps | wire | loader | iops | close |
-failover | repair``.
+failover | repair | kvcache``.
 
 Every benchmark measures its references in the same run (local file, loopback socket,
 raw LMDB, MooseFS), because shared machines are noisy and only same-run ratios mean much.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover,repair} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover,repair,kvcache} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -29,6 +29,8 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,i
               file's fsync, at 1 MiB and 64 MiB
   failover    reads of a 2-replica file while one replica is stopped (SIGSTOP) or
               killed: time to the first read served, longest read, time to `down`
+  kvcache     KV-cache blocks (16K/256K/2M) put and got by 1/4/16 processes: node tier,
+              data server, beside redis-server and a local-directory file store
 """
 
 
@@ -61,6 +63,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.failover import main as run
     elif cmd == "repair":
         from pfs.bench.repair import main as run
+    elif cmd == "kvcache":
+        from pfs.bench.kvcache import main as run
     else:
         print(f"pfs bench: unknown benchmark {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -419,6 +419,7 @@ class AsyncClient:
         self.meta = MetaClient(nursery, host, port, timeout=config.timeout, cred=self.cred,
                                auth=creds, direct=direct_meta,
                                connect_timeout=config.connect_timeout)
+        self.data_auth = creds.for_data()  # what other data-server clients connect with
         self.data = DataClient(nursery, self.meta.servers,
                                connections_per_server=config.connections_per_server,
                                timeout=config.timeout, auth=creds.for_data())

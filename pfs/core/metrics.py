@@ -21,7 +21,9 @@ A client (the mount, or a long-running program whose client config sets
 attribute and ``security.capability`` caches, the short-circuit descriptor cache),
 ``pfs_client_hedged_reads_total`` and ``pfs_client_hedge_wins_total`` (:func:`hedged`:
 second requests sent, and those that answered first), and
-``pfs_client_checksum_failures_total{route}`` (:func:`checksum_failure`).
+``pfs_client_checksum_failures_total{route}`` (:func:`checksum_failure`); a KV-cache
+client counts ``pfs_client_kv_ops_total{op,tier,result}`` and
+``pfs_client_kv_bytes_total{op,tier}`` (:func:`kv_op`).
 
 :class:`Load` is apart from all this: a few integers a data server keeps whether or not
 metrics are served, for the load it reports in each heartbeat (``pfs admin status``).
@@ -71,6 +73,11 @@ class _Metrics:
         self.checksum_failures = Counter("pfs_client_checksum_failures",
                                          "reads whose bytes did not match their checksums",
                                          ["route"])
+        # the KV-cache client (pfs.kvcache): lookups by tier, and bytes moved
+        self.kv_ops = Counter("pfs_client_kv_ops", "KV-cache client operations",
+                              ["op", "tier", "result"])
+        self.kv_bytes = Counter("pfs_client_kv_bytes", "KV-cache bytes put or got",
+                                ["op", "tier"])
 
 
 _lock = threading.Lock()
@@ -154,6 +161,16 @@ def checksum_failure(route: str) -> None:
     short-circuit, ``gpu``)."""
     if _m is not None:
         _m.checksum_failures.labels(route).inc()
+
+
+def kv_op(op: str, tier: str, result: str, nbytes: int = 0) -> None:
+    """A KV-cache client operation: ``op`` get/put/exists/remove, ``tier`` node (this
+    host's shared memory) or remote (the block's home), ``result`` hit/miss/ok/error."""
+    m = _m
+    if m is not None:
+        m.kv_ops.labels(op, tier, result).inc()
+        if nbytes:
+            m.kv_bytes.labels(op, tier).inc(nbytes)
 
 
 class Load:

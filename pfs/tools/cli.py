@@ -11,7 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pfs.tools import admin_backup, admin_keys, admin_repair, admin_servers, fscmds, transfer
+from pfs.tools import (
+    admin_backup,
+    admin_keys,
+    admin_kv,
+    admin_repair,
+    admin_servers,
+    fscmds,
+    transfer,
+)
 from pfs.tools.admin_status import cmd_admin_status
 from pfs.tools.output import (
     EXIT_INTERRUPTED,
@@ -416,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin_backup.add_parser(adm)  # backup, restore
     admin_servers.add_commands(adm, _client)  # servers, drain, undrain
     admin_repair.add_commands(adm, _client)  # repair status, lost, rebalance
+    admin_kv.add_commands(adm)  # kv
 
     sp = sub.add_parser("certs", help="make a CA, the server certificate and client "
                                       "certificates for mutual TLS")
