@@ -159,3 +159,50 @@ def test_zero_copy_pages_from_and_into_the_host_pool(tmp_path: Path, client_toml
         assert reader.batch_get_v1(keys, indices)[2] is False
         writer.close()
         reader.close()
+
+
+class StatePool:
+    """The part of a hybrid model's side pool (a Mamba state pool) the v2 path uses."""
+
+    page_size = 1
+
+    def __init__(self, pages: int) -> None:
+        self.buf = torch.zeros((pages, 96), dtype=torch.float32)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(96, dtype=torch.float32)
+
+    def get_data_page(self, offset: int, flat: bool = True) -> torch.Tensor:
+        return self.buf[offset]
+
+    def set_from_flat_data_page(self, offset: int, page: torch.Tensor) -> None:
+        self.buf[offset].copy_(page)
+
+
+def test_hybrid_side_pools_beside_their_kv_pages(storage: Any) -> None:
+    keys = keys_of("hybrid", 6)
+    assert storage.batch_set(keys, [page_of(k) for k in keys])
+    mamba, swa = hicache.PoolName.MAMBA, hicache.PoolName.SWA
+    src = StatePool(8)
+    src.buf.copy_(torch.randn(src.buf.shape, generator=torch.Generator().manual_seed(3)))
+    storage.register_mem_host_pool_v2(src, mamba)
+    # states of the prefixes of 3 and of 5 pages only
+    put = hicache.PoolTransfer(name=mamba, host_indices=torch.tensor([6, 7]),
+                               keys=[keys[2], keys[4]])
+    assert storage.batch_set_v2([put]) == {mamba: [True, True]}
+    trailing = hicache.PoolTransfer(name=mamba, keys=[keys[-1]],
+                                    hit_policy=hicache.PoolHitPolicy.TRAILING_PAGES)
+    hit = storage.batch_exists_v2(keys, [trailing])
+    assert isinstance(hit, hicache.PoolTransferResult)
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (5, [3, 5])
+    assert hit.extra_pool_hit_pages == {hicache.PoolName.KV: 6, mamba: 5}
+    # a pool that must hold every page and holds none: nothing restorable
+    every = hicache.PoolTransfer(name=swa, keys=keys)
+    assert storage.batch_exists_v2(keys, [every]).kv_hit_pages == 0
+    dst = StatePool(8)
+    storage.register_mem_host_pool_v2(dst, mamba)
+    get = hicache.PoolTransfer(name=mamba, host_indices=torch.tensor([0, 1, 2]),
+                               keys=[keys[2], keys[4], keys[0]])
+    assert storage.batch_get_v2([get]) == {mamba: [True, True, False]}
+    assert torch.equal(dst.buf[0], src.buf[6]) and torch.equal(dst.buf[1], src.buf[7])
+    assert not dst.buf[2].any()

@@ -12,8 +12,9 @@ own backends key them. ``batch_exists`` is pfs's prefix ``exists``; a page that 
 evicted, damaged or of another size is a miss (``None`` / ``False``), never an error to
 the engine. Both of SGLang's data paths are served: the generic one (``batch_get`` /
 ``batch_set`` of flat page tensors) and the zero-copy one (``batch_get_v1`` /
-``batch_set_v1`` on the host pool's own buffers, with ``"interface_v1": 1``). Hybrid
-models' side pools (the v2 interface: Mamba, SWA) are not served yet.
+``batch_set_v1`` on the host pool's own buffers, with ``"interface_v1": 1``), and
+hybrid models' side pools (the v2 interface: Mamba, SWA... states stored beside their KV
+page as ``<key>.<pool>``, as SGLang's file backend names them).
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from pfs.kvcache.adapters.common import (
@@ -74,6 +79,10 @@ class PfsHiCacheStorage(HiCacheStorage):
         self.ns = (cache.ns if cache is not None else
                    extra.get("namespace") or namespace_of(storage_config))
         self.sync = sync_of(extra)
+        # Mamba state is sharded by rank even where MLA ranks share their KV pages
+        mla = storage_config is not None and storage_config.is_mla_model
+        self._mamba_tag = (f".tp{storage_config.tp_rank}of{storage_config.tp_size}"
+                           if storage_config is not None and mla else "")
         self._own = cache is None
         self.cache = cache if cache is not None else open_cache(extra, self.ns)
         self._workers = ThreadPoolExecutor(int(extra.get("workers", WORKERS)),
@@ -179,6 +188,85 @@ class PfsHiCacheStorage(HiCacheStorage):
         bufs = [self._gather(b) for b in self._page_buffers(host_indices)]
         return [self._put(keys, bufs)] * len(keys)
 
+    # -- v2: hybrid models' side pools ----------------------------------------------
+    def _component_key(self, key: str, pool: Any) -> str:
+        name = getattr(pool, "value", pool)
+        if name == PoolName.KV.value:
+            return key
+        if name == PoolName.MAMBA.value:
+            return f"{key}.{name}{self._mamba_tag}"
+        return f"{key}.{name}"
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None
+                        ) -> PoolTransferResult:
+        """The KV prefix held, cut to the prefixes every side pool can restore: all of
+        its pages (ALL_PAGES), or the window of pages that ends the prefix
+        (TRAILING_PAGES), as SGLang's file backend decides."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            names = [self._component_key(k, transfer.name) for k in keys[:kv_pages]]
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self.batch_exists(names)
+                ok = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                present = list(self._workers.map(self.exists, names))
+                window = max(1, len(transfer.keys or ()))
+                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"pfs HiCache: unsupported pool hit policy "
+                                 f"{transfer.hit_policy}")
+            if boundary:
+                hits[transfer.name] = boundary
+            restorable = [n for n in restorable if n in ok]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _read_v2(self, pool_name: Any, key: str, host_pool: Any, offset: int) -> bool:
+        page = host_pool.get_dummy_flat_data_page()
+        if self.get(self._component_key(key, pool_name), page) is None:
+            return False
+        host_pool.set_from_flat_data_page(offset, page)
+        return True
+
+    def _write_v2(self, pool_name: Any, key: str, host_pool: Any, offset: int) -> bool:
+        page = host_pool.get_data_page(offset, flat=True)
+        return self.set(self._component_key(key, pool_name), page)
+
+    def _batch_v2(self, transfers: list[PoolTransfer], page_fn: Any) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        pools = getattr(self, "registered_pools", {})
+        for transfer in transfers:
+            keys = transfer.keys or []
+            pool = pools.get(transfer.name)
+            page_size = getattr(pool, "page_size", 1) or 1
+            indices = transfer.host_indices
+            if pool is None or indices is None or indices.numel() != len(keys) * page_size:
+                log.error("pfs HiCache: pool %s not registered or %d keys for %s indices",
+                          transfer.name, len(keys),
+                          None if indices is None else indices.numel())
+                results[transfer.name] = [False] * len(keys)
+                continue
+            offsets = [int(indices[i * page_size].item()) for i in range(len(keys))]
+            results[transfer.name] = list(self._workers.map(
+                lambda k, o, name=transfer.name, pool=pool: page_fn(name, k, pool, o),
+                keys, offsets))
+        return results
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None
+                     ) -> dict[str, list[bool]]:
+        return self._batch_v2(transfers, self._read_v2)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None
+                     ) -> dict[str, list[bool]]:
+        return self._batch_v2(transfers, self._write_v2)
+
     # -- the rest -------------------------------------------------------------------
     def _flat_page(self) -> torch.Tensor:
         pool = getattr(self, "mem_pool_host", None)
@@ -187,8 +275,8 @@ class PfsHiCacheStorage(HiCacheStorage):
         page: torch.Tensor = pool.get_dummy_flat_data_page()
         return page
 
-    def get_stats(self) -> dict[str, Any]:
-        return self.cache.stats()
+    # get_stats stays SGLang's (None): SGLang's metrics want its own StorageMetrics;
+    # pfs's counters are in self.cache.stats(), pfs admin kv and /metrics
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
