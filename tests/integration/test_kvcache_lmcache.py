@@ -112,3 +112,19 @@ def test_chunks_round_trip_every_byte_checked(tmp_path: Path, client_toml: Path,
             await conn.close()
 
     asyncio.run(run())
+
+
+def test_a_block_that_is_not_a_chunk_is_a_miss(tmp_path: Path, client_toml: Path) -> None:
+    cfg, meta, backend = engine(tmp_path, client_toml, namespace="it-lmcache-foreign")
+
+    async def run() -> None:
+        conn = PfsConnector(asyncio.get_running_loop(), backend, cfg, "pfs")
+        try:
+            bad, big = key(1, 7), key(2, 7)
+            conn.cache.put(conn._key(bad), b"\xff" * 200)  # no LMCache header
+            conn.cache.put(conn._key(big), b"\x00" * (conn.full_chunk_size_bytes + 4096))
+            assert await conn.get(bad) is None and await conn.get(big) is None
+        finally:
+            await conn.close()
+
+    asyncio.run(run())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+import struct
 from typing import Any
 
 from lmcache.utils import CacheEngineKey
@@ -88,7 +89,11 @@ class PfsConnector(RemoteConnector):
         if n is None or n <= head:
             return None
         if self.save_chunk_meta:
-            meta = RemoteMetadata.deserialize(bytes(buf[:head]))
+            try:
+                meta = RemoteMetadata.deserialize(bytes(buf[:head]))
+            except (ValueError, KeyError, struct.error) as exc:  # not LMCache's header
+                log.warning("pfs LMCache chunk %s: bad header (%s)", key.to_string(), exc)
+                return None
             shapes, dtypes, fmt, size = meta.shapes, meta.dtypes, meta.fmt, meta.length
         else:
             shapes, dtypes, fmt, size = self.meta_shapes, self.meta_dtypes, self.meta_fmt, n
@@ -105,7 +110,14 @@ class PfsConnector(RemoteConnector):
             obj.ref_count_down()
             return None
         dst[:size] = memoryview(buf)[head:n]
-        return obj if self.save_chunk_meta else self.reshape_partial_chunk(obj, size)
+        if self.save_chunk_meta:
+            return obj
+        try:
+            return self.reshape_partial_chunk(obj, size)
+        except ValueError as exc:  # not a whole number of tokens: another layout
+            log.warning("pfs LMCache chunk %s: %s", key.to_string(), exc)
+            obj.ref_count_down()
+            return None
 
     def _value(self, obj: MemoryObj) -> Any:
         data = memoryview(obj.byte_array).cast("B")
