@@ -1,0 +1,49 @@
+"""The inference engines' real storage interfaces, for the adapter tests.
+
+LMCache and SGLang are installed without their dependency trees (``pip install --no-deps
+lmcache==0.5.6 sglang==0.5.23``, then a few small packages: docs/kvcache-engines.md).
+Their package roots pull in whole engines: ``sglang/__init__`` imports triton,
+transformers and the serving stack, ``lmcache.v1.storage_backend``'s ``__init__`` every
+backend (transformers, GPU Direct Storage...). Where that fails, the package is entered
+without running its ``__init__``: the modules that define the interfaces, and those they
+import, are still the packages' own files, so a changed interface breaks the tests.
+Without the engines installed, the tests skip and say why.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+import warnings
+
+import pytest
+
+
+def load(module: str, package: str) -> types.ModuleType:
+    """Import ``module``; if its engine cannot import whole, again with ``package``'s
+    ``__init__`` left out. Skips the calling test module when even that fails."""
+    with warnings.catch_warnings():  # the engines' import-time warnings are not ours
+        warnings.simplefilter("ignore")
+        root = package.partition(".")[0]
+        if importlib.util.find_spec(root) is None:
+            pytest.skip(f"{root} is not installed (docs/kvcache-engines.md: Installing)",
+                        allow_module_level=True)
+        try:
+            return importlib.import_module(module)
+        except ImportError as whole:
+            reason = f"{module} does not import whole ({whole})"
+        try:
+            spec = importlib.util.find_spec(package)
+            if spec is None or spec.submodule_search_locations is None:
+                pytest.skip(f"{package} is not a package ({reason})", allow_module_level=True)
+            bare = types.ModuleType(package)
+            bare.__path__ = list(spec.submodule_search_locations)
+            bare.__spec__ = spec
+            sys.modules[package] = bare
+            parent, _, name = package.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], name, bare)
+            return importlib.import_module(module)
+        except ImportError as exc:
+            pytest.skip(f"{module}: {exc} ({reason})", allow_module_level=True)
