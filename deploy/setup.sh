@@ -27,8 +27,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.pfs-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/engines-interfaces.txt -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/pip install -q -e '.[fuse,dev,mpi]'
+  # LMCache's and SGLang's interface modules, without their GPU dependency trees
+  .venv/bin/pip install -q --no-deps -r deploy/engines-interfaces.txt
   touch "$stamp"
 fi

@@ -13,5 +13,7 @@ echo "test: mypy" >&2
 .venv/bin/mypy pfs tests
 # setup.sh installed Open MPI and mpi4py: the two-rank io500 test must run, not skip
 export PFS_REQUIRE_MPI=1
+# setup.sh installed the engines' interface modules: the adapter tests must run, not skip
+export PFS_REQUIRE_ENGINES=1
 echo "test: pytest" >&2
 exec .venv/bin/python -m pytest "$@"

@@ -7,17 +7,26 @@ transformers and the serving stack, ``lmcache.v1.storage_backend``'s ``__init__`
 backend (transformers, GPU Direct Storage...). Where that fails, the package is entered
 without running its ``__init__``: the modules that define the interfaces, and those they
 import, are still the packages' own files, so a changed interface breaks the tests.
-Without the engines installed, the tests skip and say why.
+Without the engines installed, the tests skip and say why; under ``deploy/test.sh``
+(``PFS_REQUIRE_ENGINES=1``: setup.sh installed them) they fail instead.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import types
 import warnings
+from typing import NoReturn
 
 import pytest
+
+
+def _skip(why: str) -> NoReturn:
+    if os.environ.get("PFS_REQUIRE_ENGINES"):
+        pytest.fail(f"PFS_REQUIRE_ENGINES is set but {why}")
+    pytest.skip(why, allow_module_level=True)
 
 
 def load(module: str, package: str) -> types.ModuleType:
@@ -27,8 +36,7 @@ def load(module: str, package: str) -> types.ModuleType:
         warnings.simplefilter("ignore")
         root = package.partition(".")[0]
         if importlib.util.find_spec(root) is None:
-            pytest.skip(f"{root} is not installed (docs/kvcache-engines.md: Installing)",
-                        allow_module_level=True)
+            _skip(f"{root} is not installed (docs/kvcache-engines.md: Installing)")
         try:
             return importlib.import_module(module)
         except ImportError as whole:
@@ -36,7 +44,7 @@ def load(module: str, package: str) -> types.ModuleType:
         try:
             spec = importlib.util.find_spec(package)
             if spec is None or spec.submodule_search_locations is None:
-                pytest.skip(f"{package} is not a package ({reason})", allow_module_level=True)
+                _skip(f"{package} is not a package ({reason})")
             bare = types.ModuleType(package)
             bare.__path__ = list(spec.submodule_search_locations)
             bare.__spec__ = spec
@@ -46,4 +54,4 @@ def load(module: str, package: str) -> types.ModuleType:
                 setattr(sys.modules[parent], name, bare)
             return importlib.import_module(module)
         except ImportError as exc:
-            pytest.skip(f"{module}: {exc} ({reason})", allow_module_level=True)
+            _skip(f"{module}: {exc} ({reason})")
