@@ -40,6 +40,7 @@ from pfs.core.messages.base import Empty
 from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.metaserver import batch
 from pfs.metaserver import keys as K
 from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, dry_run
@@ -71,7 +72,7 @@ class MetaService(RpcService):
     # read-only handlers that never wait: answered in the connection's reader task
     inline_methods = frozenset({"hello", "resolve", "lookup", "getattr", "access", "readlink",
                                 "readdir", "statfs", "getxattr", "listxattr", "get_layout",
-                                "servers", "heartbeat", "renew", "release"})
+                                "servers", "heartbeat", "renew", "release", "stat_many"})
 
     def is_inline(self, req: Request) -> bool:
         # an open without O_TRUNC and a close with no size to commit only read and sign
@@ -468,6 +469,23 @@ class MetaService(RpcService):
         parent, name = self._at(req.at, cred)
         return await self._entry_change(
             req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
+
+    # ------------------------------------------------------------------ batched calls
+    async def rpc_create_many(self, ctx: ConnContext, req: M.CreateMany) -> M.ManyReply:
+        cred, paths, mode, excl = self._cred(ctx, req), req.paths, req.mode, req.exclusive
+        return M.ManyReply(results=await self.commit.mutate(
+            lambda t: batch.create_many(self.ns, t, cred, paths, mode, excl)))
+
+    async def rpc_stat_many(self, ctx: ConnContext, req: M.StatMany) -> M.ManyReply:
+        cred = self._cred(ctx, req)
+        with self.store.read() as txn:
+            return M.ManyReply(results=batch.stat_many(self.ns, txn, cred, req.paths,
+                                                       req.follow))
+
+    async def rpc_unlink_many(self, ctx: ConnContext, req: M.UnlinkMany) -> M.ManyReply:
+        cred, paths = self._cred(ctx, req), req.paths
+        return M.ManyReply(results=await self.commit.mutate(
+            lambda t: batch.unlink_many(self.ns, t, cred, paths), frees=True))
 
     async def rpc_readlink(self, ctx: ConnContext, req: M.Readlink) -> M.TargetReply:
         with self.store.read() as txn:
