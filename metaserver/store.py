@@ -141,6 +141,26 @@ class _LmdbTxn:
             raise _store_error(exc) from exc
 
 
+class _LmdbRead:
+    """``LmdbStore.read()``: a read transaction, aborted at the end of the block. A class,
+    not a generator context manager: every stat and lookup opens one (a few us less)."""
+
+    __slots__ = ("_env", "_txn")
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+        self._txn: lmdb.Transaction | None = None
+
+    def __enter__(self) -> _LmdbTxn:
+        self._txn = self._env.begin(write=False)
+        return _LmdbTxn(self._env, self._txn)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+
+
 class LmdbStore:
     """LMDB in directory ``path``; commits are durable (fsync) before ``write`` returns."""
 
@@ -161,13 +181,8 @@ class LmdbStore:
                 self.env.close()
                 raise
 
-    @contextmanager
-    def read(self) -> Iterator[_LmdbTxn]:
-        txn = self.env.begin(write=False)
-        try:
-            yield _LmdbTxn(self.env, txn)
-        finally:
-            txn.abort()
+    def read(self) -> _LmdbRead:
+        return _LmdbRead(self.env)
 
     @contextmanager
     def write(self, headroom: bool = False) -> Iterator[_LmdbTxn]:
