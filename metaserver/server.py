@@ -298,9 +298,15 @@ class MetaService(RpcService):
                 if any(v is not None for k, v in kw.items() if k != "size"):
                     # the other changes must be allowed before any object is cut
                     await self.commit.mutate(functools.partial(self._try_setattr, cred, ino, kw))
-                await self.dataplane.truncate_objects(ino, plan[0], size)
+                await self._truncate_objects(ino, plan[0], size)
         attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return M.AttrReply(attr=attr)
+
+    async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
+        """Cut ``ino``'s objects to ``size``, once the state its plan read is durable
+        (it may be committed but not yet flushed: commit.py, "One flush per batch")."""
+        await self.commit.durable()
+        await self.dataplane.truncate_objects(ino, layout, size)
 
     def _try_setattr(self, cred: Cred, ino: int, kw: dict[str, Any], txn: WriteTxn) -> None:
         """Raise what ``setattr`` would raise; change nothing."""
@@ -348,7 +354,7 @@ class MetaService(RpcService):
             with self.store.read() as txn:
                 plan = self.ns.create_plan(txn, cred, parent, name, flags)
             if plan is not None:
-                await self.dataplane.truncate_objects(plan[0], plan[1], 0)
+                await self._truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
         want_parent = req.want_parent
@@ -384,7 +390,7 @@ class MetaService(RpcService):
             self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
             plan = self.ns.truncate_plan(txn, cred, ino, 0)
         if plan is not None:
-            await self.dataplane.truncate_objects(ino, plan[0], 0)
+            await self._truncate_objects(ino, plan[0], 0)
         opened: list[int] = []
         abandoned = False
 
