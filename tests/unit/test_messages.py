@@ -57,6 +57,7 @@ def _sample(spec: Field) -> dict[str, Any]:
         value = ([[1, 2]] if isinstance(spec.item, ObjIdField)
                  else [["/d", "boot:2049", 10, 5]] if isinstance(spec.item, VolumeField)
                  else ["s"] if isinstance(spec.item, StrField)
+                 else [b"/p"] if isinstance(spec.item, BytesField)
                  else [4])
     elif isinstance(spec, TimeField):
         value = "now"
