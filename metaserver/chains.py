@@ -27,6 +27,8 @@ from pfs.metaserver.store import Txn
 
 log = logging.getLogger(__name__)
 
+DECODED_MAX = 1 << 16  # decoded chains kept (a cluster has far fewer)
+
 
 @dataclass(frozen=True, slots=True)
 class Chain:
@@ -77,12 +79,25 @@ class ChainTable:
 
     def __init__(self) -> None:
         self._by_members: dict[tuple[str, ...], int] | None = None
+        # decoded chains by id, each with the stored bytes it was decoded from: a hit
+        # is a read of the record and a comparison of bytes (every create and unlink
+        # reads each of its stripes' chains, a handful of them, several times). Never
+        # stale: the record is read each time, only its decoding is saved.
+        self._decoded: dict[int, tuple[bytes, Chain]] = {}
 
     # -- records ---------------------------------------------------------------
-    @staticmethod
-    def get(txn: Txn, cid: int) -> Chain | None:
+    def get(self, txn: Txn, cid: int) -> Chain | None:
         raw = txn.get(K.chain(cid))
-        return None if raw is None else Chain.from_rec(cid, msgpack.unpackb(raw, raw=False))
+        if raw is None:
+            return None
+        hit = self._decoded.get(cid)
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+        chain = Chain.from_rec(cid, msgpack.unpackb(raw, raw=False))
+        if len(self._decoded) >= DECODED_MAX:
+            self._decoded.clear()
+        self._decoded[cid] = (bytes(raw), chain)
+        return chain
 
     def _put(self, txn: Txn, chain: Chain) -> None:
         txn.put(K.chain(chain.cid), _pack(chain.to_rec()))

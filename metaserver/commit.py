@@ -3,9 +3,19 @@
 A handler hands :meth:`CommitQueue.mutate` a function of a write transaction and waits.
 The writer takes every queued operation (up to ``MAX_BATCH``), runs each in its own
 nested transaction (a failing one rolls back alone and its error goes to its caller),
-commits the batch once (LMDB ``sync=True``: one fsync per batch) and only then wakes the
-callers. An acknowledged mutation is therefore on disk, and concurrent callers share one
-commit.
+commits the batch once and wakes the callers only once the batch is on stable storage.
+An acknowledged mutation is therefore on disk, and concurrent callers share one commit.
+
+**One flush per batch.** A commit flushes the store once (its pages) and writes its
+meta page unflushed (``LmdbStore``, "One flush per commit"); that meta page reaches the
+disk with the next flush. So while operations keep coming, a batch's callers are woken
+after the *next* batch's commit, whose flush made theirs durable; when none is waiting,
+the writer flushes (``Store.sync``) and wakes them. Under load each batch costs one
+flush instead of two; a lone operation costs two, as before. Between its commit and its
+flush a batch is visible to reads (stat, lookup) but not acknowledged: what reads may
+see, a crash may undo, as with a local filesystem's page cache; an acknowledged change
+never is. Actions outside the store that must not outrun durability (deleting objects
+on data servers) wait for :meth:`CommitQueue.durable` first.
 """
 from __future__ import annotations
 
@@ -62,6 +72,14 @@ class CommitQueue:
         self._after_batch = after_batch
         self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
         self._closed = False
+        # batches committed (visible) and batches made durable, counted; ``durable``
+        # waits on the second to reach the first
+        self._committed = 0
+        self._synced = 0
+        self._synced_event = trio.Event()
+        # the writer flushes the store itself (one flush per batch, see above)
+        if hasattr(store, "flush_on_commit"):
+            store.flush_on_commit = False
 
     @property
     def closed(self) -> bool:
@@ -95,38 +113,89 @@ class CommitQueue:
         store allows (for start-up work, before :meth:`run` takes over)."""
         def write() -> T:
             with self._store.write() as txn:
-                return fn(txn)
+                result = fn(txn)
+            self._store.sync()
+            return result
         if self._store.threaded:
             return await trio.to_thread.run_sync(write)
         return write()
 
+    async def durable(self) -> None:
+        """Return once every batch committed so far is on stable storage."""
+        target = self._committed
+        while self._synced < target:
+            await self._synced_event.wait()
+
     async def run(self) -> None:
         """The writer: batches until cancelled."""
-        while True:
-            batch = [await self._recv.receive()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            # The batch runs and commits in the event loop's own thread: handing it to a
-            # worker thread costs more (~300 us here) than the loop loses by waiting for
-            # the fsync, and requests arriving meanwhile simply join the next batch.
-            self._run_batch(batch)
-            again = [op for op in batch if op.frees and _is_full(op.error)]
-            if again:
-                for op in again:
-                    op.error = None
-                self._run_batch(again, headroom=True)
-            await trio.lowlevel.checkpoint()
-            self._after_batch()
-            for op in batch:
-                if op.done is not None:
-                    op.done.set()
-                elif op.error is not None:
-                    log.warning("background metadata update failed: %s", op.error)
+        unsynced: list[_Op] = []  # the last batch: committed, not yet flushed
+        try:
+            while True:
+                if unsynced:
+                    try:
+                        first = self._recv.receive_nowait()
+                    except trio.WouldBlock:  # nothing waiting: flush, wake its callers
+                        self._flush(unsynced)
+                        unsynced = []
+                        continue
+                else:
+                    first = await self._recv.receive()
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        batch.append(self._recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                # The batch runs and commits in the event loop's own thread: handing it
+                # to a worker thread costs more (~300 us here) than the loop loses by
+                # waiting for the flush, and requests arriving meanwhile simply join the
+                # next batch.
+                flushed = self._run_batch(batch)
+                again = [op for op in batch if op.frees and _is_full(op.error)]
+                if again:
+                    for op in again:
+                        op.error = None
+                    flushed = self._run_batch(again, headroom=True) and flushed
+                if unsynced:
+                    # this commit's flush made the previous batch durable (a failed
+                    # commit may not have flushed: then flush for it now)
+                    self._flush(unsynced, flushed)
+                self._committed += 1
+                unsynced = batch
+                await trio.lowlevel.checkpoint()
+        finally:
+            if unsynced:  # cancelled (the service stops): flushed before anyone is told
+                self._flush(unsynced)
 
-    def _run_batch(self, batch: list[_Op], headroom: bool = False) -> None:
+    def _flush(self, batch: list[_Op], flushed: bool = False) -> None:
+        """``batch`` (committed) is made durable (``flushed``: it already is); wake its
+        callers. A failed flush fails the batch's operations: they may be lost."""
+        if not flushed:
+            try:
+                self._store.sync()
+            except OSError as exc:
+                log.error("metadata flush of %d operation(s) failed: %s", len(batch), exc)
+                for op in batch:
+                    if op.error is None:
+                        op.error = exc
+        self._synced = self._committed
+        self._synced_event.set()
+        self._synced_event = trio.Event()
+        self._wake(batch)
+
+    def _wake(self, batch: list[_Op]) -> None:
+        self._after_batch()
+        for op in batch:
+            if op.done is not None:
+                op.done.set()
+            elif op.error is not None:
+                log.warning("background metadata update failed: %s", op.error)
+
+    def _run_batch(self, batch: list[_Op], headroom: bool = False) -> bool:
+        """Run and commit ``batch``; whether the commit flushed the store (False when
+        it failed: nothing of the batch is stored, and earlier commits may not be
+        flushed)."""
+        before = getattr(self._store, "flushes", None)  # None: a store with nothing to flush
         try:
             with (self._store.write(headroom=True) if headroom else self._store.write()) as txn:
                 for op in batch:
@@ -140,3 +209,6 @@ class CommitQueue:
             for op in batch:
                 if op.error is None:
                     op.error = exc
+            return False
+        # a commit that changed nothing (every operation failed) flushes nothing
+        return before is None or getattr(self._store, "flushes", None) != before

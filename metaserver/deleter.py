@@ -87,6 +87,9 @@ class Deleter:
         self._from = entries[-1][0] + 1 if len(entries) >= DELETE_BATCH else 0
         with self._store.read() as txn:
             objs, needs, live = self._ns.deletion_plan(txn, entries)
+        # the entries may be committed but not yet flushed (commit.py, "One flush per
+        # batch"): a crash could still undo the unlink, so no object goes before
+        await self._commit.durable()
         # the plan spared the objects of these inodes' current layouts: until the
         # deletes are done, a new layout could take back one of those being deleted
         with self._lock:

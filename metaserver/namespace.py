@@ -64,6 +64,7 @@ XATTR_LIST_MAX = 65536
 READDIR_MAX = 4096
 DIR_SIZE = 4096
 FILES_MAX = 1 << 32
+DIRS_CACHED = 1 << 14  # decoded directory records kept for path walks
 STATFS_BSIZE = 4096
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
@@ -161,6 +162,11 @@ class Namespace:
         # from registrations; placement keeps a chain's replicas in distinct ones
         self.domains: dict[str, str] = {}
         self.placement_note = ""  # why the last placement could not separate domains
+        # decoded directory records by inode, each with the stored bytes it was decoded
+        # from, for path walks: a hit is a read of the record and a comparison of bytes
+        # instead of a decoding. Never stale (the record is read each time); shared, so
+        # only read-only callers (the walk) use it.
+        self._dirs: dict[int, tuple[bytes, Rec]] = {}
 
     # ------------------------------------------------------------------ records
     def format(self, txn: Txn) -> bool:
@@ -204,6 +210,24 @@ class Namespace:
     @staticmethod
     def _save(txn: Txn, ino: int, rec: Rec) -> None:
         txn.put(K.inode(ino), pack(rec))
+
+    def _rec_shared(self, txn: Txn, ino: int) -> Rec:
+        """:meth:`_rec` for a caller that does not change it: a directory's comes from
+        the decoded cache (see ``_dirs``)."""
+        if not isinstance(ino, int) or ino <= 0:
+            raise _err(errno.EINVAL, f"bad inode number {ino!r}")
+        v = txn.get(K.inode(ino))
+        if v is None:
+            raise _err(errno.ENOENT, f"inode {ino}")
+        hit = self._dirs.get(ino)
+        if hit is not None and hit[0] == v:
+            return hit[1]
+        rec: Rec = unpack(v)
+        if stat.S_ISDIR(rec["mode"]):
+            if len(self._dirs) >= DIRS_CACHED:
+                self._dirs.clear()
+            self._dirs[ino] = (bytes(v), rec)
+        return rec
 
     def _dir(self, txn: Txn, ino: int) -> Rec:
         rec = self._rec(txn, ino)
@@ -345,12 +369,17 @@ class Namespace:
     def _owner_gid(self, cred: Cred, prec: Rec) -> int:
         return prec["gid"] if prec["mode"] & stat.S_ISGID else cred.gid
 
-    def _new_entry_checks(self, txn: Txn, cred: Cred, parent: int, name: bytes) -> Rec:
-        check_name(name)
-        prec = self._dir(txn, parent)
-        self.check_perm(cred, prec, X_OK)
-        if _is_dot(name) or self._entry(txn, parent, name) is not None:
-            raise _err(errno.EEXIST, f"{name!r}")
+    def _new_entry_checks(self, txn: Txn, cred: Cred, parent: int, name: bytes,
+                          prec: Rec | None = None) -> Rec:
+        """The parent's record, once a new entry ``name`` may be made in it. ``prec``:
+        that record, read in this transaction by a caller that found ``name`` missing and
+        ``parent`` searchable (then neither is checked again)."""
+        if prec is None:
+            check_name(name)
+            prec = self._dir(txn, parent)
+            self.check_perm(cred, prec, X_OK)
+            if _is_dot(name) or self._entry(txn, parent, name) is not None:
+                raise _err(errno.EEXIST, f"{name!r}")
         self.check_perm(cred, prec, W_OK | X_OK)
         if prec["nlink"] == 0:
             raise _err(errno.ENOENT, "directory was removed")
@@ -392,19 +421,46 @@ class Namespace:
                 replicas or self.default.replicas)
 
     def file_layout(self, txn: Txn, dir_ino: int | None, unit: int = 0, count: int = 0,
-                    replicas: int = 0, what: str = "") -> dict[str, Any]:
+                    replicas: int = 0, what: str = "", dir_rec: Rec | None = None
+                    ) -> dict[str, Any]:
         """A placed layout: explicit values, else the nearest directory default, else
-        the cluster's. ``what`` names the file in an ENOSPC."""
+        the cluster's. ``what`` names the file in an ENOSPC; ``dir_rec``: the record of
+        ``dir_ino`` when the caller has read it."""
+        durable = True
         if dir_ino is not None:
-            unit, count, replicas = self.inherited(txn, dir_ino, unit, count, replicas)
+            unit, count, replicas, durable = self._dir_defaults(txn, dir_ino, dir_rec, unit,
+                                                                count, replicas)
         unit = unit or self.default.unit
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
         layout = self.place(unit, count, replicas, what, txn)
-        if dir_ino is not None and not self.durable(txn, dir_ino):
+        if not durable:
             layout["durable"] = False  # absent: durable (what older records mean)
         return layout
+
+    def _dir_defaults(self, txn: Txn, dir_ino: int, rec: Rec | None, unit: int, count: int,
+                      replicas: int) -> tuple[int, int, int, bool]:
+        """:meth:`inherited` and :meth:`durable` in one walk up the ancestors (each
+        record read once; a create runs this)."""
+        durable: bool | None = None
+        node = dir_ino
+        for _ in range(1 << 16):
+            if unit and count and replicas and durable is not None:
+                break
+            if rec is None:
+                rec = self._rec(txn, node)
+            d = rec.get("layout") or {}
+            unit = unit or d.get("unit", 0)
+            count = count or d.get("count", 0)
+            replicas = replicas or d.get("replicas", 0)
+            if durable is None and d.get("durable") is not None:
+                durable = bool(d["durable"])
+            if node == K.ROOT_INO:
+                break
+            node = rec.get("parent", K.ROOT_INO)
+            rec = None
+        return unit, count, replicas, True if durable is None else durable
 
     def durable(self, txn: Txn, dir_ino: int) -> bool:
         """Whether close() syncs the data of new files in ``dir_ino``: the nearest
@@ -518,6 +574,14 @@ class Namespace:
         """Walk ``path`` from directory ``start`` (or the root if absolute), following
         symlinks in intermediate components (and the last one if ``follow``).
         Returns (parent ino, last name, ino or None if the last component is missing)."""
+        parent, name, ino, _ = self._walk_rec(txn, cred, start, path, follow)
+        return parent, name, ino
+
+    def _walk_rec(self, txn: Txn, cred: Cred, start: int, path: bytes, follow: bool
+                  ) -> tuple[int, bytes, int | None, Rec | None]:
+        """:meth:`_walk`, with the record of the inode found (None if missing). Each
+        record is read once: a directory's record, read as the child of the step before,
+        is the one the next step searches (the hot path of every path-based call)."""
         if len(path) >= PATH_MAX:
             raise _err(errno.ENAMETOOLONG, "path")
         if b"\0" in path:
@@ -528,10 +592,16 @@ class Namespace:
         stack = [c for c in reversed(path.split(b"/")) if c]
         must_dir = path.endswith(b"/")
         links = 0
+        cur_rec: Rec | None = None  # the record of ``cur`` when already read
         while stack:
             comp = stack.pop()
             last = not stack
-            crec_dir = self._dir(txn, cur)
+            if cur_rec is None:
+                crec_dir = self._rec_shared(txn, cur)
+                if not stat.S_ISDIR(crec_dir["mode"]):
+                    raise _err(errno.ENOTDIR, f"inode {cur}")
+            else:
+                crec_dir, cur_rec = cur_rec, None  # a directory: checked below
             self.check_perm(cred, crec_dir, X_OK)
             if len(comp) > NAME_MAX:
                 raise _err(errno.ENAMETOOLONG, f"component {comp[:32]!r}...")
@@ -544,9 +614,9 @@ class Namespace:
                 child = ent[0] if ent else None
             if child is None:
                 if last:
-                    return cur, comp, None
+                    return cur, comp, None, None
                 raise _err(errno.ENOENT, f"{comp!r}")
-            crec = self._rec(txn, child)
+            crec = crec_dir if child == cur else self._rec_shared(txn, child)
             if stat.S_ISLNK(crec["mode"]) and (not last or follow or must_dir):
                 links += 1
                 if links > MAXSYMLINKS:
@@ -554,25 +624,27 @@ class Namespace:
                 target: bytes = crec["target"]
                 if target.startswith(b"/"):
                     cur = K.ROOT_INO
+                else:
+                    cur_rec = crec_dir  # the walk goes on from the link's directory
                 stack.extend(c for c in reversed(target.split(b"/")) if c)
                 continue
             if last:
                 if must_dir and not stat.S_ISDIR(crec["mode"]):
                     raise _err(errno.ENOTDIR, f"{comp!r}")
-                return cur, comp, child
+                return cur, comp, child, crec
             if not stat.S_ISDIR(crec["mode"]):
                 raise _err(errno.ENOTDIR, f"{comp!r}")
-            cur = child
-        rec = self._dir(txn, cur)
-        return rec.get("parent", K.ROOT_INO), b"", cur
+            cur, cur_rec = child, crec
+        rec = cur_rec if cur_rec is not None else self._dir(txn, cur)
+        return rec.get("parent", K.ROOT_INO), b"", cur, rec
 
     def resolve(self, txn: Txn, cred: Cred, path: bytes, follow: bool) -> dict[str, Any]:
         if not path.startswith(b"/"):
             raise _err(errno.EINVAL, "path must be absolute inside pfs")
-        parent, name, ino = self._walk(txn, cred, K.ROOT_INO, path, follow)
-        if ino is None:
+        parent, name, ino, rec = self._walk_rec(txn, cred, K.ROOT_INO, path, follow)
+        if ino is None or rec is None:
             raise _err(errno.ENOENT, path.decode("utf-8", "replace"))
-        return {"attr": self.getattr(txn, ino), "parent": parent, "name": name}
+        return {"attr": self.attr(ino, rec), "parent": parent, "name": name}
 
     def entry_of(self, txn: Txn, cred: Cred, path: bytes) -> tuple[int, bytes]:
         """The directory and name of ``path``'s last component (not followed), for
@@ -857,6 +929,12 @@ class Namespace:
                        ) -> tuple[int, bytes, int | None]:
         """Where ``create`` lands: (parent, name, existing ino or None), following a
         symlink in the last component unless O_EXCL/O_NOFOLLOW."""
+        return self._create_target_rec(txn, cred, parent, name, flags)[:3]
+
+    def _create_target_rec(self, txn: Txn, cred: Cred, parent: int, name: bytes, flags: int
+                           ) -> tuple[int, bytes, int | None, Rec | None]:
+        """:meth:`_create_target`, with the parent's record when the entry is missing
+        (a new file's create reads it once)."""
         check_name(name)
         if _is_dot(name):
             raise _err(errno.EEXIST if flags & os.O_EXCL else errno.EISDIR, f"{name!r}")
@@ -865,17 +943,17 @@ class Namespace:
             self.check_perm(cred, prec, X_OK)
             ent = self._entry(txn, parent, name)
             if ent is None:
-                return parent, name, None
+                return parent, name, None, prec
             if flags & os.O_EXCL:
                 raise _err(errno.EEXIST, f"{name!r}")
             rec = self._rec(txn, ent[0])
             if not stat.S_ISLNK(rec["mode"]):
-                return parent, name, ent[0]
+                return parent, name, ent[0], None
             if flags & os.O_NOFOLLOW:
                 raise _err(errno.ELOOP, f"{name!r} is a symbolic link")
             parent, name, ino = self._walk(txn, cred, parent, rec["target"], True)
             if ino is not None:
-                return parent, name, ino
+                return parent, name, ino, None
             check_name(name)
         raise _err(errno.ELOOP)
 
@@ -895,12 +973,12 @@ class Namespace:
                ) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
         """Create (or, without O_EXCL, open) a regular file: (attr, layout, created)."""
         now = self.clock()
-        parent, name, ino = self._create_target(txn, cred, parent, name, flags)
+        parent, name, ino, prec = self._create_target_rec(txn, cred, parent, name, flags)
         if ino is not None:
             attr, layout = self._open_inode(txn, cred, ino, self._rec(txn, ino), flags, now)
             return attr, layout, False
-        prec = self._new_entry_checks(txn, cred, parent, name)
-        layout = self.file_layout(txn, parent, what=_show(name))
+        prec = self._new_entry_checks(txn, cred, parent, name, prec)
+        layout = self.file_layout(txn, parent, what=_show(name), dir_rec=prec)
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
         return self.attr(ino, rec), self.chains.resolve(txn, layout), True

@@ -40,6 +40,7 @@ from pfs.core.messages.base import Empty
 from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
+from pfs.metaserver import batch
 from pfs.metaserver import keys as K
 from pfs.metaserver import watch
 from pfs.metaserver.catchup import CatchUp
@@ -72,7 +73,7 @@ class MetaService(RpcService):
     # read-only handlers that never wait: answered in the connection's reader task
     inline_methods = frozenset({"hello", "resolve", "lookup", "getattr", "access", "readlink",
                                 "readdir", "statfs", "getxattr", "listxattr", "get_layout",
-                                "servers", "heartbeat", "renew", "release"})
+                                "servers", "heartbeat", "renew", "release", "stat_many"})
 
     def is_inline(self, req: Request) -> bool:
         # an open without O_TRUNC and a close with no size to commit only read and sign
@@ -299,9 +300,15 @@ class MetaService(RpcService):
                 if any(v is not None for k, v in kw.items() if k != "size"):
                     # the other changes must be allowed before any object is cut
                     await self.commit.mutate(functools.partial(self._try_setattr, cred, ino, kw))
-                await self.dataplane.truncate_objects(ino, plan[0], size)
+                await self._truncate_objects(ino, plan[0], size)
         attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return M.AttrReply(attr=attr)
+
+    async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
+        """Cut ``ino``'s objects to ``size``, once the state its plan read is durable
+        (it may be committed but not yet flushed: commit.py, "One flush per batch")."""
+        await self.commit.durable()
+        await self.dataplane.truncate_objects(ino, layout, size)
 
     def _try_setattr(self, cred: Cred, ino: int, kw: dict[str, Any], txn: WriteTxn) -> None:
         """Raise what ``setattr`` would raise; change nothing."""
@@ -349,7 +356,7 @@ class MetaService(RpcService):
             with self.store.read() as txn:
                 plan = self.ns.create_plan(txn, cred, parent, name, flags)
             if plan is not None:
-                await self.dataplane.truncate_objects(plan[0], plan[1], 0)
+                await self._truncate_objects(plan[0], plan[1], 0)
         opened: list[int] = []
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
         want_parent = req.want_parent
@@ -385,7 +392,7 @@ class MetaService(RpcService):
             self.ns.open(txn, cred, ino, flags & ~os.O_TRUNC)
             plan = self.ns.truncate_plan(txn, cred, ino, 0)
         if plan is not None:
-            await self.dataplane.truncate_objects(ino, plan[0], 0)
+            await self._truncate_objects(ino, plan[0], 0)
         opened: list[int] = []
         abandoned = False
 
@@ -470,6 +477,23 @@ class MetaService(RpcService):
         parent, name = self._at(req.at, cred)
         return await self._entry_change(
             req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
+
+    # ------------------------------------------------------------------ batched calls
+    async def rpc_create_many(self, ctx: ConnContext, req: M.CreateMany) -> M.ManyReply:
+        cred, paths, mode, excl = self._cred(ctx, req), req.paths, req.mode, req.exclusive
+        return M.ManyReply(results=await self.commit.mutate(
+            lambda t: batch.create_many(self.ns, t, cred, paths, mode, excl)))
+
+    async def rpc_stat_many(self, ctx: ConnContext, req: M.StatMany) -> M.ManyReply:
+        cred = self._cred(ctx, req)
+        with self.store.read() as txn:
+            return M.ManyReply(results=batch.stat_many(self.ns, txn, cred, req.paths,
+                                                       req.follow))
+
+    async def rpc_unlink_many(self, ctx: ConnContext, req: M.UnlinkMany) -> M.ManyReply:
+        cred, paths = self._cred(ctx, req), req.paths
+        return M.ManyReply(results=await self.commit.mutate(
+            lambda t: batch.unlink_many(self.ns, t, cred, paths), frees=True))
 
     async def rpc_readlink(self, ctx: ConnContext, req: M.Readlink) -> M.TargetReply:
         with self.store.read() as txn:

@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -632,6 +632,22 @@ class AsyncClient:
 
     async def removexattr(self, path: str | bytes, name: str | bytes) -> None:
         return await self.driver.run(ops.removexattr(self, path, name))
+
+    # -- batched: one request per MAX_MANY paths, one commit for each; a result per path
+    async def create_many(self, paths: Sequence[str | bytes], mode: int = 0o666,
+                          exclusive: bool = True) -> list[OSError | None]:
+        """Create each path as an empty file (and close it): None, or the path's
+        OSError (``FileExistsError`` when it exists and ``exclusive``)."""
+        return await self.driver.run(ops.create_many(self, paths, mode, exclusive))
+
+    async def stat_many(self, paths: Sequence[str | bytes], follow_symlinks: bool = True
+                        ) -> list[StatResult | OSError]:
+        """Each path's attributes, or its OSError."""
+        return await self.driver.run(ops.stat_many(self, paths, follow_symlinks))
+
+    async def unlink_many(self, paths: Sequence[str | bytes]) -> list[OSError | None]:
+        """Unlink each path: None, or the path's OSError."""
+        return await self.driver.run(ops.unlink_many(self, paths))
 
     async def statvfs(self, path: str | bytes = "/") -> StatVFS:
         return await self.driver.run(ops.statvfs(self, path))

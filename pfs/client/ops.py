@@ -18,6 +18,7 @@ import os
 import posixpath
 import stat as statmod
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -384,6 +385,51 @@ def set_layout(c: AsyncClient, path: str | bytes, count: int = 0, unit: int = 0,
     attr = yield from stat(c, path)
     return (yield from meta_set_layout(attr.st_ino, unit, count, replicas, _cred(c),
                                        durable))
+
+
+# -- batched calls: many paths per request (MAX_MANY), one commit per request for the
+# changes; a result per path, in order: None or the attributes, or the path's OSError
+def _chunks(paths: Sequence[str | bytes]) -> list[list[bytes]]:
+    names = [_path(p) for p in paths]
+    return [names[i:i + M.MAX_MANY] for i in range(0, len(names), M.MAX_MANY)]
+
+
+def _result(r: list[Any]) -> Any:
+    code, value = r
+    return E.from_wire(code, value) if code else value
+
+
+def create_many(c: AsyncClient, paths: Sequence[str | bytes], mode: int = 0o666,
+                exclusive: bool = True) -> Plan[list[OSError | None]]:
+    """Create each path as an empty file (and close it): None, or its error."""
+    out: list[OSError | None] = []
+    for chunk in _chunks(paths):
+        r = yield MetaCall(M.CreateMany(paths=chunk, mode=mode & ~c.umask & 0o7777,
+                                        exclusive=exclusive, cred=_cred(c)))
+        out.extend(e if isinstance(e, OSError) else None for e in map(_result, r.results))
+    return out
+
+
+def stat_many(c: AsyncClient, paths: Sequence[str | bytes], follow_symlinks: bool = True
+              ) -> Plan[list[StatResult | OSError]]:
+    """Each path's attributes, or its error."""
+    out: list[StatResult | OSError] = []
+    for chunk in _chunks(paths):
+        r = yield MetaCall(M.StatMany(paths=chunk, follow=follow_symlinks, cred=_cred(c)))
+        for res in r.results:
+            v = _result(res)
+            out.append(v if isinstance(v, OSError)
+                       else c.merged_attr(StatResult.from_wire(v)))
+    return out
+
+
+def unlink_many(c: AsyncClient, paths: Sequence[str | bytes]) -> Plan[list[OSError | None]]:
+    """Unlink each path: None, or its error."""
+    out: list[OSError | None] = []
+    for chunk in _chunks(paths):
+        r = yield MetaCall(M.UnlinkMany(paths=chunk, cred=_cred(c)))
+        out.extend(e if isinstance(e, OSError) else None for e in map(_result, r.results))
+    return out
 
 
 def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) -> Plan[FileHandle]:

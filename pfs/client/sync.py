@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -287,6 +287,22 @@ class Client:
 
     def removexattr(self, path: str | bytes, name: str | bytes) -> None:
         self._drive(ops.removexattr, self.aio, path, name)
+
+    # -- batched: one request per MAX_MANY paths, one commit for each; a result per path
+    def create_many(self, paths: Sequence[str | bytes], mode: int = 0o666,
+                    exclusive: bool = True) -> list[OSError | None]:
+        """Create each path as an empty file (and close it): None, or the path's
+        OSError (``FileExistsError`` when it exists and ``exclusive``)."""
+        return self._drive(ops.create_many, self.aio, paths, mode, exclusive)
+
+    def stat_many(self, paths: Sequence[str | bytes], *, follow_symlinks: bool = True
+                  ) -> list[StatResult | OSError]:
+        """Each path's attributes, or its OSError."""
+        return self._drive(ops.stat_many, self.aio, paths, follow_symlinks)
+
+    def unlink_many(self, paths: Sequence[str | bytes]) -> list[OSError | None]:
+        """Unlink each path: None, or the path's OSError."""
+        return self._drive(ops.unlink_many, self.aio, paths)
 
     def statvfs(self, path: str | bytes = "/") -> StatVFS:
         return self._drive(ops.statvfs, self.aio, path)

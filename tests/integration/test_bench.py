@@ -75,15 +75,20 @@ def test_meta(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
                      "--local-dir", str(tmp_path), "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "creates/s" in text
-    assert "aim: >= 5,000 durable creates/s with 8 clients: not measured" in text  # 1, 2
+    assert "creates/s" in text and "CPU budget" in text
+    for label in ("pfs native", "pfs batched x256"):  # 1 and 2 clients: no 8-client figure
+        assert f"aim: >= 5,000 durable creates/s with 8 clients ({label}): not measured" in text
     res = json.loads(out.read_text())
     got = {(r["label"], r["clients"]) for r in res["median"]}
-    assert got == {("pfs native", 1), ("pfs native", 2), ("local", 1), ("local", 2)}
+    assert got == {("pfs native", 1), ("pfs native", 2), ("pfs batched x256", 1),
+                   ("pfs batched x256", 2), ("local", 1), ("local", 2)}
     for r in res["median"]:
         for ph in ("create", "stat", "unlink"):
             assert _positive(r[ph]["ops_per_s"]), r
             assert r[ph]["ops"] == 30
+        assert r["readdir"]["ops"] == 30 * 5  # every entry, 5 listings
+        if r["label"].startswith("pfs"):  # the metaserver's share is counted apart
+            assert r["create"]["meta_us_per_op"] > 0, r
     for key in ("durable_1_per_txn", "durable_4_per_txn"):
         assert _positive(res["lmdb"][key]["ops_per_s"])
     assert list(local.iterdir()) == []  # the bench cleaned up after itself

@@ -411,3 +411,43 @@ def test_async_client_exit_commits_files_left_open(client_toml, client, workdir)
 
     trio.run(main)
     assert client.read_file(f"{workdir}/left-open") == b"kept after exit"
+
+
+def test_batched_create_stat_unlink(client, client_toml, workdir) -> None:
+    """create_many / stat_many / unlink_many: one request per MAX_MANY paths, each path
+    failing alone with its own error; the sync and the async client."""
+    from pfs.core.messages.meta import MAX_MANY
+
+    client.write_file(f"{workdir}/taken", b"data")
+    paths = [f"{workdir}/b{i}" for i in range(MAX_MANY + 5)]  # two requests
+    errs = client.create_many([*paths, f"{workdir}/taken", f"{workdir}/nodir/x"], 0o640)
+    assert errs[:-2] == [None] * len(paths)
+    assert isinstance(errs[-2], FileExistsError) and "taken" in str(errs[-2])
+    assert isinstance(errs[-1], FileNotFoundError) and "nodir" in str(errs[-1])
+    assert client.read_file(f"{workdir}/taken") == b"data"  # left as it was
+    got = client.stat_many([paths[0], f"{workdir}/missing", paths[-1]])
+    assert got[0].st_size == 0 and got[0].st_mode & 0o777 == 0o640 & ~client.aio.umask
+    assert isinstance(got[1], FileNotFoundError)
+    assert got[2].st_ino != got[0].st_ino
+    assert client.stat(paths[3]).st_ino == client.stat_many([paths[3]])[0].st_ino
+    # a batched file opens and takes data like any other
+    with client.open(paths[1], "r+b") as f:
+        f.write(b"xyz")
+    assert client.read_file(paths[1]) == b"xyz"
+    assert client.create_many([paths[0]], exclusive=False) == [None]
+
+    import trio
+
+    from pfs.client.aio import AsyncClient
+
+    async def main() -> list[OSError | None]:
+        async with AsyncClient.connect(config=client_toml) as ac:
+            st = await ac.stat_many(paths[:2])
+            assert [getattr(s, "st_ino", None) for s in st] == [
+                client.stat(paths[0]).st_ino, client.stat(paths[1]).st_ino]
+            return await ac.unlink_many([*paths[:10], f"{workdir}/missing"])
+
+    gone = trio.run(main)
+    assert gone[:10] == [None] * 10 and isinstance(gone[10], FileNotFoundError)
+    assert client.unlink_many(paths[10:]) == [None] * (len(paths) - 10)
+    assert sorted(client.listdir(workdir)) == ["taken"]

@@ -662,3 +662,30 @@ def test_statfs_and_registry(fs: FS) -> None:
     before = st["ffree"]
     fs.file(1, b"x")
     assert fs.statfs(0, 0)["ffree"] == before - 1
+
+
+class _Undo(Exception):
+    pass
+
+
+def test_walks_see_every_change_of_a_directory(fs: FS, store: Any) -> None:
+    """Path walks keep decoded directory records (checked against the stored bytes):
+    a committed change is seen at once, a rolled-back one never."""
+    d = fs.mkdir(ROOT, K.ROOT_INO, b"d", 0o755)["ino"]
+    fs.create(ROOT, K.ROOT_INO, b"f", 0o644, CREAT)  # a file to reach through /d/..
+    fs.mkdir(ROOT, d, b"sub", 0o755)
+    assert fs.resolve(USER, b"/d/sub", True)["attr"]["mode"] & 0o777 == 0o755
+    fs.setattr(ROOT, d, mode=0o700)  # USER may no longer search /d
+    with pytest.raises(PermissionError):
+        fs.resolve(USER, b"/d/sub", True)
+    with pytest.raises(_Undo), store.write() as txn:  # a change that is rolled back
+        fs.ns.setattr(txn, ROOT, d, mode=0o755)
+        assert fs.ns.resolve(txn, USER, b"/d/sub", True)["attr"]["ino"]  # walked, cached
+        raise _Undo
+    with pytest.raises(PermissionError):
+        fs.resolve(USER, b"/d/sub", True)
+    fs.setattr(ROOT, d, mode=0o755)
+    assert fs.resolve(USER, b"/d/../f", True)["attr"]["uid"] == 0
+    fs.rmdir(ROOT, d, b"sub")
+    with pytest.raises(FileNotFoundError):
+        fs.resolve(USER, b"/d/sub", True)

@@ -27,7 +27,7 @@ from pfs.metaserver.handles import MAX_CLOSES, OpenFiles
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry
 from pfs.metaserver.security import SERVER_METHODS, cap_signer, meta_security
-from pfs.metaserver.store import MemoryStore, WriteTxn
+from pfs.metaserver.store import LmdbStore, MemoryStore, WriteTxn
 
 
 def trio_test(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
@@ -469,3 +469,84 @@ def test_deleter_sends_queued_deletions_together_and_retries_failures() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=clock)
+
+
+class FlushingStore(MemoryStore):
+    """Flushes like LmdbStore: each commit that writes flushes once, ``sync`` once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flush_on_commit = True
+        self.flushes = 0
+        self.syncs = 0
+        self.committed = trio.Event()
+
+    @contextmanager
+    def write(self, headroom: bool = False) -> Iterator[Any]:
+        with super().write(headroom) as txn:
+            yield txn
+        self.flushes += 1
+        self.committed.set()
+
+    def sync(self) -> None:
+        self.syncs += 1
+
+
+@trio_test
+async def test_one_flush_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Callers of a batch are woken once a later flush covers it: the next batch's
+    commit, or a sync when nothing else waits. Three batches in a row: three commits and
+    one sync, not three of each."""
+    monkeypatch.setattr(commit, "MAX_BATCH", 4)
+    store = FlushingStore()
+    woken: list[tuple[int, int]] = []
+    queue = CommitQueue(store, lambda: woken.append((store.flushes, store.syncs)))
+    assert store.flush_on_commit is False  # the queue flushes itself
+    results: dict[bytes, Any] = {}
+    async with trio.open_nursery() as nursery:
+        await settle(queue, nursery, results=results,
+                     fns={b"k%d" % i: put(b"k%d" % i, i) for i in range(10)})
+        await queue.durable()  # nothing committed and unflushed is left
+        nursery.cancel_scope.cancel()
+    assert len(results) == 10
+    assert woken == [(2, 0), (3, 0), (3, 1)]  # batch 1 after commit 2, 2 after 3, 3 synced
+
+
+@trio_test
+async def test_durable_waits_for_the_flush() -> None:
+    """``durable`` called once a batch is committed returns only after its flush."""
+    store = FlushingStore()
+    queue = CommitQueue(store)
+    seen: list[int] = []
+
+    async def barrier() -> None:
+        await store.committed.wait()  # committed (visible), perhaps not yet flushed
+        await queue.durable()
+        seen.append(store.syncs)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        nursery.start_soon(barrier)
+        await queue.mutate(put(b"a"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert seen == [1]
+
+
+def test_lmdb_counts_the_commits_that_flushed(tmp_path: Path) -> None:
+    """A commit that wrote flushes the file (what makes the batch before it durable);
+    one that changed nothing does not, and the commit queue must not count on it."""
+    store = LmdbStore(tmp_path / "db", 1 << 24, check_format=False)
+    try:
+        store.flush_on_commit = False
+        with store.write() as txn:
+            txn.put(b"k", b"v")
+        assert store.flushes == 1
+        with store.write() as txn:
+            assert txn.get(b"k") == b"v"
+        assert store.flushes == 1
+        store.sync()
+        with store.read() as txn:
+            assert txn.get(b"k") == b"v"
+    finally:
+        store.close()

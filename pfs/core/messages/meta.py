@@ -489,3 +489,44 @@ class Rebalance(MetaRequest, method="rebalance", reply=RepairReply):
     note = ("root only (`EPERM`): move chain memberships from the most loaded data "
             "servers to the least loaded (a new one), at the repair rate")
     cred: WireCred = Cred()
+
+
+# ------------------------------------------------------------------ batched calls
+# Many entries in one request, for callers that have many (the native API's
+# create_many, stat_many, unlink_many): one round trip, and for the changes one commit
+# (one fsync) for them all. Each entry succeeds or fails alone; the reply has a result
+# per path, in order.
+MAX_MANY = 1024  # paths in one batched request (a batch's commit holds the writer)
+
+
+def _paths() -> Any:
+    return List(Bytes(max_len=PATH_MAX - 1, len_code=errno.ENAMETOOLONG),
+                max_len=MAX_MANY, doc=f"[absolute path, ...], at most {MAX_MANY}")
+
+
+class ManyReply(ReplyMessage):
+    results: list[Any] = List(doc="per path, in order: [0, attr] (attr nil for an unlink) "
+                                  "or [errno, message]")
+
+
+class CreateMany(MetaRequest, method="create_many", reply=ManyReply):
+    note = ("create each path as an empty regular file (O_CREAT, with `exclusive` "
+            "O_EXCL; an existing file is then left as it is) and close it; all in one "
+            "commit, each path failing alone")
+    paths: list[bytes] = _paths()
+    mode: int = Int(lo=0, hi=0o7777)
+    exclusive: bool = Bool(default=True)
+    cred: WireCred = Cred()
+
+
+class StatMany(MetaRequest, method="stat_many", reply=ManyReply):
+    note = "resolve each path (as `resolve` does): its attributes or its error"
+    paths: list[bytes] = _paths()
+    follow: bool = Bool(default=True)
+    cred: WireCred = Cred()
+
+
+class UnlinkMany(MetaRequest, method="unlink_many", reply=ManyReply):
+    note = "unlink each path (as `unlink` does); all in one commit, each path failing alone"
+    paths: list[bytes] = _paths()
+    cred: WireCred = Cred()
