@@ -47,6 +47,7 @@ from typing import Any
 import trio
 
 from pfs.core.config import ProfileSettings, profile_settings
+from pfs.loader.buffers import address, anon_buffer, populate
 
 log = logging.getLogger(__name__)
 
@@ -564,8 +565,9 @@ class _Numpy:
         self.ml = ml_dtypes
 
     def alloc(self, n: int) -> tuple[Any, memoryview]:
-        a = self.np.empty(n, dtype=self.np.uint8)
-        return a, memoryview(a).cast("B")  # type: ignore[arg-type]
+        mm = anon_buffer(n)  # huge pages, populated before the reads (buffers.py)
+        a = self.np.frombuffer(mm, dtype=self.np.uint8, count=n)
+        return a, memoryview(mm)[:n]
 
     def dtype(self, st: str) -> Any:
         size, npname, _ = DTYPES[st]
@@ -594,8 +596,11 @@ class _Torch:
         self.pin = device.startswith("cuda")
 
     def alloc(self, n: int) -> tuple[Any, memoryview]:
-        t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
-        return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+        if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
+            t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
+            return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+        mm = anon_buffer(n)  # huge pages, populated before the reads (buffers.py)
+        return self.torch.frombuffer(mm, dtype=self.torch.uint8, count=n), memoryview(mm)[:n]
 
     def dtype(self, st: str) -> Any:
         attr = DTYPES[st][2]
@@ -706,22 +711,28 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
+        views: list[memoryview] = []  # host buffers to populate (not pinned ones)
         if gds:  # local files straight into device memory (kvikio), no host copy
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
             regions_on_device = True
         for r in regions if not gds else []:
             r.buf, view = fw.alloc(r.end - r.start)
+            views.append(view)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
                 owners.append((r.shard.name, len(view)))
         for s in sliced if not gds else []:
             s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
+            views.append(view)
             pos = 0
             for off, length in s.ranges:
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
                 owners.append((s.shard.name, length))
                 pos += length
+        fresh = [(address(v), len(v)) for v in views if len(v)]
+        if fresh:  # fault the buffers in (huge pages, threads) before the reads land
+            await trio.to_thread.run_sync(populate, fresh)
         if stats.progress is not None:
             stats.progress.set_total(sum(len(v) for _h, _o, v in ops))
         counts = await reader.read_many(ops, stats.progress)
