@@ -1,16 +1,16 @@
 """Host buffers a loader reads checkpoint bytes into: one anonymous mapping per region,
-backed by transparent huge pages and faulted in before the reads land.
+faulted in by the kernel in a few threads before the reads land.
 
 Why not ``torch.empty`` / ``numpy.empty``: a fresh process gets fresh pages, and the
 kernel faults each 4 KiB page in the first time a read writes it: 1.6 GiB is ~420,000
-faults, each with its page-table work, taken inside the copy of every read — that, not
-the copy, was most of a warm load's CPU time, and it varied with what the allocator
-happened to hold from a previous load (malloc reuses freed, already-faulted memory for
-some sizes and not others). Here each buffer is its own ``mmap``, advised
-``MADV_HUGEPAGE`` (512x fewer faults), then populated with ``MADV_POPULATE_WRITE`` in a
-few threads (the zeroing spread across cores, ahead of the reads) where the kernel has it
-(Linux 5.14+); without it the reads fault the huge pages in themselves. The mapping is
-unmapped when the last tensor over it is freed (the array holds the ``mmap`` object).
+faults taken one by one inside the copies of the reads (in the io_uring workers, or the
+threads of the pread path), and what they cost varied with what the allocator happened
+to hold from a previous load. Here each buffer is its own ``mmap``, populated with
+``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 64 MiB piece, the pieces shared by a
+few threads, the GIL dropped) so the reads copy into memory that is already there. Huge
+pages (``MADV_HUGEPAGE``) would cut the faults 512x but are off by default: see
+:data:`HUGE_PAGES`. The mapping is unmapped when the last tensor over it is freed (the
+array holds the ``mmap`` object).
 """
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python's mmap module lacks the
 HUGE = 2 << 20
 POPULATE_MIN = 64 << 20  # smaller buffers are populated in the calling thread
 POPULATE_STEP = 64 << 20  # the piece one thread populates at a time
+# Huge pages: 512x fewer faults, but in a VM whose balloon reports free 2 MiB blocks to
+# the host (virtio-balloon free page reporting, as on Firecracker) a huge page is mostly
+# memory the host must fault back in, 4 KiB at a time: measured 0.17-1.50 CPU s to
+# populate 1.6 GiB against a steady 0.69-0.77 s with 4 KiB pages (docs/benchmarks.md).
+HUGE_PAGES = False
 
 _libc: Any = None
 _populate_ok = True
@@ -43,10 +48,12 @@ def _madvise(addr: int, length: int, advice: int) -> int:
     return 0
 
 
-def anon_buffer(size: int) -> mmap.mmap:
-    """A private anonymous mapping of ``size`` bytes, huge-page advised."""
+def anon_buffer(size: int, huge: bool | None = None) -> mmap.mmap:
+    """A private anonymous mapping of ``size`` bytes (huge-page advised with ``huge``,
+    default :data:`HUGE_PAGES`)."""
     mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    if (HUGE_PAGES if huge is None else huge) and size >= HUGE \
+            and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError as exc:  # THP disabled ("never"): plain pages still work
