@@ -61,11 +61,13 @@ def anon_buffer(size: int, huge: bool | None = None) -> mmap.mmap:
     return mm
 
 
-def populate(bufs: list[tuple[int, int]], threads: int | None = None) -> bool:
+def populate(bufs: list[tuple[int, int]], threads: int | None = None,
+             stop: threading.Event | None = None) -> bool:
     """Fault in ``(address, length)`` ranges for writing, in up to ``threads`` threads;
-    False when the kernel lacks ``MADV_POPULATE_WRITE`` (then one byte per huge page is
-    written instead: left to the reads, several io workers would race on one 2 MiB
-    page, each zeroing a page of its own of which one is kept)."""
+    False when the kernel lacks ``MADV_POPULATE_WRITE``: then the reads fault the pages
+    in, except huge pages (:data:`HUGE_PAGES`), which get one byte each written here
+    (left to the reads, several io workers would race on one 2 MiB page, each zeroing
+    a page of its own of which one is kept). ``stop`` set: return after this piece."""
     global _populate_ok
     pieces = [(a + o, min(POPULATE_STEP, n - o)) for a, n in bufs
               for o in range(0, n, POPULATE_STEP)]
@@ -77,22 +79,22 @@ def populate(bufs: list[tuple[int, int]], threads: int | None = None) -> bool:
             _populate_ok = False
             log.debug("MADV_POPULATE_WRITE unavailable: %s", os.strerror(err))
     if not _populate_ok:
-        for a, n in pieces:
+        for a, n in pieces if HUGE_PAGES else ():
             for off in range(0, n, HUGE):
                 ctypes.c_char.from_address(a + off).value = b"\0"
         return False
-    rest = pieces[1:]
+    rest = pieces[1:]  # popped from the end: the reads start at the front
     nthreads = min(threads or (os.cpu_count() or 1), len(rest))
     if sum(n for _a, n in bufs) < POPULATE_MIN or nthreads <= 1:
-        for p in rest:
-            _madvise(*p, MADV_POPULATE_WRITE)
+        while rest and not (stop is not None and stop.is_set()):
+            _madvise(*rest.pop(), MADV_POPULATE_WRITE)
         return True
     lock = threading.Lock()
 
     def work() -> None:
         while True:
             with lock:
-                if not rest:
+                if not rest or (stop is not None and stop.is_set()):
                     return
                 p = rest.pop()
             _madvise(*p, MADV_POPULATE_WRITE)

@@ -39,9 +39,11 @@ import math
 import os
 import posixpath
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -56,6 +58,7 @@ MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEADER_PROBE = 64 << 10  # first read of a shard: the length and, usually, the whole header
 ALIGN = 8  # region buffers start at multiples of this (relative to the data section)
 PFS_CONCURRENCY = 64  # strided-slice requests in flight through the pfs client
+POPULATE_THREADS = 1  # beside the reads' own workers (io_uring, the client's threads)
 
 # safetensors dtype -> (itemsize, numpy dtype name, torch dtype attribute)
 DTYPES: dict[str, tuple[int, str, str]] = {
@@ -452,15 +455,23 @@ async def _from_index(reader: _Reader, index: str) -> list[str]:
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise CheckpointError(index, "no weight_map of tensor names to shard files")
     base = reader.dirname(index)
-    shards: list[str] = []
-    for fname in dict.fromkeys(wmap.values()):  # first-seen order, no repeats
+    names = list(dict.fromkeys(wmap.values()))  # first-seen order, no repeats
+    for fname in names:
         if os.path.isabs(fname) or ".." in fname.split("/"):
             raise CheckpointError(index, f"shard {fname!r} is not a plain file name")
-        path = reader.join(base, fname)
-        if not await reader.exists(path):
+    shards = [reader.join(base, fname) for fname in names]
+    found = [False] * len(shards)
+
+    async def check(i: int) -> None:
+        found[i] = await reader.exists(shards[i])
+
+    async with trio.open_nursery() as nursery:  # one round of lookups, not one per shard
+        for i in range(len(shards)):
+            nursery.start_soon(check, i)
+    for fname, path, ok in zip(names, shards, found, strict=True):
+        if not ok:
             raise FileNotFoundError(errno.ENOENT, f"shard {fname!r} named by {index} is "
                                                   "missing", path)
-        shards.append(path)
     return shards
 
 
@@ -694,6 +705,25 @@ async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
     await trio.to_thread.run_sync(run)
 
 
+async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
+                           views: list[memoryview], progress: Any) -> list[int]:
+    """``reader.read_many(ops)`` while a thread faults the fresh buffers in from their
+    far end (buffers.py): the reads, which start at the front, copy into pages already
+    there instead of faulting each one in; the thread stops once the reads are done."""
+    fresh = [(address(v), len(v)) for v in views if len(v)]
+    if not fresh:
+        return await reader.read_many(ops, progress)
+    stop = threading.Event()
+    counts: list[int] = []
+    async with trio.open_nursery() as n:
+        n.start_soon(partial(trio.to_thread.run_sync, populate, fresh, POPULATE_THREADS, stop))
+        try:
+            counts = await reader.read_many(ops, progress)
+        finally:
+            stop.set()
+    return counts
+
+
 async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
                 merge_gap: int, stats: LoadStats, gds_ok: bool = False) -> dict[str, Any]:
@@ -730,12 +760,9 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
                 owners.append((s.shard.name, length))
                 pos += length
-        fresh = [(address(v), len(v)) for v in views if len(v)]
-        if fresh:  # fault the buffers in (huge pages, threads) before the reads land
-            await trio.to_thread.run_sync(populate, fresh)
         if stats.progress is not None:
             stats.progress.set_total(sum(len(v) for _h, _o, v in ops))
-        counts = await reader.read_many(ops, stats.progress)
+        counts = await _read_populating(reader, ops, views, stats.progress)
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
