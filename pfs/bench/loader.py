@@ -520,6 +520,11 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"consecutive warm loads in one process, {name}: "
                      f"{', '.join(f'{x:.2f}' for x in s['GBps'])} GB/s "
                      f"(spread {s['spread']:.0%})")
+    for temp in ("warm", "cold"):
+        m = med.get(f"pfs_sc_on_{temp}")
+        if m and m.get("bytes"):  # the rest went over TCP (no local descriptor given)
+            lines.append(f"pfs_sc_on {temp}: {m.get('short_circuit_bytes', 0) / m['bytes']:.0%} "
+                         "of the bytes read short-circuit (median), the rest over TCP")
     lines.append("reference: st_clone = safetensors load_file + .clone() (private memory, "
                  "the end state pfs.load_safetensors returns); st_touch = every page "
                  "mapped from the page cache (zero-copy warm).")
