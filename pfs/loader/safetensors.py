@@ -380,6 +380,14 @@ class _PfsReader(_Reader):
 
     async def open(self, path: str) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
+        try:
+            # every stripe's local descriptor now, while the header is read: the bulk
+            # reads then find them held instead of each asking within a 1 s deadline
+            await f.open_local()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await f.close()
+            raise
         return f, f.size
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
