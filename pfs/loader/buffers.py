@@ -1,13 +1,13 @@
 """Host buffers a loader reads checkpoint bytes into: one anonymous mapping per region,
-faulted in by the kernel in a few threads before the reads land.
+faulted in by the kernel, from the far end, while the reads fill it from the front.
 
 Why not ``torch.empty`` / ``numpy.empty``: a fresh process gets fresh pages, and the
 kernel faults each 4 KiB page in the first time a read writes it: 1.6 GiB is ~420,000
 faults taken one by one inside the copies of the reads (in the io_uring workers, or the
 threads of the pread path), and what they cost varied with what the allocator happened
 to hold from a previous load. Here each buffer is its own ``mmap``, populated with
-``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 64 MiB piece, the pieces shared by a
-few threads, the GIL dropped) so the reads copy into memory that is already there. Huge
+``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 64 MiB piece, the GIL dropped, the
+last piece first) so most reads copy into memory that is already there. Huge
 pages (``MADV_HUGEPAGE``) would cut the faults 512x but are off by default: see
 :data:`HUGE_PAGES`. The mapping is unmapped when the last tensor over it is freed (the
 array holds the ``mmap`` object).
@@ -27,10 +27,10 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python's mmap module lacks the
 HUGE = 2 << 20
 POPULATE_MIN = 64 << 20  # smaller buffers are populated in the calling thread
 POPULATE_STEP = 64 << 20  # the piece one thread populates at a time
-# Huge pages: 512x fewer faults, but in a VM whose balloon reports free 2 MiB blocks to
-# the host (virtio-balloon free page reporting, as on Firecracker) a huge page is mostly
-# memory the host must fault back in, 4 KiB at a time: measured 0.17-1.50 CPU s to
-# populate 1.6 GiB against a steady 0.69-0.77 s with 4 KiB pages (docs/benchmarks.md).
+# Huge pages: 512x fewer faults, but measured 0.17-1.50 CPU s to populate 1.6 GiB against
+# a steady 0.69-0.77 s with 4 KiB pages on the (Firecracker) VM here: likely because its
+# balloon reports free 2 MiB blocks to the host, which must fault them back in
+# (docs/benchmarks.md, section 5c).
 HUGE_PAGES = False
 
 _libc: Any = None

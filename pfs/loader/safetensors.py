@@ -17,7 +17,11 @@ How it reads:
 4. all reads of all shards are issued at once: local files through an I/O engine
    (io_uring where the kernel has it: one batch of SQEs; otherwise preadv in threads),
    pfs files through the async client, concurrently in one trio nursery, each request
-   striped across the data servers.
+   striped across the data servers (a pfs shard's short-circuit descriptors are all
+   asked for when it is opened, in the same round as the headers);
+5. each buffer is a fresh mapping of its own that a thread faults in from its far end
+   while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
+   are there before a copy reaches them instead of faulting in one by one inside it.
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
@@ -584,7 +588,7 @@ class _Numpy:
         self.ml = ml_dtypes
 
     def alloc(self, n: int) -> tuple[Any, memoryview]:
-        mm = anon_buffer(n)  # huge pages, populated before the reads (buffers.py)
+        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
         a = self.np.frombuffer(mm, dtype=self.np.uint8, count=n)
         return a, memoryview(mm)[:n]
 
@@ -618,7 +622,7 @@ class _Torch:
         if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
             t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
             return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-        mm = anon_buffer(n)  # huge pages, populated before the reads (buffers.py)
+        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
         return self.torch.frombuffer(mm, dtype=self.torch.uint8, count=n), memoryview(mm)[:n]
 
     def dtype(self, st: str) -> Any:
@@ -749,7 +753,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
-        views: list[memoryview] = []  # host buffers to populate (not pinned ones)
+        views: list[memoryview] = []  # host buffers to fault in (pinned ones are: a no-op)
         if gds:  # local files straight into device memory (kvikio), no host copy
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
