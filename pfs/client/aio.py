@@ -180,6 +180,14 @@ class FileHandle:
         self.state.wrote(off + n)
         self._dirty = True
 
+    async def open_local(self, timeout: float = 30.0) -> int:
+        """Short-circuit descriptors of all of this read-only file's stripes, asked for
+        at once (:meth:`HandleObjects.open_all`); how many local ones it holds (0: none
+        local, or short-circuit off)."""
+        if self._objects is None:
+            return 0
+        return await self._objects.open_all(self.layout.servers, self.ino, self.cap, timeout)
+
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
         Bytes this client wrote behind and still in flight are read back: the read

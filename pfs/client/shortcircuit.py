@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -192,6 +193,22 @@ class HandleObjects:
     def known_fd(self, stripe: int) -> int | None:
         """The descriptor of ``stripe`` if this handle already holds one."""
         return self._fds.get(stripe)
+
+    async def open_all(self, servers: Sequence[tuple[str, ...]], ino: int, cap: bytes | None,
+                       timeout: float) -> int:
+        """Ask for the descriptors of every stripe at once (``servers``: the layout's
+        replicas by stripe), waiting up to ``timeout`` s in all; how many it holds.
+
+        For a reader about to read whole files (the loader): the reads' own lookups
+        give a local server LOCAL_FD_TIMEOUT (1 s) per stripe, which a busy host can
+        miss, and each miss sends that stripe over TCP for good; asked here first, the
+        reads find the descriptors held."""
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for stripe, replicas in enumerate(servers):
+                    if not self.tried(stripe):
+                        nursery.start_soon(self.fd, tuple(replicas), ino, stripe, cap)
+        return sum(1 for fd in self._fds.values() if fd is not None)
 
     def read_blocking(self, fd: int, obj_off: int, dests: list[memoryview]) -> list[int]:
         """Read consecutive object bytes into ``dests`` in the calling thread, one

@@ -17,7 +17,11 @@ How it reads:
 4. all reads of all shards are issued at once: local files through an I/O engine
    (io_uring where the kernel has it: one batch of SQEs; otherwise preadv in threads),
    pfs files through the async client, concurrently in one trio nursery, each request
-   striped across the data servers.
+   striped across the data servers (a pfs shard's short-circuit descriptors are all
+   asked for when it is opened, in the same round as the headers);
+5. each buffer is a fresh mapping of its own that a thread faults in from its far end
+   while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
+   are there before a copy reaches them instead of faulting in one by one inside it.
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
@@ -39,14 +43,17 @@ import math
 import os
 import posixpath
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
 
 from pfs.core.config import ProfileSettings, profile_settings
+from pfs.loader.buffers import address, anon_buffer, populate
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,7 @@ MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEADER_PROBE = 64 << 10  # first read of a shard: the length and, usually, the whole header
 ALIGN = 8  # region buffers start at multiples of this (relative to the data section)
 PFS_CONCURRENCY = 64  # strided-slice requests in flight through the pfs client
+POPULATE_THREADS = 1  # beside the reads' own workers (io_uring, the client's threads)
 
 # safetensors dtype -> (itemsize, numpy dtype name, torch dtype attribute)
 DTYPES: dict[str, tuple[int, str, str]] = {
@@ -376,6 +384,14 @@ class _PfsReader(_Reader):
 
     async def open(self, path: str) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
+        try:
+            # every stripe's local descriptor now, while the header is read: the bulk
+            # reads then find them held instead of each asking within a 1 s deadline
+            await f.open_local()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await f.close()
+            raise
         return f, f.size
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
@@ -451,15 +467,23 @@ async def _from_index(reader: _Reader, index: str) -> list[str]:
     if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
         raise CheckpointError(index, "no weight_map of tensor names to shard files")
     base = reader.dirname(index)
-    shards: list[str] = []
-    for fname in dict.fromkeys(wmap.values()):  # first-seen order, no repeats
+    names = list(dict.fromkeys(wmap.values()))  # first-seen order, no repeats
+    for fname in names:
         if os.path.isabs(fname) or ".." in fname.split("/"):
             raise CheckpointError(index, f"shard {fname!r} is not a plain file name")
-        path = reader.join(base, fname)
-        if not await reader.exists(path):
+    shards = [reader.join(base, fname) for fname in names]
+    found = [False] * len(shards)
+
+    async def check(i: int) -> None:
+        found[i] = await reader.exists(shards[i])
+
+    async with trio.open_nursery() as nursery:  # one round of lookups, not one per shard
+        for i in range(len(shards)):
+            nursery.start_soon(check, i)
+    for fname, path, ok in zip(names, shards, found, strict=True):
+        if not ok:
             raise FileNotFoundError(errno.ENOENT, f"shard {fname!r} named by {index} is "
                                                   "missing", path)
-        shards.append(path)
     return shards
 
 
@@ -564,8 +588,9 @@ class _Numpy:
         self.ml = ml_dtypes
 
     def alloc(self, n: int) -> tuple[Any, memoryview]:
-        a = self.np.empty(n, dtype=self.np.uint8)
-        return a, memoryview(a).cast("B")  # type: ignore[arg-type]
+        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
+        a = self.np.frombuffer(mm, dtype=self.np.uint8, count=n)
+        return a, memoryview(mm)[:n]
 
     def dtype(self, st: str) -> Any:
         size, npname, _ = DTYPES[st]
@@ -594,8 +619,11 @@ class _Torch:
         self.pin = device.startswith("cuda")
 
     def alloc(self, n: int) -> tuple[Any, memoryview]:
-        t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
-        return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+        if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
+            t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
+            return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
+        return self.torch.frombuffer(mm, dtype=self.torch.uint8, count=n), memoryview(mm)[:n]
 
     def dtype(self, st: str) -> Any:
         attr = DTYPES[st][2]
@@ -689,6 +717,25 @@ async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
     await trio.to_thread.run_sync(run)
 
 
+async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
+                           views: list[memoryview], progress: Any) -> list[int]:
+    """``reader.read_many(ops)`` while a thread faults the fresh buffers in from their
+    far end (buffers.py): the reads, which start at the front, copy into pages already
+    there instead of faulting each one in; the thread stops once the reads are done."""
+    fresh = [(address(v), len(v)) for v in views if len(v)]
+    if not fresh:
+        return await reader.read_many(ops, progress)
+    stop = threading.Event()
+    counts: list[int] = []
+    async with trio.open_nursery() as n:
+        n.start_soon(partial(trio.to_thread.run_sync, populate, fresh, POPULATE_THREADS, stop))
+        try:
+            counts = await reader.read_many(ops, progress)
+        finally:
+            stop.set()
+    return counts
+
+
 async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
                 merge_gap: int, stats: LoadStats, gds_ok: bool = False) -> dict[str, Any]:
@@ -706,17 +753,20 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
+        views: list[memoryview] = []  # host buffers to fault in (pinned ones are: a no-op)
         if gds:  # local files straight into device memory (kvikio), no host copy
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
             regions_on_device = True
         for r in regions if not gds else []:
             r.buf, view = fw.alloc(r.end - r.start)
+            views.append(view)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
                 owners.append((r.shard.name, len(view)))
         for s in sliced if not gds else []:
             s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
+            views.append(view)
             pos = 0
             for off, length in s.ranges:
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
@@ -724,7 +774,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 pos += length
         if stats.progress is not None:
             stats.progress.set_total(sum(len(v) for _h, _o, v in ops))
-        counts = await reader.read_many(ops, stats.progress)
+        counts = await _read_populating(reader, ops, views, stats.progress)
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "

@@ -223,3 +223,39 @@ def test_small_reads_of_local_objects_stay_in_the_calling_thread(client_toml, wo
     cfg.profile = "load"
     with pfs.connect(config=cfg) as c:
         assert c.aio.direct_max == 0
+
+
+def test_open_local_asks_for_every_stripe_at_once(client_toml, workdir) -> None:
+    """A loader's ``open_local``: every stripe's descriptor held before any read, and the
+    reads that follow are all short-circuit; off, or for a writer, it holds none."""
+    data = os.urandom(9 * UNIT + 5)
+    for sc in (True, False):
+        with _client(client_toml, sc) as c:
+            path = f"{workdir}/all-{sc}"
+            c.set_layout(workdir, count=4, unit=UNIT)
+            c.write_file(path, data)
+
+            async def go(c=c, path=path) -> tuple[int, bytes, int]:
+                f = await c.aio.open(path, "rb")
+                try:
+                    held = await f.open_local()
+                    again = await f.open_local()  # nothing left to ask for
+                    assert again == held
+                    buf = bytearray(len(data))
+                    await f.pread_into(buf, 0)
+                    w = await c.aio.open(path, "r+b")
+                    try:
+                        assert await w.open_local() == 0
+                    finally:
+                        await w.close()
+                    return held, bytes(buf), c.aio.local.stats["fds"] if c.aio.local else 0
+                finally:
+                    await f.close()
+
+            held, got, fds = c._run(go)
+            assert got == data
+            if sc:
+                assert held == 4 and fds == 4  # asked once each, by open_local
+                assert c.aio.local.stats["local_bytes"] >= len(data)
+            else:
+                assert held == 0
