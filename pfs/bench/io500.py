@@ -972,7 +972,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         except OSError:
             pass
     a, b = io500ref.medians(refs), io500ref.medians(ours)
-    table = io500ref.compare_table(a, b, len(refs), len(ours))
+    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs))
     print("\n".join(table), flush=True)
     out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
            "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,

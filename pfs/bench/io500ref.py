@@ -161,12 +161,23 @@ def medians(runs: Sequence[Parsed]) -> dict[str, float]:
     return out
 
 
-def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_ours: int
-                  ) -> list[str]:
-    """The phases side by side (medians), with ours / harness and a mark where the two
-    differ by more than 20%."""
+def spread(runs: Sequence[Parsed]) -> dict[str, tuple[float, float]]:
+    """Per phase, the lowest and highest score over ``runs``: how far one tool moves
+    between runs on this machine, the yardstick for the gap between the two."""
+    out: dict[str, tuple[float, float]] = {}
+    for n in SCORED:
+        vals = [r.phases[n][0] for r in runs if n in r.phases]
+        if vals:
+            out[n] = (min(vals), max(vals))
+    return out
+
+
+def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_ours: int,
+                  ref_spread: dict[str, tuple[float, float]] | None = None) -> list[str]:
+    """The phases side by side (medians), with ours / harness, the harness's own range
+    over its runs, and a mark where the two medians differ by more than 20%."""
     lines = [f"{'phase':<20s} {'unit':>6s} {'harness':>12s} {'pfs bench':>12s} "
-             f"{'ratio':>7s}   (medians of {n_ref} / {n_ours} runs)"]
+             f"{'ratio':>7s} {'harness min-max':>21s}   (medians of {n_ref} / {n_ours} runs)"]
     for name in [*SCORED, "score-bw", "score-md", "score-total"]:
         if name not in ref and name not in ours:
             continue
@@ -174,6 +185,8 @@ def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_o
             ("" if name == "score-total" else "kIOPS")
         a, b = ref.get(name, 0.0), ours.get(name, 0.0)
         ratio = b / a if a > 0 else float("nan")
+        lo, hi = (ref_spread or {}).get(name, (float("nan"), float("nan")))
+        rng = f"{lo:.4f}-{hi:.4f}" if lo == lo else ""
         mark = "" if a > 0 and abs(ratio - 1.0) <= 0.2 else "  <-- over 20%"
-        lines.append(f"{name:<20s} {unit:>6s} {a:12.4f} {b:12.4f} {ratio:7.2f}{mark}")
+        lines.append(f"{name:<20s} {unit:>6s} {a:12.4f} {b:12.4f} {ratio:7.2f} {rng:>21s}{mark}")
     return lines

@@ -117,10 +117,13 @@ def test_medians_and_table() -> None:
     ref = io500ref.medians([run(1.0), run(3.0), run(2.0)])
     ours = io500ref.medians([run(2.3), run(2.2), run(9.0)])
     assert ref["find"] == 2.0 and ours["find"] == 2.3
-    table = io500ref.compare_table(ref, ours, 3, 3)
+    rng = io500ref.spread([run(1.0), run(3.0), run(2.0)])
+    assert rng["find"] == (1.0, 3.0)
+    table = io500ref.compare_table(ref, ours, 3, 3, rng)
     assert table[0].startswith("phase") and "medians of 3 / 3 runs" in table[0]
     row = next(ln for ln in table if ln.startswith("find "))
-    assert row.split()[2:5] == ["2.0000", "2.3000", "1.15"] and "over 20%" not in row
+    assert row.split()[2:6] == ["2.0000", "2.3000", "1.15", "1.0000-3.0000"]
+    assert "over 20%" not in row
     ours["find"] = 2.5
     row = next(ln for ln in io500ref.compare_table(ref, ours, 3, 3) if ln.startswith("find "))
     assert row.endswith("<-- over 20%")
