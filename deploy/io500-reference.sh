@@ -67,9 +67,9 @@ echo "io500-reference: building pfind (without lz4: prepare.sh would download it
 echo "io500-reference: building io500" >&2
 (
   cd "$DEST/io500"
-  # the Makefile asks git for a version; an export has no .git, so name it here
-  make -j"$JOBS" VERSION_GIT="$(cat "$IO500_SRC/.git-version" 2>/dev/null || echo export)" \
-    VERSION_TREE= >/dev/null
+  # the Makefile asks git for its version; a `git archive` export has none, so name it
+  version=$(git -C "$IO500_SRC" describe --always --abbrev=12 2>/dev/null || echo export)
+  make -j"$JOBS" VERSION_GIT="$version" VERSION_TREE= >/dev/null
 )
 echo "io500-reference: built $DEST/io500/io500" >&2
 echo "$DEST/io500/io500"
