@@ -375,6 +375,19 @@ class Rank:
             self.store.close_file(h)
         return {"items": count, "bytes": got, "verify_errors": bad}
 
+    def _ior_remove(self, phase: str) -> None:
+        """IOR removes the file it is about to write, untimed (it opens without O_TRUNC)."""
+        if phase == "ior-easy-write":
+            path = self.d("ior-easy", f"ior_file_easy.{self.r:08d}")
+        elif self.r == 0:
+            path = self.d("ior-hard", "file")
+        else:
+            path = ""
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                self.store.unlink(path)
+        self.comm.barrier()
+
     def ior_easy_write(self) -> dict[str, float]:
         cap = max(1, self.cfg.easy_size // self.cfg.easy_transfer)
         t = self.cfg.easy_transfer
@@ -550,6 +563,8 @@ class Rank:
         fn = getattr(self, name.replace("-", "_"))
         if name in ("mdtest-easy-write", "mdtest-hard-write"):
             self._md_tree(True, name == "mdtest-easy-write")
+        if name in ("ior-easy-write", "ior-hard-write"):
+            self._ior_remove(name)
         self._paths = self.md_paths(name) if name in MD_READERS else []
         if self.cfg.drop_caches and self.r == 0 and name != "timestamp":
             drop_caches()

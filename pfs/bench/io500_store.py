@@ -42,10 +42,10 @@ class Store(ABC):
     def create_empty(self, p: str) -> None: ...
     @abstractmethod
     def write_new(self, p: str, data: memoryview) -> None:
-        """Create ``p`` (it must not exist), write ``data``, close."""
+        """Create ``p`` (new: mdtest's names are not reused), write ``data``, close."""
     @abstractmethod
     def read_whole(self, p: str, buf: memoryview) -> int:
-        """Open, read up to ``len(buf)`` bytes, close."""
+        """Open (read-write, as mdtest), read up to ``len(buf)`` bytes, close."""
     @abstractmethod
     def open(self, p: str, create: bool, write: bool) -> Any: ...
     @abstractmethod
@@ -113,11 +113,14 @@ class PosixStore(Store):
             os.lstat(os.path.join(p, name))
         return st.st_size, st.st_ctime_ns, statmod.S_ISREG(st.st_mode)
 
+    # the open flags are IOR's and mdtest's (as strace shows them): files are created
+    # and written O_RDWR|O_CREAT, mdtest opens even the files it only reads O_RDWR, IOR
+    # reads O_RDONLY; on a FUSE mount a writable handle can cost more to open and close
     def create_empty(self, p: str) -> None:
-        os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(p, os.O_CREAT | os.O_RDWR, 0o664))
 
     def write_new(self, p: str, data: memoryview) -> None:
-        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o664)
         try:
             done = 0
             while done < len(data):
@@ -126,17 +129,17 @@ class PosixStore(Store):
             os.close(fd)
 
     def read_whole(self, p: str, buf: memoryview) -> int:
-        fd = os.open(p, os.O_RDONLY)
+        fd = os.open(p, os.O_RDWR)
         try:
             return os.readv(fd, [buf])
         finally:
             os.close(fd)
 
     def open(self, p: str, create: bool, write: bool) -> int:
-        flags = os.O_WRONLY if write else os.O_RDONLY
+        flags = os.O_RDWR if write else os.O_RDONLY
         if create:
-            flags |= os.O_CREAT | os.O_TRUNC
-        return os.open(p, flags, 0o644)
+            flags |= os.O_CREAT  # no O_TRUNC: IOR removes the file first, untimed
+        return os.open(p, flags, 0o664)
 
     def pwrite(self, h: int, data: memoryview, off: int) -> None:
         done = 0
@@ -225,7 +228,7 @@ class PfsStore(Store):
             f.close()
 
     def read_whole(self, p: str, buf: memoryview) -> int:
-        f = self.client.open(p, "rb")
+        f = self.client.open(p, "r+b")  # read-write, as mdtest opens it
         try:
             return f.preadinto(buf, 0)
         finally:
