@@ -24,7 +24,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
   ior-hard-read       read rank+2's, delete rank+3's (modulo the ranks)
   mdtest-hard-stat
   mdtest-easy-delete  unlinks timed; the tree's rmdir after, untimed (mdtest's tree removal)
-  mdtest-hard-read    open, read 3,901 bytes, compare them (-X), close
+  mdtest-hard-read    open (read-write, as mdtest does), read 3,901 bytes, compare them
+                      (-X), close
   mdtest-hard-delete
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
