@@ -80,7 +80,7 @@ from typing import Any
 
 from pfs.bench import io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
-from pfs.bench.io500_comm import WIDTH, Comm, MpiComm, ProcComm, SelfComm, under_mpi
+from pfs.bench.io500_comm import WIDTH, Comm, DirPool, MpiComm, ProcComm, SelfComm, under_mpi
 from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
 
 __all__ = ["Comm", "Io500Config", "MpiComm", "PfsStore", "PosixStore", "ProcComm", "Rank",
@@ -522,10 +522,11 @@ class Rank:
         """pfind's work: every directory listed once, every entry that is not a
         directory counted (pfind's total_files, the rate's numerator), and only the
         names matching ``*01*`` lstat'ed and tested for ``-size 3901c`` and ``-newer``
-        (pfind compares whole seconds of ctime). pfind balances by job stealing; here
+        (pfind compares whole seconds of ctime). pfind balances by job stealing; the
+        processes of one node take directories from a shared pool as they go. Under MPI
         the tree is listed level by level, a directory to a rank round robin, until a
         level has a directory for every rank; then each rank walks its directories'
-        subtrees alone (no more exchanges, whose wake-ups cost more than they save)."""
+        subtrees alone."""
         s = self.store
         ts = None
         if self.r == 0:
@@ -546,6 +547,13 @@ class Rank:
                 if size == HARD_FILE_SIZE and ctime_ns // 1_000_000_000 >= newer:
                     found += 1
 
+        pool = self.comm.dir_pool()
+        if pool is not None:  # the ranks of this node share the directories as they go
+            while (d := pool.take()) is not None:
+                found_dirs: list[str] = []
+                listing(d, found_dirs)
+                pool.done(found_dirs)
+            return {"items": files, "found": found}
         level = [self.data]
         while level and len(level) < self.n:
             below: list[str] = []
@@ -566,6 +574,9 @@ class Rank:
             self._md_tree(True, name == "mdtest-easy-write")
         if name in ("ior-easy-write", "ior-hard-write"):
             self._ior_remove(name)
+        pool = self.comm.dir_pool()
+        if name == "find" and pool is not None and self.r == 0:
+            pool.start(self.data)  # before the barrier: no rank sees an empty pool early
         self._paths = self.md_paths(name) if name in MD_READERS else []
         if self.cfg.drop_caches and self.r == 0 and name != "timestamp":
             drop_caches()
@@ -674,10 +685,10 @@ def summarize(cfg: Io500Config, target: Target, nprocs: int,
 
 
 # -- local processes -------------------------------------------------------------
-def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], errq: Any,
-           cfg: Io500Config, target: Target) -> None:
+def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
+           errq: Any, cfg: Io500Config, target: Target) -> None:
     try:
-        rank_main(ProcComm(rank, size, barrier, slots, inboxes), cfg, target)
+        rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the run is aborted
         errq.put((rank, traceback.format_exc()))
         barrier.abort()
@@ -695,9 +706,11 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     barrier = ctx.Barrier(nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
+    workq = ctx.Queue()
+    pool = DirPool(workq, ctx.Value("q", 0))
     errq = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, errq, cfg,
-                                              target),
+    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
+                                              cfg, target),
                          name=f"io500-rank{r}", daemon=True) for r in range(1, nprocs)]
     for p in procs:
         p.start()
@@ -712,7 +725,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     watcher = threading.Thread(target=watch, name="io500-watch", daemon=True)
     watcher.start()
     try:
-        res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes), cfg, target, hook)
+        res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target, hook)
         assert res is not None
         for p in procs:
             p.join(timeout=60)
@@ -737,7 +750,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for q in (errq, *inboxes):
+        for q in (errq, workq, *inboxes):
             q.cancel_join_thread()  # leftovers of a failed run must not hang the exit
             q.close()
 

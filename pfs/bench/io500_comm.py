@@ -28,9 +28,44 @@ class Comm(ABC):
     @abstractmethod
     def allgather_obj(self, obj: Any) -> list[Any]: ...
 
+    def dir_pool(self) -> DirPool | None:
+        """A pool of directories the ranks take work from as they go (find's work
+        sharing, as pfind's job stealing); None where there is none (then find deals
+        the directories out statically)."""
+        return None
+
     def hosts(self) -> list[str]:
         """The host name of every rank, by rank (IOR's node mapping)."""
         return [str(h) for h in self.allgather_obj(socket.gethostname())]
+
+
+class DirPool:
+    """Directories waiting to be listed, shared by the processes of this node: a queue
+    and the count of directories put in and not yet listed (zero: the walk is over)."""
+
+    def __init__(self, queue_: Any, pending: Any) -> None:
+        self._q, self._pending = queue_, pending
+
+    def start(self, root: str) -> None:
+        with self._pending.get_lock():
+            self._pending.value = 1
+        self._q.put(root)
+
+    def take(self) -> str | None:
+        """A directory to list, or None once every directory has been listed."""
+        while True:
+            try:
+                return str(self._q.get(timeout=0.002))
+            except queue.Empty:
+                if self._pending.value == 0:
+                    return None
+
+    def done(self, below: list[str]) -> None:
+        """One directory listed; ``below`` are its subdirectories, still to list."""
+        for d in below:
+            self._q.put(d)
+        with self._pending.get_lock():  # after the puts: never 0 while work is queued
+            self._pending.value += len(below) - 1
 
 
 class SelfComm(Comm):
@@ -49,9 +84,10 @@ class ProcComm(Comm):
     per rank for objects."""
 
     def __init__(self, rank: int, size: int, barrier: Any, slots: Any,
-                 inboxes: Sequence[Any]) -> None:
+                 inboxes: Sequence[Any], pool: DirPool | None = None) -> None:
         self.rank, self.size = rank, size
         self._barrier, self._slots, self._inboxes = barrier, slots, inboxes
+        self._pool = pool
         self._round = 0
         self._early: dict[tuple[int, int], Any] = {}  # (round, rank) -> obj from a rank ahead
 
@@ -68,6 +104,9 @@ class ProcComm(Comm):
         out = [list(self._slots[r * WIDTH:r * WIDTH + n]) for r in range(self.size)]
         self.barrier()  # nobody overwrites a slot before everyone has read it
         return out
+
+    def dir_pool(self) -> DirPool | None:
+        return self._pool
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         self._round += 1
