@@ -1,23 +1,39 @@
 """``pfs bench io500``: the twelve scored IO500 phases, run against a directory (a pfs
 FUSE mount or any POSIX path) or against pfs through the native client.
 
-Phases, in IO500's order, with IO500's definitions (io500 ``standard`` mode):
+Each phase does the work the IO500 harness (IO500/io500 calling IOR, mdtest and pfind)
+does, read from their sources, with the same files, order, rank shifts and timing rules:
 
-  ior-easy-write      a file per process, 2 MiB transfers, fsync at close
-  mdtest-easy-write   empty files, a directory per process
-  (timestamp)         the reference file for find's ``-newer``
-  ior-hard-write      one shared file, 47,008-byte transfers interleaved between processes
-                      (segment s of rank r at ``(s * nprocs + r) * 47008``), fsync at close
-  mdtest-hard-write   3,901-byte files, all processes in one shared directory
-  find                a search over everything written: ``-newer timestamp -size 3901c
-                      -name *01*``; the rate is entries examined per second
-  ior-easy-read       each process reads its neighbour's file (IOR ``-C``)
-  mdtest-easy-stat    each process stats its neighbour's files (mdtest ``-N 1``)
-  ior-hard-read       each process reads its neighbour's segments
+  ior-easy-write      IOR -F -t 2m -e -g: a file per process ior-easy/ior_file_easy.RANK,
+                      2 MiB transfers; timed from open to close (fsync at close)
+  mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
+                      mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
+                      sync() after the creates, inside the time (-Y)
+  (timestamp)         the reference file for find's -newer (beside the data, not in it)
+  ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, segment s
+                      of rank r at (s * nprocs + r) * 47008, fsync at close
+  mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
+                      mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
+  find                pfind -newer -size 3901c -name *01*: each directory listed once, the
+                      rate counts every entry that is not a directory (pfind's
+                      total_files), only *01* names are lstat'ed, -newer compares whole
+                      seconds of ctime
+  ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
+                      node: each rank reads what it wrote); every byte compared
+  mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
+  ior-hard-read       read rank+2's, delete rank+3's (modulo the ranks)
   mdtest-hard-stat
-  mdtest-easy-delete
-  mdtest-hard-read    open, read 3,901 bytes, close
+  mdtest-easy-delete  unlinks timed; the tree's rmdir after, untimed (mdtest's tree removal)
+  mdtest-hard-read    open (read-write, as mdtest does), read 3,901 bytes, compare them
+                      (-X), close
   mdtest-hard-delete
+
+mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
+too, untimed (``--mdtest-pause``): on a FUSE mount with 1 s entry and attribute timeouts it
+decides whether a stat is answered by the kernel or by the filesystem. What cannot be done
+as the harness does (the native client has no kernel caches and nothing for sync() to
+flush; Python's per-call cost where the kernel answers in a microsecond) is printed as
+``[NOTE  ]`` lines. ``--compare`` runs the harness itself beside this (pfs/bench/io500ref.py).
 
 Write phases run until the stonewall time, then every process keeps writing until it has
 done as much as the process that did most (IO500's stonewall wear-out), so every
@@ -31,7 +47,7 @@ group's geometric mean over its phases with a positive score; score = sqrt(bw x 
 
 A run is flagged ``[INVALID]`` when IO500's rules are not met: a write phase shorter than
 the stonewall or than 300 s (so every ``--quick`` run is invalid, as any short IO500 run
-is), a phase scoring 0, I/O errors, read-back that fails ``--verify``, find not finding
+is), a phase scoring 0, I/O errors, read-back that fails verification, find not finding
 exactly the files it should, or a phase not run.
 
 Parallelism: ``-n N`` processes on this node (rank 0 is this process), or ``mpirun -np N
@@ -46,24 +62,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import multiprocessing as mp
 import os
 import random
-import stat as statmod
 import struct
 import sys
 import threading
 import time
 import traceback
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pfs.bench import io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
+from pfs.bench.io500_comm import WIDTH, Comm, DirPool, MpiComm, ProcComm, SelfComm, under_mpi
+from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
+
+__all__ = ["Comm", "Io500Config", "MpiComm", "PfsStore", "PosixStore", "ProcComm", "Rank",
+           "SelfComm", "Store", "Target", "main", "run", "run_local", "under_mpi"]
 
 VERSION = "pfs-io500-1.0"
 GiB = 1 << 30
@@ -110,8 +131,9 @@ class Io500Config:
     easy_files: int = 1_000_000  # mdtest-easy files per rank (cap), io500's -n
     hard_files: int = 1_000_000  # mdtest-hard files per rank (cap)
     easy_transfer: int = EASY_TRANSFER
-    verify: bool = False
+    verify: bool = True  # IOR -R and mdtest -X: every byte read is compared
     drop_caches: bool = False
+    md_pause: float = 1.0  # mdtest's sleep(1) before each of its runs (untimed)
     keep: bool = False  # leave the data directory behind
     phases: list[str] = field(default_factory=lambda: [p for p, _, _ in PHASES])
     timestamp: str = ""  # names the data directory, io500's --timestamp
@@ -155,316 +177,41 @@ def score_line(s: dict[str, float], valid: bool) -> str:
             f"TOTAL {s['total']:f}{'' if valid else ' [INVALID]'}")
 
 
-# -- where the files go --------------------------------------------------------------
-class Store(ABC):
-    """The few operations the phases need, on a POSIX directory or through pfs."""
+# -- where each rank works: IOR's and mdtest's own layout and rank shifts ----------------
+EASY_DIR = "mdtest-easy/test-dir.0-0"  # mdtest -d DIR makes DIR/test-dir.0-0 (iteration 0)
+HARD_DIR = "mdtest-hard/test-dir.0-0/mdtest_tree.0"  # no -u: one shared tree, depth 0
+# mdtest -N 1: every phase after the create shifts the ranks once more
+# (mdtest.c: stat_name rank+1, read_name rank+2, rm_name rank+3)
+MD_SHIFT = {"stat": 1, "read": 2, "delete": 3}
+MD_READERS = ("mdtest-easy-stat", "mdtest-hard-stat", "mdtest-hard-read", "mdtest-easy-delete",
+              "mdtest-hard-delete")
+
+
+def md_owner(rank: int, nprocs: int, what: str) -> int:
+    """Whose files rank ``rank`` stats, reads or deletes in an mdtest phase (``-N 1``)."""
+    return (rank + MD_SHIFT[what]) % nprocs
+
+
+def easy_tree(owner: int, nprocs: int) -> str:
+    """The directory that holds rank ``owner``'s mdtest-easy files. With ``-u`` mdtest
+    creates a rank's files in the directory it names ``unique_chdir_dir``, which is the
+    next rank's: ``mdtest_tree.{owner+1}.0``."""
+    return f"{EASY_DIR}/mdtest_tree.{(owner + 1) % nprocs}.0"
+
+
+def ior_read_shift(hosts: Sequence[str]) -> int:
+    """How far IOR ``-C -Q 1`` moves a rank for the read phases (ior.c): by the number
+    of tasks on node 0 when ranks are mapped to nodes in blocks (rank 1 beside rank 0),
+    else by one; modulo the number of tasks. On one node that is 0: each rank reads
+    back what it wrote."""
+    n = len(hosts)
+    if n <= 1:
+        return 0
+    block = hosts[1] == hosts[0]
+    shift = sum(1 for h in hosts if h == hosts[0]) if block else 1
+    return shift % n
 
-    kind = "?"
 
-    @abstractmethod
-    def path(self, *parts: str) -> str: ...
-    @abstractmethod
-    def mkdir(self, p: str) -> None: ...
-    @abstractmethod
-    def makedirs(self, p: str) -> None: ...
-    @abstractmethod
-    def rmdir(self, p: str) -> None: ...
-    @abstractmethod
-    def unlink(self, p: str) -> None: ...
-    @abstractmethod
-    def stat(self, p: str) -> tuple[int, int]:
-        """(size, mtime_ns)."""
-    @abstractmethod
-    def scan(self, p: str) -> list[tuple[str, bool]]:
-        """(name, is_dir) of each entry."""
-    @abstractmethod
-    def scan_stat(self, p: str, name: str, hint: Any) -> tuple[int, int, bool]:
-        """(size, mtime_ns, is_regular_file) of an entry from :meth:`scan`."""
-    @abstractmethod
-    def create_empty(self, p: str) -> None: ...
-    @abstractmethod
-    def write_new(self, p: str, data: memoryview) -> None:
-        """Create ``p`` (it must not exist), write ``data``, close."""
-    @abstractmethod
-    def read_whole(self, p: str, buf: memoryview) -> int:
-        """Open, read up to ``len(buf)`` bytes, close."""
-    @abstractmethod
-    def open(self, p: str, create: bool, write: bool) -> Any: ...
-    @abstractmethod
-    def pwrite(self, h: Any, data: memoryview, off: int) -> None: ...
-    @abstractmethod
-    def pread_into(self, h: Any, buf: memoryview, off: int) -> int: ...
-    @abstractmethod
-    def fsync(self, h: Any) -> None: ...
-    @abstractmethod
-    def close_file(self, h: Any) -> None: ...
-    @abstractmethod
-    def free_bytes(self) -> int: ...
-
-    def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
-        return None
-
-    def scan_with_hints(self, p: str) -> list[tuple[str, bool, Any]]:
-        return [(n, d, None) for n, d in self.scan(p)]
-
-
-class PosixStore(Store):
-    kind = "posix"
-
-    def __init__(self, root: str) -> None:
-        self.root = str(root)
-
-    def path(self, *parts: str) -> str:
-        return os.path.join(self.root, *parts)
-
-    def mkdir(self, p: str) -> None:
-        os.mkdir(p)
-
-    def makedirs(self, p: str) -> None:
-        os.makedirs(p, exist_ok=True)
-
-    def rmdir(self, p: str) -> None:
-        os.rmdir(p)
-
-    def unlink(self, p: str) -> None:
-        os.unlink(p)
-
-    def stat(self, p: str) -> tuple[int, int]:
-        st = os.stat(p)
-        return st.st_size, st.st_mtime_ns
-
-    def scan(self, p: str) -> list[tuple[str, bool]]:
-        return [(n, d) for n, d, _ in self.scan_with_hints(p)]
-
-    def scan_with_hints(self, p: str) -> list[tuple[str, bool, Any]]:
-        with os.scandir(p) as it:
-            return [(e.name, e.is_dir(follow_symlinks=False), e) for e in it]
-
-    def scan_stat(self, p: str, name: str, hint: Any) -> tuple[int, int, bool]:
-        st = hint.stat(follow_symlinks=False) if hint is not None else \
-            os.lstat(os.path.join(p, name))
-        return st.st_size, st.st_mtime_ns, statmod.S_ISREG(st.st_mode)
-
-    def create_empty(self, p: str) -> None:
-        os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-
-    def write_new(self, p: str, data: memoryview) -> None:
-        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        try:
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
-        finally:
-            os.close(fd)
-
-    def read_whole(self, p: str, buf: memoryview) -> int:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            return os.readv(fd, [buf])
-        finally:
-            os.close(fd)
-
-    def open(self, p: str, create: bool, write: bool) -> int:
-        flags = os.O_WRONLY if write else os.O_RDONLY
-        if create:
-            flags |= os.O_CREAT | os.O_TRUNC
-        return os.open(p, flags, 0o644)
-
-    def pwrite(self, h: int, data: memoryview, off: int) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwritev(h, [data[done:]], off + done)
-
-    def pread_into(self, h: int, buf: memoryview, off: int) -> int:
-        got = 0
-        while got < len(buf):
-            n = os.preadv(h, [buf[got:]], off + got)
-            if n == 0:
-                break
-            got += n
-        return got
-
-    def fsync(self, h: int) -> None:
-        os.fsync(h)
-
-    def close_file(self, h: int) -> None:
-        os.close(h)
-
-    def free_bytes(self) -> int:
-        st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
-
-
-class PfsStore(Store):
-    """pfs through the native client (one connection per rank)."""
-
-    kind = "pfs"
-
-    def __init__(self, client_toml: str, root: str) -> None:
-        import pfs
-
-        self.client = pfs.connect(config=client_toml)
-        self.root = "/" + root.strip("/")
-
-    def path(self, *parts: str) -> str:
-        return "/".join([self.root.rstrip("/"), *parts]) or "/"
-
-    def mkdir(self, p: str) -> None:
-        self.client.mkdir(p)
-
-    def makedirs(self, p: str) -> None:
-        self.client.makedirs(p, exist_ok=True)
-
-    def rmdir(self, p: str) -> None:
-        self.client.rmdir(p)
-
-    def unlink(self, p: str) -> None:
-        self.client.remove(p)
-
-    def stat(self, p: str) -> tuple[int, int]:
-        st = self.client.stat(p)
-        return st.st_size, st.st_mtime_ns
-
-    def scan(self, p: str) -> list[tuple[str, bool]]:
-        return [(n, d) for n, d, _ in self.scan_with_hints(p)]
-
-    def scan_with_hints(self, p: str) -> list[tuple[str, bool, Any]]:
-        return [(e.name, e.is_dir(), e) for e in self.client.scandir(p)]
-
-    def scan_stat(self, p: str, name: str, hint: Any) -> tuple[int, int, bool]:
-        st = hint.attr if hint is not None and hint.attr is not None else \
-            self.client.lstat(f"{p}/{name}")
-        return st.st_size, st.st_mtime_ns, statmod.S_ISREG(st.st_mode)
-
-    def create_empty(self, p: str) -> None:
-        self.client.open(p, "xb").close()
-
-    def write_new(self, p: str, data: memoryview) -> None:
-        f = self.client.open(p, "xb")
-        try:
-            f.pwrite(data, 0)
-        finally:
-            f.close()
-
-    def read_whole(self, p: str, buf: memoryview) -> int:
-        f = self.client.open(p, "rb")
-        try:
-            return f.preadinto(buf, 0)
-        finally:
-            f.close()
-
-    def open(self, p: str, create: bool, write: bool) -> Any:
-        return self.client.open(p, ("wb" if create else "r+b") if write else "rb")
-
-    def pwrite(self, h: Any, data: memoryview, off: int) -> None:
-        h.pwrite(data, off)
-
-    def pread_into(self, h: Any, buf: memoryview, off: int) -> int:
-        return h.preadinto(buf, off)
-
-    def fsync(self, h: Any) -> None:
-        h.fsync()
-
-    def close_file(self, h: Any) -> None:
-        h.close()
-
-    def free_bytes(self) -> int:
-        st = self.client.statvfs("/")
-        return st.f_bavail * st.f_frsize
-
-    def close(self) -> None:
-        self.client.close()
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a run goes: ``posix`` + a directory, or ``pfs`` + client.toml + a pfs dir."""
-
-    kind: str
-    path: str
-    client_toml: str = ""
-
-    def open(self) -> Store:
-        if self.kind == "pfs":
-            return PfsStore(self.client_toml, self.path)
-        return PosixStore(self.path)
-
-    def describe(self) -> str:
-        if self.kind == "pfs":
-            return f"pfs native client ({self.client_toml}) {self.path}"
-        from pfs.bench.common import fs_of
-
-        return f"{self.path} ({fs_of(Path(self.path))})"
-
-
-# -- ranks ---------------------------------------------------------------------------
-WIDTH = 8  # numbers per rank in one allgather
-
-
-class Comm(ABC):
-    rank = 0
-    size = 1
-
-    @abstractmethod
-    def barrier(self) -> None: ...
-
-    @abstractmethod
-    def allgather(self, values: Sequence[float]) -> list[list[float]]: ...
-
-
-class SelfComm(Comm):
-    def barrier(self) -> None:
-        pass
-
-    def allgather(self, values: Sequence[float]) -> list[list[float]]:
-        return [list(values)]
-
-
-class ProcComm(Comm):
-    """Processes of this node: a shared barrier and a shared array of doubles."""
-
-    def __init__(self, rank: int, size: int, barrier: Any, slots: Any) -> None:
-        self.rank, self.size = rank, size
-        self._barrier, self._slots = barrier, slots
-
-    def barrier(self) -> None:
-        self._barrier.wait()
-
-    def allgather(self, values: Sequence[float]) -> list[list[float]]:
-        n = len(values)
-        assert n <= WIDTH
-        base = self.rank * WIDTH
-        for i, v in enumerate(values):
-            self._slots[base + i] = float(v)
-        self.barrier()
-        out = [list(self._slots[r * WIDTH:r * WIDTH + n]) for r in range(self.size)]
-        self.barrier()  # nobody overwrites a slot before everyone has read it
-        return out
-
-
-class MpiComm(Comm):
-    def __init__(self) -> None:
-        from mpi4py import MPI
-
-        self.comm = MPI.COMM_WORLD
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-
-    def barrier(self) -> None:
-        self.comm.Barrier()
-
-    def allgather(self, values: Sequence[float]) -> list[list[float]]:
-        return [list(v) for v in self.comm.allgather([float(x) for x in values])]
-
-
-def under_mpi() -> bool:
-    """Whether this process was started by mpirun/srun with more than one rank."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(var, "1") not in ("", "1"):
-            return True
-    return False
-
-
-# -- the phases --------------------------------------------------------------------
 class Rank:
     """One process's part of the run (SPMD: every rank runs the same phases)."""
 
@@ -474,6 +221,8 @@ class Rank:
         self.data = store.path(cfg.data_name())
         self.counts: dict[str, list[int]] = {}  # write phase -> items per rank
         self.deadline = math.inf
+        self.ior_shift = 0
+        self._paths: list[str] = []  # the files of the mdtest phase about to run
         rng = random.Random(cfg.seed)
         self.pattern = bytearray(rng.randbytes(max(cfg.easy_transfer, HARD_TRANSFER)))
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
@@ -482,15 +231,18 @@ class Rank:
     def d(self, *parts: str) -> str:
         return self.store.path(self.cfg.data_name(), *parts)
 
-    def neighbour(self) -> int:
-        return (self.r + 1) % self.n
+    def beside(self, what: str) -> str:
+        """A file next to the data directory, outside what find searches (io500 keeps
+        its timestamp and stonewall files in the results directory)."""
+        return self.store.path(f"{self.cfg.data_name()}.{what}")
 
     def stamped(self, buf: bytearray, off: int, writer: int) -> bytearray:
         HEADER.pack_into(buf, 0, off, writer + 1, self.cfg.seed)
         return buf
 
     def check(self, view: memoryview, off: int, writer: int) -> bool:
-        """Whether ``view`` holds what ``writer`` wrote at ``off``."""
+        """Whether ``view`` holds what ``writer`` wrote at ``off`` (every byte compared,
+        as IOR ``-R`` and mdtest ``-X`` compare every word)."""
         n = len(view)
         if n not in self._body:
             self._body[n] = bytes(self.pattern[HEADER.size:n])
@@ -520,15 +272,14 @@ class Rank:
 
     @contextlib.contextmanager
     def _state_open(self, mode: str) -> Iterator[Any]:
-        # the stonewall status file: kept in the data directory, like io500's
+        # the stonewall status (io500's *.stonewall files), beside the data directory
+        path = self.beside("state.json")
         if self.store.kind == "posix":
-            with open(self.d("io500-state.json"), mode) as f:
+            with open(path, mode) as f:
                 yield f
         else:
             client = self.store.client  # type: ignore[attr-defined]
-            with client.open(self.d("io500-state.json"), mode + "b") as fb:
-                import io
-
+            with client.open(path, mode + "b") as fb:
                 if mode == "r":
                     yield io.StringIO(fb.read().decode())
                 else:
@@ -548,6 +299,7 @@ class Rank:
             for sub in ("ior-easy", "ior-hard", "mdtest-easy", "mdtest-hard"):
                 self.store.makedirs(self.d(sub))
         self.comm.barrier()
+        self.ior_shift = ior_read_shift(self.comm.hosts())
 
     def cleanup(self) -> None:
         """Remove what the delete phases do not: ior files, the timestamp, the dirs."""
@@ -556,11 +308,12 @@ class Rank:
             s.unlink(self.d("ior-easy", f"ior_file_easy.{self.r:08d}"))
         self.comm.barrier()
         if self.r == 0:
-            for p in (self.d("ior-hard", "IOR_file"), self.d("timestampfile"),
-                      self.d("io500-state.json")):
+            for p in (self.d("ior-hard", "file"), self.beside("timestampfile"),
+                      self.beside("state.json")):
                 with contextlib.suppress(FileNotFoundError):
                     s.unlink(p)
-            for sub in ("ior-easy", "ior-hard", "mdtest-easy", "mdtest-hard"):
+            for sub in (HARD_DIR, "mdtest-hard/test-dir.0-0", EASY_DIR, "ior-easy", "ior-hard",
+                        "mdtest-easy", "mdtest-hard"):
                 try:
                     s.rmdir(self.d(sub))
                 except FileNotFoundError:
@@ -573,26 +326,35 @@ class Rank:
                 log(f"io500: {self.data} not removed: {exc}")
         self.comm.barrier()
 
-    # -- ior ---------------------------------------------------------------------
-    def _ior_write(self, path: str, create: bool, transfer: int, cap: int,
+    # -- ior: -g (barriers around open, transfers, close), -e (fsync at close) -----------
+    def _ior_write(self, path: str, shared: bool, transfer: int, cap: int,
                    offset: Callable[[int], int]) -> dict[str, float]:
         buf = bytearray(self.pattern[:transfer])
-        h = self.store.open(path, create=create, write=True)
+        s = self.store
+        if shared:  # rank 0 creates the shared file, then the others open it
+            h = s.open(path, create=True, write=True) if self.r == 0 else None
+            self.comm.barrier()
+            if h is None:
+                h = s.open(path, create=False, write=True)
+        else:
+            h = s.open(path, create=True, write=True)
+        self.comm.barrier()
         done = 0
         try:
             while done < cap and not self.stonewall_passed():
                 off = offset(done)
-                self.store.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
+                s.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
                 done += 1
             at_stonewall = done
             target, hit = self.wear_out(done, cap)
             while done < target:
                 off = offset(done)
-                self.store.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
+                s.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
                 done += 1
-            self.store.fsync(h)
+            self.comm.barrier()
+            s.fsync(h)
         finally:
-            self.store.close_file(h)
+            s.close_file(h)
         return {"items": done, "bytes": done * transfer, "at_stonewall": at_stonewall,
                 "stonewall_hit": hit}
 
@@ -600,6 +362,7 @@ class Rank:
                   offset: Callable[[int], int]) -> dict[str, float]:
         buf = memoryview(bytearray(transfer))
         h = self.store.open(path, create=False, write=False)
+        self.comm.barrier()
         got = bad = 0
         try:
             for i in range(count):
@@ -608,43 +371,50 @@ class Rank:
                 got += n
                 if n != transfer or (self.cfg.verify and not self.check(buf[:n], off, writer)):
                     bad += 1
+            self.comm.barrier()
         finally:
             self.store.close_file(h)
         return {"items": count, "bytes": got, "verify_errors": bad}
 
+    def _ior_remove(self, phase: str) -> None:
+        """IOR removes the file it is about to write, untimed (it opens without O_TRUNC)."""
+        if phase == "ior-easy-write":
+            path = self.d("ior-easy", f"ior_file_easy.{self.r:08d}")
+        elif self.r == 0:
+            path = self.d("ior-hard", "file")
+        else:
+            path = ""
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                self.store.unlink(path)
+        self.comm.barrier()
+
     def ior_easy_write(self) -> dict[str, float]:
         cap = max(1, self.cfg.easy_size // self.cfg.easy_transfer)
         t = self.cfg.easy_transfer
-        return self._ior_write(self.d("ior-easy", f"ior_file_easy.{self.r:08d}"), True, t,
+        return self._ior_write(self.d("ior-easy", f"ior_file_easy.{self.r:08d}"), False, t,
                                cap, lambda i: i * t)
 
     def ior_easy_read(self) -> dict[str, float]:
-        w = self.neighbour()
+        w = (self.r + self.ior_shift) % self.n
         count = self.load_counts("ior-easy-read")[w]
         t = self.cfg.easy_transfer
         return self._ior_read(self.d("ior-easy", f"ior_file_easy.{w:08d}"), t, count, w,
                               lambda i: i * t)
 
     def ior_hard_write(self) -> dict[str, float]:
-        path = self.d("ior-hard", "IOR_file")
-        if self.r == 0:  # rank 0 creates the shared file, then the others open it
-            self.store.close_file(self.store.open(path, create=True, write=True))
-        self.comm.barrier()
         n, r, t = self.n, self.r, HARD_TRANSFER
-        return self._ior_write(path, False, t, self.cfg.hard_segments,
+        return self._ior_write(self.d("ior-hard", "file"), True, t, self.cfg.hard_segments,
                                lambda s: (s * n + r) * t)
 
     def ior_hard_read(self) -> dict[str, float]:
-        w = self.neighbour()
+        w = (self.r + self.ior_shift) % self.n
         count = self.load_counts("ior-hard-read")[w]
         n, t = self.n, HARD_TRANSFER
-        return self._ior_read(self.d("ior-hard", "IOR_file"), t, count, w,
+        return self._ior_read(self.d("ior-hard", "file"), t, count, w,
                               lambda s: (s * n + w) * t)
 
     # -- mdtest ------------------------------------------------------------------
-    def easy_dir(self, rank: int) -> str:
-        return self.d("mdtest-easy", f"mdtest_tree.{rank}")
-
     @staticmethod
     def file_name(rank: int, i: int) -> str:
         return f"file.mdtest.{rank}.{i}"
@@ -669,112 +439,161 @@ class Rank:
         while done < target:
             one(done)
             done += 1
+        s.sync()  # mdtest -Y: sync() after the phase, inside its time
         return {"items": done, "bytes": done * size, "at_stonewall": at_stonewall,
                 "stonewall_hit": hit}
 
+    def _md_stat(self, paths: list[str], size: int) -> dict[str, float]:
+        bad = 0
+        stat = self.store.stat
+        for p in paths:
+            bad += stat(p)[0] != size
+        return {"items": len(paths), "verify_errors": bad}
+
+    def _md_delete(self, paths: list[str]) -> dict[str, float]:
+        unlink = self.store.unlink
+        for p in paths:
+            unlink(p)
+        return {"items": len(paths)}
+
+    def md_paths(self, phase: str) -> list[str]:
+        """The files an mdtest read phase works on, named before its clock starts: mdtest
+        formats a name in C for nothing, in Python it would be most of a cached stat."""
+        what = "stat" if phase.endswith("stat") else "read" if phase.endswith("read") \
+            else "delete"
+        w = md_owner(self.r, self.n, what)
+        base = self.d(easy_tree(w, self.n) if "easy" in phase else HARD_DIR)
+        return [f"{base}/{self.file_name(w, i)}" for i in range(self.load_counts(phase)[w])]
+
     def mdtest_easy_write(self) -> dict[str, float]:
-        self.store.makedirs(self.easy_dir(self.r))
-        return self._md_write(self.easy_dir(self.r), self.cfg.easy_files, 0)
+        return self._md_write(self.d(easy_tree(self.r, self.n)), self.cfg.easy_files, 0)
 
     def mdtest_hard_write(self) -> dict[str, float]:
-        return self._md_write(self.d("mdtest-hard"), self.cfg.hard_files, HARD_FILE_SIZE)
+        return self._md_write(self.d(HARD_DIR), self.cfg.hard_files, HARD_FILE_SIZE)
 
     def mdtest_easy_stat(self) -> dict[str, float]:
-        w = self.neighbour()
-        base = self.easy_dir(w)
-        count = self.load_counts("mdtest-easy-stat")[w]
-        bad = 0
-        for i in range(count):
-            size, _ = self.store.stat(f"{base}/{self.file_name(w, i)}")
-            bad += size != 0
-        return {"items": count, "verify_errors": bad}
+        return self._md_stat(self._paths, 0)
 
     def mdtest_hard_stat(self) -> dict[str, float]:
-        w = self.neighbour()
-        base = self.d("mdtest-hard")
-        count = self.load_counts("mdtest-hard-stat")[w]
-        bad = 0
-        for i in range(count):
-            size, _ = self.store.stat(f"{base}/{self.file_name(w, i)}")
-            bad += size != HARD_FILE_SIZE
-        return {"items": count, "verify_errors": bad}
+        return self._md_stat(self._paths, HARD_FILE_SIZE)
 
     def mdtest_hard_read(self) -> dict[str, float]:
-        w = self.neighbour()
-        base = self.d("mdtest-hard")
-        count = self.load_counts("mdtest-hard-read")[w]
+        w = md_owner(self.r, self.n, "read")
         buf = memoryview(bytearray(HARD_FILE_SIZE))
         bad = got = 0
-        for i in range(count):
-            n = self.store.read_whole(f"{base}/{self.file_name(w, i)}", buf)
+        for i, p in enumerate(self._paths):
+            n = self.store.read_whole(p, buf)
             got += n
             if n != HARD_FILE_SIZE or (self.cfg.verify and not self.check(buf, i, w)):
                 bad += 1
-        return {"items": count, "bytes": got, "verify_errors": bad}
+        return {"items": len(self._paths), "bytes": got, "verify_errors": bad}
 
     def mdtest_easy_delete(self) -> dict[str, float]:
-        w = self.neighbour()
-        base = self.easy_dir(w)
-        count = self.load_counts("mdtest-easy-delete")[w]
-        for i in range(count):
-            self.store.unlink(f"{base}/{self.file_name(w, i)}")
-        self.store.rmdir(base)
-        return {"items": count}
+        return self._md_delete(self._paths)
 
     def mdtest_hard_delete(self) -> dict[str, float]:
-        w = self.neighbour()
-        base = self.d("mdtest-hard")
-        count = self.load_counts("mdtest-hard-delete")[w]
-        for i in range(count):
-            self.store.unlink(f"{base}/{self.file_name(w, i)}")
-        return {"items": count}
+        return self._md_delete(self._paths)
+
+    def _md_tree(self, create: bool, easy: bool) -> None:
+        """mdtest's tree creation and removal: outside the timed file phases."""
+        if self.r != 0:
+            return
+        dirs = ([EASY_DIR] + [f"{EASY_DIR}/mdtest_tree.{k}.0" for k in range(self.n)]
+                if easy else ["mdtest-hard/test-dir.0-0", HARD_DIR])
+        for sub in (dirs if create else reversed(dirs)):
+            if create:
+                self.store.makedirs(self.d(sub))
+            else:
+                try:
+                    self.store.rmdir(self.d(sub))
+                except FileNotFoundError:
+                    pass
 
     # -- timestamp and find --------------------------------------------------------
     def timestamp(self) -> dict[str, float]:
         if self.r == 0:
-            p = self.d("timestampfile")
+            p = self.beside("timestampfile")
             with contextlib.suppress(FileNotFoundError):
                 self.store.unlink(p)
             self.store.create_empty(p)
         return {"items": 0}
 
     def find(self) -> dict[str, float]:
-        """Every rank lists every directory; entry j of a listing is examined (stat'ed
-        and matched) by rank ``j % nprocs``, so each entry is examined exactly once."""
+        """pfind's work: every directory listed once, every entry that is not a
+        directory counted (pfind's total_files, the rate's numerator), and only the
+        names matching ``*01*`` lstat'ed and tested for ``-size 3901c`` and ``-newer``
+        (pfind compares whole seconds of ctime). pfind balances by job stealing; the
+        processes of one node take directories from a shared pool as they go. Under MPI
+        the tree is listed level by level, a directory to a rank round robin, until a
+        level has a directory for every rank; then each rank walks its directories'
+        subtrees alone."""
         s = self.store
-        _, newer = s.stat(self.d("timestampfile"))
-        examined = found = 0
-        stack = [self.data]
-        while stack:
-            d = stack.pop()
-            # sorted: every rank sees the same order, whatever the filesystem's
-            for j, (name, is_dir, hint) in enumerate(sorted(s.scan_with_hints(d),
-                                                            key=lambda e: e[0])):
+        ts = None
+        if self.r == 0:
+            ts = s.stat(self.beside("timestampfile"))[1] // 1_000_000_000
+        newer = int(self.comm.allgather_obj(ts)[0])
+        files = found = 0
+
+        def listing(d: str, below: list[str]) -> None:
+            nonlocal files, found
+            for name, is_dir, hint in s.scan_with_hints(d):
                 if is_dir:
-                    stack.append(f"{d}/{name}")
-                if j % self.n != self.r:
+                    below.append(f"{d}/{name}")
                     continue
-                examined += 1
-                if is_dir or FIND_NAME not in name:
+                files += 1
+                if FIND_NAME not in name:
                     continue
-                size, mtime, regular = s.scan_stat(d, name, hint)
-                if regular and size == HARD_FILE_SIZE and mtime > newer:
+                size, ctime_ns, _ = s.scan_stat(d, name, hint)
+                if size == HARD_FILE_SIZE and ctime_ns // 1_000_000_000 >= newer:
                     found += 1
-        return {"items": examined, "found": found}
+
+        pool = self.comm.dir_pool()
+        if pool is not None:  # the ranks of this node share the directories as they go
+            while (d := pool.take()) is not None:
+                found_dirs: list[str] = []
+                listing(d, found_dirs)
+                pool.done(found_dirs)
+            return {"items": files, "found": found}
+        level = [self.data]
+        while level and len(level) < self.n:
+            below: list[str] = []
+            for d in level[self.r::self.n]:
+                listing(d, below)
+            level = sorted(p for part in self.comm.allgather_obj(below) for p in part)
+        stack = level[self.r::self.n]
+        while stack:
+            listing(stack.pop(), stack)
+        return {"items": files, "found": found}
 
     # -- the run -------------------------------------------------------------------
     FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit")
 
     def run_phase(self, name: str) -> dict[str, Any]:
         fn = getattr(self, name.replace("-", "_"))
+        if name in ("mdtest-easy-write", "mdtest-hard-write"):
+            self._md_tree(True, name == "mdtest-easy-write")
+        if name in ("ior-easy-write", "ior-hard-write"):
+            self._ior_remove(name)
+        pool = self.comm.dir_pool()
+        if name == "find" and pool is not None and self.r == 0:
+            pool.start(self.data)  # before the barrier: no rank sees an empty pool early
+        self._paths = self.md_paths(name) if name in MD_READERS else []
         if self.cfg.drop_caches and self.r == 0 and name != "timestamp":
             drop_caches()
+        if name.startswith("mdtest") and self.cfg.md_pause > 0:
+            # mdtest sleeps a second before its test (mdtest.c, the loop over task
+            # counts); caches that expire within it (a FUSE mount's 1 s entry and
+            # attribute timeouts) are cold for mdtest, so they are here
+            time.sleep(self.cfg.md_pause)
         self.comm.barrier()
         t0 = time.perf_counter()
         self.deadline = t0 + self.cfg.stonewall if self.cfg.stonewall > 0 else math.inf
         rec = fn()  # an I/O error ends the run (the other ranks are aborted)
         self.comm.barrier()
         runtime = time.perf_counter() - t0
+        if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
+            self.comm.barrier()
+            self._md_tree(False, name == "mdtest-easy-delete")
         got = self.comm.allgather([float(rec.get(k, 0)) for k in self.FIELDS])
         per = {k: [g[i] for g in got] for i, k in enumerate(self.FIELDS)}
         if name in STONEWALLED:
@@ -866,10 +685,10 @@ def summarize(cfg: Io500Config, target: Target, nprocs: int,
 
 
 # -- local processes -------------------------------------------------------------
-def _child(rank: int, size: int, barrier: Any, slots: Any, errq: Any, cfg: Io500Config,
-           target: Target) -> None:
+def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
+           errq: Any, cfg: Io500Config, target: Target) -> None:
     try:
-        rank_main(ProcComm(rank, size, barrier, slots), cfg, target)
+        rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the run is aborted
         errq.put((rank, traceback.format_exc()))
         barrier.abort()
@@ -886,8 +705,12 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
+    inboxes = [ctx.Queue() for _ in range(nprocs)]
+    workq = ctx.Queue()
+    pool = DirPool(workq, ctx.Value("q", 0))
     errq = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, errq, cfg, target),
+    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
+                                              cfg, target),
                          name=f"io500-rank{r}", daemon=True) for r in range(1, nprocs)]
     for p in procs:
         p.start()
@@ -902,7 +725,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     watcher = threading.Thread(target=watch, name="io500-watch", daemon=True)
     watcher.start()
     try:
-        res = rank_main(ProcComm(0, nprocs, barrier, slots), cfg, target, hook)
+        res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target, hook)
         assert res is not None
         for p in procs:
             p.join(timeout=60)
@@ -927,8 +750,9 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        errq.close()
-        errq.join_thread()
+        for q in (errq, workq, *inboxes):
+            q.cancel_join_thread()  # leftovers of a failed run must not hang the exit
+            q.close()
 
 
 # -- output ------------------------------------------------------------------------
@@ -1003,12 +827,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timestamp", help="name of the data directory io500-TIMESTAMP "
                    "(default: now)")
     p.add_argument("--verify", action="store_true",
-                   help="check every byte read back (ior reads, mdtest-hard-read)")
+                   help="check every byte read back (the default, as IOR -R and mdtest -X)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not compare what the read phases read (faster than the harness)")
+    p.add_argument("--mdtest-pause", type=float, default=1.0,
+                   help="seconds each mdtest phase waits before it starts, untimed (default "
+                        "1: mdtest's own sleep(1), which lets a FUSE mount's 1 s caches "
+                        "expire)")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop this node's page cache before each phase (root)")
     p.add_argument("--keep", action="store_true", help="leave the data directory behind")
     p.add_argument("--results", help="results directory (default ./io500-results/TIMESTAMP)")
     p.add_argument("--json", help="also write the JSON result here")
+    c = p.add_argument_group("side by side with the IO500 harness")
+    c.add_argument("--compare", action="store_true",
+                   help="run the reference harness (IO500/io500 with IOR, mdtest, pfind) and "
+                        "this, interleaved, with the same parameters, and print both phase by "
+                        "phase (medians); needs --path or --reference-path")
+    c.add_argument("--reference", help=f"the built io500 binary (default ${io500ref.ENV_REFERENCE}; "
+                   "deploy/io500-reference.sh builds it)")
+    c.add_argument("--reference-path", help="where the harness writes (default: --path; with "
+                   "--config, a FUSE mount of the same pfs)")
+    c.add_argument("--repeat", type=int, default=1,
+                   help="with --compare: runs of each tool, interleaved (default 1)")
     p.add_argument("--quick", action="store_true",
                    help="stonewall 2 s and small caps: a smoke run well under a minute "
                         "(invalid by IO500's rules)")
@@ -1036,10 +877,22 @@ def config_from_args(args: argparse.Namespace, target: Target) -> Io500Config:
             raise SystemExit(f"pfs bench io500: unknown phase(s) {', '.join(bad)}; "
                              f"known: {', '.join(known)}")
         cfg.phases = names
-    cfg.verify, cfg.drop_caches, cfg.keep = args.verify, args.drop_caches, args.keep
+    cfg.verify, cfg.drop_caches, cfg.keep = not args.no_verify, args.drop_caches, args.keep
+    cfg.md_pause = max(0.0, args.mdtest_pause)
     cfg.timestamp = args.timestamp or time.strftime("%Y.%m.%d-%H.%M.%S")
     cfg.seed = random.randrange(1 << 62)
     return cfg
+
+
+def differences(cfg: Io500Config, target: Target) -> list[str]:
+    """What this run does unlike the IO500 harness would on the same target."""
+    out = list(PfsStore.DIFFERENCES if target.kind == "pfs" else PosixStore.DIFFERENCES)
+    if not cfg.verify:
+        out.append("--no-verify: the read phases do not compare what they read "
+                   "(IOR -R and mdtest -X do)")
+    if cfg.md_pause != 1.0:
+        out.append(f"--mdtest-pause {cfg.md_pause:g}: mdtest sleeps 1 s before each phase")
+    return out
 
 
 def default_caps(cfg: Io500Config, target: Target, nprocs: int) -> Io500Config:
@@ -1092,6 +945,8 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
         f"stonewall {cfg.stonewall:g} s; caps per process: ior-easy {cfg.easy_size >> 20} MiB, "
         f"ior-hard {cfg.hard_segments} segments, mdtest {cfg.easy_files}/{cfg.hard_files} files")
     print(f"IO500 version {VERSION} (standard)", flush=True)
+    for why in differences(cfg, target):
+        print(f"[NOTE  ] not as the harness: {why}", flush=True)
     if use_mpi:
         try:
             res = rank_main(comm, cfg, target, hook)
@@ -1112,12 +967,70 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
     return res
 
 
+def run_compare(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compare``: the harness and this, ``--repeat`` times each, interleaved
+    (harness first), on the same path with the same parameters; the medians side by side."""
+    binary = io500ref.find_reference(args.reference)
+    if binary is None:
+        raise SystemExit("pfs bench io500 --compare: no reference harness: give --reference "
+                         f"PATH/io500 or set ${io500ref.ENV_REFERENCE} (build it with "
+                         "deploy/io500-reference.sh)")
+    ref_path = args.reference_path or args.path
+    if not ref_path or not os.path.isdir(ref_path):
+        raise SystemExit("pfs bench io500 --compare: the harness needs a directory: "
+                         "--path DIR or --reference-path DIR")
+    if args.stonewall is None or args.stonewall != int(args.stonewall):
+        raise SystemExit("pfs bench io500 --compare: give --stonewall in whole seconds "
+                         "(the harness's unit)")
+    target = (Target("pfs", args.pfs_dir, str(Path(args.config).resolve())) if args.config
+              else Target("posix", str(Path(args.path).resolve())))
+    cfg = default_caps(config_from_args(args, target), target, max(1, args.procs))
+    stamp = cfg.timestamp
+    resdir = Path(args.results) if args.results else Path("io500-results") / f"compare-{stamp}"
+    params = io500ref.RefParams(
+        procs=max(1, args.procs), stonewall=int(args.stonewall), easy_size=cfg.easy_size,
+        hard_segments=cfg.hard_segments, easy_files=cfg.easy_files, hard_files=cfg.hard_files,
+        datadir=str(Path(ref_path).resolve() / "io500-reference"),
+        resultdir=str((resdir / "harness").resolve()))
+    refs: list[io500ref.Parsed] = []
+    ours: list[io500ref.Parsed] = []
+    for k in range(max(1, args.repeat)):
+        params.resultdir = str((resdir / f"harness-{k}").resolve())
+        log(f"io500 --compare: harness run {k + 1}")
+        parsed, text = io500ref.run_reference(binary, params, resdir / f"harness-{k}")
+        (resdir / f"harness-{k}" / "stdout.txt").write_text(text)
+        refs.append(parsed)
+        log(f"io500 --compare: pfs bench io500 run {k + 1}")
+        mine = argparse.Namespace(**vars(args))
+        mine.timestamp, mine.results, mine.json = f"{stamp}-{k}", str(resdir / f"pfs-{k}"), None
+        res = run(mine)
+        assert res is not None
+        ours.append(io500ref.parse_output("\n".join(summary_lines(res))))
+        try:
+            os.rmdir(Path(ref_path) / "io500-reference")
+        except OSError:
+            pass
+    a, b = io500ref.medians(refs), io500ref.medians(ours)
+    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs))
+    print("\n".join(table), flush=True)
+    out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
+           "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,
+           "table": table}
+    (resdir / "compare.json").write_text(json.dumps(out, indent=2) + "\n")
+    (resdir / "compare.txt").write_text("\n".join(table) + "\n")
+    log(f"io500 --compare: results in {resdir}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pfs bench io500", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
-    run(args)
+    if args.compare:
+        run_compare(args)
+    else:
+        run(args)
     return 0
 
 

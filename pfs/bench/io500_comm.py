@@ -1,0 +1,157 @@
+"""The ranks of ``pfs bench io500``: one process, processes of this node, or MPI ranks.
+
+Each gives a barrier, an allgather of a few numbers (the per-phase counts) and an
+allgather of small picklable objects (find's directory lists, host names)."""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+WIDTH = 8  # numbers per rank in one allgather
+
+
+class Comm(ABC):
+    rank = 0
+    size = 1
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def allgather(self, values: Sequence[float]) -> list[list[float]]: ...
+
+    @abstractmethod
+    def allgather_obj(self, obj: Any) -> list[Any]: ...
+
+    def dir_pool(self) -> DirPool | None:
+        """A pool of directories the ranks take work from as they go (find's work
+        sharing, as pfind's job stealing); None where there is none (then find deals
+        the directories out statically)."""
+        return None
+
+    def hosts(self) -> list[str]:
+        """The host name of every rank, by rank (IOR's node mapping)."""
+        return [str(h) for h in self.allgather_obj(socket.gethostname())]
+
+
+class DirPool:
+    """Directories waiting to be listed, shared by the processes of this node: a queue
+    and the count of directories put in and not yet listed (zero: the walk is over)."""
+
+    def __init__(self, queue_: Any, pending: Any) -> None:
+        self._q, self._pending = queue_, pending
+
+    def start(self, root: str) -> None:
+        with self._pending.get_lock():
+            self._pending.value = 1
+        self._q.put(root)
+
+    def take(self) -> str | None:
+        """A directory to list, or None once every directory has been listed."""
+        while True:
+            try:
+                return str(self._q.get(timeout=0.002))
+            except queue.Empty:
+                if self._pending.value == 0:
+                    return None
+
+    def done(self, below: list[str]) -> None:
+        """One directory listed; ``below`` are its subdirectories, still to list."""
+        for d in below:
+            self._q.put(d)
+        with self._pending.get_lock():  # after the puts: never 0 while work is queued
+            self._pending.value += len(below) - 1
+
+
+class SelfComm(Comm):
+    def barrier(self) -> None:
+        pass
+
+    def allgather(self, values: Sequence[float]) -> list[list[float]]:
+        return [list(values)]
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class ProcComm(Comm):
+    """Processes of this node: a shared barrier, a shared array of doubles, and a queue
+    per rank for objects."""
+
+    def __init__(self, rank: int, size: int, barrier: Any, slots: Any,
+                 inboxes: Sequence[Any], pool: DirPool | None = None) -> None:
+        self.rank, self.size = rank, size
+        self._barrier, self._slots, self._inboxes = barrier, slots, inboxes
+        self._pool = pool
+        self._round = 0
+        self._early: dict[tuple[int, int], Any] = {}  # (round, rank) -> obj from a rank ahead
+
+    def barrier(self) -> None:
+        self._barrier.wait()
+
+    def allgather(self, values: Sequence[float]) -> list[list[float]]:
+        n = len(values)
+        assert n <= WIDTH
+        base = self.rank * WIDTH
+        for i, v in enumerate(values):
+            self._slots[base + i] = float(v)
+        self.barrier()
+        out = [list(self._slots[r * WIDTH:r * WIDTH + n]) for r in range(self.size)]
+        self.barrier()  # nobody overwrites a slot before everyone has read it
+        return out
+
+    def dir_pool(self) -> DirPool | None:
+        return self._pool
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        self._round += 1
+        for r, box in enumerate(self._inboxes):
+            if r != self.rank:
+                box.put((self._round, self.rank, obj))
+        got = {self.rank: obj}
+        for r in range(self.size):
+            if (self._round, r) in self._early:
+                got[r] = self._early.pop((self._round, r))
+        while len(got) < self.size:
+            try:
+                rnd, r, o = self._inboxes[self.rank].get(timeout=1.0)
+            except queue.Empty:
+                # a dead rank aborts the barrier; notice it instead of waiting forever
+                if self._barrier.broken:
+                    raise threading.BrokenBarrierError from None
+                continue
+            if rnd == self._round:
+                got[r] = o
+            else:  # a rank already in the next round
+                self._early[(rnd, r)] = o
+        return [got[r] for r in range(self.size)]
+
+
+class MpiComm(Comm):
+    def __init__(self) -> None:
+        from mpi4py import MPI  # optional dependency (pfs[mpi]): only under mpirun
+
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def allgather(self, values: Sequence[float]) -> list[list[float]]:
+        return [list(v) for v in self.comm.allgather([float(x) for x in values])]
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        return list(self.comm.allgather(obj))
+
+
+def under_mpi() -> bool:
+    """Whether this process was started by mpirun/srun with more than one rank."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "1") not in ("", "1"):
+            return True
+    return False

@@ -1,0 +1,192 @@
+"""The reference IO500 harness beside ``pfs bench io500``: the harness's config for the
+same parameters, running it under mpirun, reading its output, and the side-by-side table
+of ``pfs bench io500 --compare``.
+
+The harness is IO500/io500 built against hpc/ior and VI4IO/pfind (see
+``deploy/io500-reference.sh``); it is found by ``--reference PATH`` or ``$PFS_IO500_REFERENCE``.
+Nothing here needs it installed except :func:`run_reference`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import statistics
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV_REFERENCE = "PFS_IO500_REFERENCE"  # path of the built io500 binary
+ENV_MPIRUN = "PFS_IO500_MPIRUN"  # the mpirun command line before -np (default: see mpirun_argv)
+
+# the twelve scored phases, in the harness's order
+SCORED = ["ior-easy-write", "mdtest-easy-write", "ior-hard-write", "mdtest-hard-write",
+          "find", "ior-easy-read", "mdtest-easy-stat", "ior-hard-read", "mdtest-hard-stat",
+          "mdtest-easy-delete", "mdtest-hard-read", "mdtest-hard-delete"]
+
+RESULT = re.compile(r"^\[(?:RESULT|      )\]\s+(?P<name>[A-Za-z0-9-]+)\s+(?P<value>[0-9.eE+-]+)\s+"
+                    r"(?P<unit>GiB/s|kIOPS) : time\s+(?P<time>[0-9.]+) seconds"
+                    r"(?P<invalid> \[INVALID\])?\s*$")
+SCORE = re.compile(r"^\[SCORE ?\]\s+Bandwidth\s+(?P<bw>[0-9.eE+-]+) GiB/s : IOPS\s+"
+                   r"(?P<md>[0-9.eE+-]+) kiops : TOTAL\s+(?P<total>[0-9.eE+-]+)"
+                   r"(?P<invalid> \[INVALID\])?")
+
+
+@dataclass
+class RefParams:
+    """The parameters both tools get: process count, stonewall and the size caps."""
+
+    procs: int
+    stonewall: int  # the harness takes whole seconds
+    easy_size: int  # ior-easy bytes per process (IOR -b)
+    hard_segments: int  # ior-hard segments per process (IOR -s)
+    easy_files: int  # mdtest-easy -n
+    hard_files: int  # mdtest-hard -n
+    datadir: str  # where the harness writes (it appends a timestamp)
+    resultdir: str
+
+
+def reference_ini(p: RefParams) -> str:
+    """The harness's config for ``p``. Its unscored ior-rnd4K-easy-read phase is switched
+    off: pfs bench io500 has no counterpart and it would only lengthen the run."""
+    return "\n".join([
+        "[global]",
+        f"datadir = {p.datadir}",
+        f"resultdir = {p.resultdir}",
+        "timestamp-resultdir = FALSE",
+        "drop-caches = FALSE",
+        "[debug]",
+        f"stonewall-time = {p.stonewall}",
+        "[ior-easy]",
+        "transferSize = 2m",
+        f"blockSize = {p.easy_size}",
+        "[ior-hard]",
+        f"segmentCount = {p.hard_segments}",
+        "[mdtest-easy]",
+        f"n = {p.easy_files}",
+        "[mdtest-hard]",
+        f"n = {p.hard_files}",
+        "[ior-rnd4K-easy-read]",
+        "run = FALSE",
+        "",
+    ])
+
+
+def bench_argv(p: RefParams, path: str) -> list[str]:
+    """``pfs bench io500`` arguments that match ``p``."""
+    return ["--path", path, "-n", str(p.procs), "--stonewall", str(p.stonewall),
+            "--easy-size", str(p.easy_size), "--hard-segments", str(p.hard_segments),
+            "--easy-files", str(p.easy_files), "--hard-files", str(p.hard_files)]
+
+
+@dataclass
+class Parsed:
+    """One run's output: phase -> (score, seconds, valid), and the score line."""
+
+    phases: dict[str, tuple[float, float, bool]] = field(default_factory=dict)
+    bw: float = 0.0
+    md: float = 0.0
+    total: float = 0.0
+    valid: bool = False
+
+
+def parse_output(text: str) -> Parsed:
+    """Read the ``[RESULT]`` and ``[SCORE ]`` lines that io500 (and pfs bench io500)
+    print; anything else (the harness's ERROR INVALID lines, logs) is skipped."""
+    out = Parsed()
+    for line in text.splitlines():
+        m = RESULT.match(line.rstrip())
+        if m:
+            out.phases[m["name"]] = (float(m["value"]), float(m["time"]), not m["invalid"])
+            continue
+        m = SCORE.match(line.strip())
+        if m:
+            out.bw, out.md, out.total = float(m["bw"]), float(m["md"]), float(m["total"])
+            out.valid = not m["invalid"]
+    return out
+
+
+def find_reference(explicit: str | None) -> str | None:
+    """The io500 binary: ``explicit``, else ``$PFS_IO500_REFERENCE``; None if neither
+    names an executable file."""
+    for cand in (explicit, os.environ.get(ENV_REFERENCE)):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return os.path.abspath(cand)
+    return None
+
+
+def mpirun_argv(procs: int) -> list[str]:
+    """``mpirun -np N`` for one node: Open MPI refuses root without --allow-run-as-root,
+    more ranks than cores without --oversubscribe, and on a machine without a fast
+    network shared memory is the transport to ask for."""
+    env = os.environ.get(ENV_MPIRUN)
+    if env:
+        return [*shlex.split(env), "-np", str(procs)]
+    argv = ["mpirun"]
+    if os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+    return [*argv, "--oversubscribe", "--mca", "btl", "self,vader", "-np", str(procs)]
+
+
+def run_reference(binary: str, p: RefParams, workdir: Path, timeout: float = 3600.0
+                  ) -> tuple[Parsed, str]:
+    """Run the harness once with ``p``; return what it printed, parsed and raw."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    Path(p.datadir).mkdir(parents=True, exist_ok=True)
+    ini = workdir / "io500-reference.ini"
+    ini.write_text(reference_ini(p))
+    argv = [*mpirun_argv(p.procs), binary, str(ini)]
+    log.info("io500 reference: %s", shlex.join(argv))
+    # the harness resolves ./ior etc. only for display; run it where its config lies
+    proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"io500 reference exited {proc.returncode}:\n{text[-4000:]}")
+    return parse_output(text), text
+
+
+def medians(runs: Sequence[Parsed]) -> dict[str, float]:
+    """Per phase, the median score over ``runs`` (phases missing from a run skipped)."""
+    out: dict[str, float] = {}
+    names = [n for n in SCORED if any(n in r.phases for r in runs)]
+    for n in names:
+        out[n] = statistics.median(r.phases[n][0] for r in runs if n in r.phases)
+    for key in ("bw", "md", "total"):
+        out[f"score-{key}"] = statistics.median(getattr(r, key) for r in runs)
+    return out
+
+
+def spread(runs: Sequence[Parsed]) -> dict[str, tuple[float, float]]:
+    """Per phase, the lowest and highest score over ``runs``: how far one tool moves
+    between runs on this machine, the yardstick for the gap between the two."""
+    out: dict[str, tuple[float, float]] = {}
+    for n in SCORED:
+        vals = [r.phases[n][0] for r in runs if n in r.phases]
+        if vals:
+            out[n] = (min(vals), max(vals))
+    return out
+
+
+def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_ours: int,
+                  ref_spread: dict[str, tuple[float, float]] | None = None) -> list[str]:
+    """The phases side by side (medians), with ours / harness, the harness's own range
+    over its runs, and a mark where the two medians differ by more than 20%."""
+    lines = [f"{'phase':<20s} {'unit':>6s} {'harness':>12s} {'pfs bench':>12s} "
+             f"{'ratio':>7s} {'harness min-max':>21s}   (medians of {n_ref} / {n_ours} runs)"]
+    for name in [*SCORED, "score-bw", "score-md", "score-total"]:
+        if name not in ref and name not in ours:
+            continue
+        unit = "GiB/s" if name.startswith("ior") or name == "score-bw" else \
+            ("" if name == "score-total" else "kIOPS")
+        a, b = ref.get(name, 0.0), ours.get(name, 0.0)
+        ratio = b / a if a > 0 else float("nan")
+        lo, hi = (ref_spread or {}).get(name, (float("nan"), float("nan")))
+        rng = f"{lo:.4f}-{hi:.4f}" if lo == lo else ""
+        mark = "" if a > 0 and abs(ratio - 1.0) <= 0.2 else "  <-- over 20%"
+        lines.append(f"{name:<20s} {unit:>6s} {a:12.4f} {b:12.4f} {ratio:7.2f} {rng:>21s}{mark}")
+    return lines

@@ -1,0 +1,129 @@
+"""``pfs bench io500``'s phase parameters (the ranks each phase works on, as IOR -C and
+mdtest -N 1 shift them) and the reference harness's config and output, read from a
+captured run of the real harness (tests/unit/io500_reference_output.txt). No harness, no
+processes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pfs.bench import io500, io500ref
+from pfs.bench.io500 import easy_tree, ior_read_shift, md_owner
+
+SAMPLE = Path(__file__).with_name("io500_reference_output.txt")
+
+
+def test_mdtest_rank_shifts() -> None:
+    # mdtest.c with -N 1: stat rank+1, read rank+2, remove rank+3 (modulo the ranks)
+    assert [md_owner(r, 4, "stat") for r in range(4)] == [1, 2, 3, 0]
+    assert [md_owner(r, 4, "read") for r in range(4)] == [2, 3, 0, 1]
+    assert [md_owner(r, 4, "delete") for r in range(4)] == [3, 0, 1, 2]
+    # two ranks: the hard read lands on the rank's own files, stat and delete on the other's
+    assert [md_owner(r, 2, "read") for r in range(2)] == [0, 1]
+    assert [md_owner(r, 2, "delete") for r in range(2)] == [1, 0]
+    assert md_owner(0, 1, "stat") == 0
+
+
+def test_mdtest_easy_layout() -> None:
+    # with -u, rank r's files sit in the directory mdtest names after rank r+1
+    assert easy_tree(0, 2) == "mdtest-easy/test-dir.0-0/mdtest_tree.1.0"
+    assert easy_tree(1, 2) == "mdtest-easy/test-dir.0-0/mdtest_tree.0.0"
+    assert easy_tree(0, 1) == "mdtest-easy/test-dir.0-0/mdtest_tree.0.0"
+    assert io500.HARD_DIR == "mdtest-hard/test-dir.0-0/mdtest_tree.0"
+
+
+def test_ior_read_shift() -> None:
+    # IOR -C -Q 1: one node -> no shift (each rank reads what it wrote)
+    assert ior_read_shift(["a"] * 4) == 0
+    assert ior_read_shift(["a"]) == 0
+    # block mapping (rank 1 beside rank 0): shift by the tasks on node 0
+    assert ior_read_shift(["a", "a", "b", "b"]) == 2
+    assert ior_read_shift(["a", "a", "a", "b", "b", "b"]) == 3
+    # round robin over nodes: shift by one
+    assert ior_read_shift(["a", "b", "a", "b"]) == 1
+
+
+def test_expected_found_uses_mdtest_names() -> None:
+    assert io500.expected_found([110, 110]) == 2
+    assert io500.expected_found([2000]) == sum("01" in str(i) for i in range(2000))
+
+
+def test_parse_reference_sample() -> None:
+    got = io500ref.parse_output(SAMPLE.read_text())
+    assert list(got.phases)[:13] == [p for p, _, _ in io500.PHASES]
+    assert got.phases["ior-easy-write"] == (0.261260, 1.924, False)
+    assert got.phases["find"] == (2900.763722, 0.002, True)
+    assert got.phases["mdtest-hard-delete"] == (0.333990, 7.243, True)
+    assert got.phases["ior-rnd4K-easy-read"][2] is False
+    assert (got.bw, got.md, got.total, got.valid) == (0.507765, 40.999070, 4.562665, False)
+    assert set(io500ref.SCORED) <= set(got.phases)
+
+
+def test_parse_own_output_round_trip() -> None:
+    phases = [{"name": n, "score": 1.5, "time": 2.25, "valid": n != "find", "invalid": []}
+              for n, _, _ in io500.PHASES]
+    res = {"version": io500.VERSION, "mode": "standard", "phases": phases,
+           "score": {"bw": 1.5, "md": 1.5, "total": 1.5}, "valid": False}
+    got = io500ref.parse_output("\n".join(io500.summary_lines(res)))
+    assert got.phases["find"] == (1.5, 2.25, False)
+    assert got.phases["ior-hard-read"] == (1.5, 2.25, True)
+    assert got.total == 1.5 and got.valid is False
+
+
+def test_reference_ini_and_argv() -> None:
+    p = io500ref.RefParams(procs=2, stonewall=2, easy_size=256 << 20, hard_segments=10000,
+                           easy_files=5000, hard_files=2000, datadir="/mnt/x/ref",
+                           resultdir="/tmp/r")
+    ini = io500ref.reference_ini(p)
+    for line in ("datadir = /mnt/x/ref", "resultdir = /tmp/r", "stonewall-time = 2",
+                 "transferSize = 2m", f"blockSize = {256 << 20}", "segmentCount = 10000",
+                 "[mdtest-easy]\nn = 5000", "[mdtest-hard]\nn = 2000",
+                 "[ior-rnd4K-easy-read]\nrun = FALSE"):
+        assert line in ini, line
+    argv = io500ref.bench_argv(p, "/mnt/x")
+    assert argv == ["--path", "/mnt/x", "-n", "2", "--stonewall", "2", "--easy-size",
+                    str(256 << 20), "--hard-segments", "10000", "--easy-files", "5000",
+                    "--hard-files", "2000"]
+
+
+def test_mpirun_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(io500ref.ENV_MPIRUN, raising=False)
+    argv = io500ref.mpirun_argv(3)
+    assert argv[0] == "mpirun" and argv[-2:] == ["-np", "3"]
+    assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
+    monkeypatch.setenv(io500ref.ENV_MPIRUN, "srun --mpi=pmix")
+    assert io500ref.mpirun_argv(2) == ["srun", "--mpi=pmix", "-np", "2"]
+
+
+def test_find_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(io500ref.ENV_REFERENCE, raising=False)
+    assert io500ref.find_reference(None) is None
+    exe = tmp_path / "io500"
+    exe.write_text("#!/bin/sh\n")
+    assert io500ref.find_reference(str(exe)) is None  # not executable
+    exe.chmod(0o755)
+    assert io500ref.find_reference(str(exe)) == str(exe)
+    monkeypatch.setenv(io500ref.ENV_REFERENCE, str(exe))
+    assert io500ref.find_reference(None) == str(exe)
+
+
+def test_medians_and_table() -> None:
+    def run(v: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (v, 1.0, True) for n in io500ref.SCORED},
+                               bw=v, md=v, total=v, valid=True)
+
+    ref = io500ref.medians([run(1.0), run(3.0), run(2.0)])
+    ours = io500ref.medians([run(2.3), run(2.2), run(9.0)])
+    assert ref["find"] == 2.0 and ours["find"] == 2.3
+    rng = io500ref.spread([run(1.0), run(3.0), run(2.0)])
+    assert rng["find"] == (1.0, 3.0)
+    table = io500ref.compare_table(ref, ours, 3, 3, rng)
+    assert table[0].startswith("phase") and "medians of 3 / 3 runs" in table[0]
+    row = next(ln for ln in table if ln.startswith("find "))
+    assert row.split()[2:6] == ["2.0000", "2.3000", "1.15", "1.0000-3.0000"]
+    assert "over 20%" not in row
+    ours["find"] = 2.5
+    row = next(ln for ln in io500ref.compare_table(ref, ours, 3, 3) if ln.startswith("find "))
+    assert row.endswith("<-- over 20%")
