@@ -40,9 +40,8 @@ from pfs.core.messages.base import Empty
 from pfs.core.messages.records import At
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
-from pfs.metaserver import batch
+from pfs.metaserver import batch, watch
 from pfs.metaserver import keys as K
-from pfs.metaserver import watch
 from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, dry_run
 from pfs.metaserver.dataplane import DataPlane
