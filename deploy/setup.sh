@@ -2,7 +2,7 @@
 # Install what pfs needs on a fresh Debian/Ubuntu machine, idempotently:
 # system packages (FUSE 3 and the headers pyfuse3 builds against; Open MPI for the
 # multi-rank `pfs bench io500`), a virtualenv in .venv, and the project with its fuse, dev
-# and mpi extras.
+# mpi and loaders extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +29,7 @@ fi
 stamp=.venv/.pfs-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ deploy/engines-interfaces.txt -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/pip install -q -e '.[fuse,dev,mpi]'
+  .venv/bin/pip install -q -e '.[fuse,dev,mpi,loaders]'
   # LMCache's and SGLang's interface modules, without their GPU dependency trees
   .venv/bin/pip install -q --no-deps -r deploy/engines-interfaces.txt
   touch "$stamp"

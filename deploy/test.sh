@@ -15,5 +15,7 @@ echo "test: mypy" >&2
 export PFS_REQUIRE_MPI=1
 # setup.sh installed the engines' interface modules: the adapter tests must run, not skip
 export PFS_REQUIRE_ENGINES=1
+# ... and the reference loaders of pfs bench loader (the loaders extra)
+export PFS_REQUIRE_LOADERS=1
 echo "test: pytest" >&2
 exec .venv/bin/python -m pytest "$@"
