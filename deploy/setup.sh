@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install what pfs needs on a fresh Debian/Ubuntu machine, idempotently:
 # system packages (FUSE 3 and the headers pyfuse3 builds against; Open MPI for the
-# multi-rank `pfs bench io500`), a virtualenv in .venv, and the project with its fuse, dev
-# mpi and loaders extras.
+# multi-rank `pfs bench io500`), a virtualenv in .venv, and the project with its fuse, dev,
+# mpi and loaders extras, and the inference engines' interface modules (adapter tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
