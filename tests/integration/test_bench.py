@@ -88,7 +88,12 @@ def test_meta(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
             assert r[ph]["ops"] == 30
         assert r["readdir"]["ops"] == 30 * 5  # every entry, 5 listings
         if r["label"].startswith("pfs"):  # the metaserver's share is counted apart
-            assert r["create"]["meta_us_per_op"] > 0, r
+            assert r["create"]["meta_us_per_op"] >= 0, r
+    # CPU time comes in 10 ms clock ticks: one small phase (30 batched creates take a
+    # few ms) may see none, but the metaserver's share over the whole run cannot be 0
+    meta_s = sum(r[ph]["meta_us_per_op"] * r[ph]["ops"] for r in res["median"]
+                 if r["label"].startswith("pfs") for ph in ("create", "stat", "unlink"))
+    assert meta_s > 0
     for key in ("durable_1_per_txn", "durable_4_per_txn"):
         assert _positive(res["lmdb"][key]["ops_per_s"])
     assert list(local.iterdir()) == []  # the bench cleaned up after itself
