@@ -135,6 +135,8 @@ def mpirun_argv(procs: int) -> list[str]:
 def run_reference(binary: str, p: RefParams, workdir: Path, timeout: float = 3600.0
                   ) -> tuple[Parsed, str]:
     """Run the harness once with ``p``; return what it printed, parsed and raw."""
+    # absolute: the harness runs in ``workdir`` and must still find its config there
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     Path(p.datadir).mkdir(parents=True, exist_ok=True)
     ini = workdir / "io500-reference.ini"

@@ -5,6 +5,7 @@ processes."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,25 @@ def test_reference_ini_and_argv() -> None:
     assert argv == ["--path", "/mnt/x", "-n", "2", "--stonewall", "2", "--easy-size",
                     str(256 << 20), "--hard-segments", "10000", "--easy-files", "5000",
                     "--hard-files", "2000"]
+
+
+def test_reference_runs_where_its_config_lies(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative results directory (the default, ./io500-results/...) still gives the
+    harness a config path that exists from the directory it runs in."""
+    seen: dict[str, object] = {}
+
+    def fake_run(argv: list[str], cwd: Path, **kw: object) -> subprocess.CompletedProcess[str]:
+        seen["ini_found"] = (Path(cwd) / argv[-1]).is_file()
+        return subprocess.CompletedProcess(argv, 0, stdout="", stderr="")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(io500ref.subprocess, "run", fake_run)
+    p = io500ref.RefParams(procs=2, stonewall=2, easy_size=1 << 20, hard_segments=10,
+                           easy_files=10, hard_files=10, datadir=str(tmp_path / "data"),
+                           resultdir=str(tmp_path / "r"))
+    io500ref.run_reference("/bin/true", p, Path("io500-results") / "compare-x" / "harness-0")
+    assert seen["ini_found"] is True
 
 
 def test_mpirun_argv(monkeypatch: pytest.MonkeyPatch) -> None:
