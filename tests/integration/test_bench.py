@@ -101,7 +101,7 @@ def test_meta(cluster_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_fuse_bench_local_and_native(cluster_dir: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """The issue-3 comparison with the targets that need no mount or MooseFS."""
+    """The mount-versus-native comparison with the targets that need no mount or MooseFS."""
     out = tmp_path / "fuse.json"
     rc = bench_main(["fuse", "--dir", str(cluster_dir), "--targets", "local,native",
                      "--mb", "4", "--nfiles", "20", "--reps", "1",

@@ -1,4 +1,4 @@
-"""Durable acknowledgements (issue 11 item 4): close(), flush() and fsync() return only
+"""Durable acknowledgements: close(), flush() and fsync() return only
 after what the handle wrote is on stable storage on every replica, and only then is
 the size committed; a directory opted out (``setstripe --no-sync``) skips it on close.
 

@@ -4,7 +4,7 @@ frame, replays one or reorders two, in either direction. Every case is detected:
 connection is dropped, the reader never gets a wrong byte (a read either returns the
 server's bytes or fails), the server never runs a tampered or injected request, and the
 side that noticed logs it. Both suites, the trio client and the blocking one; then the
-attack of issue 13 on a real cluster (a chmod rewritten on its way to the metaserver)."""
+attack the wire MACs stop, on a real cluster (a chmod rewritten on its way to the metaserver)."""
 from __future__ import annotations
 
 import errno
@@ -53,7 +53,7 @@ class Target(RpcService):
 
 
 def inject_for(direction: str) -> Callable[[Frame], bytes]:
-    if direction == "c2s":  # the attack of issue 13: a request the client never made
+    if direction == "c2s":  # the attack: a request the client never made
         return lambda f: forged(Kind.REQUEST, f.rid + 1000, {"m": "setmode", "mode": 0o666})
     return lambda f: forged(Kind.REPLY, f.rid, {"n": len(DATA)}, b"POISONED" * 2048)
 
