@@ -6,13 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import random
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,38 +29,10 @@ from pfs.dataserver.objects import ObjectStore
 from pfs.dataserver.server import DataService, serve_data
 from pfs.kvcache.remote import KvServerClient
 from pfs.tools import cluster
+from tests.metrics_scrape import free_port, scrape, value
 
 TIMEOUT = 60
 NS = "model-a"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _scrape(port: int) -> str:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                return str(r.read().decode())
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
-def _value(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-        if m and m.group(1) == name:
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(3))
-    return total
 
 
 def run(fn: Callable[[], Awaitable[None]]) -> None:
@@ -430,7 +399,7 @@ def test_a_cluster_shows_kv_capacity_and_a_killed_server_keeps_its_blocks(
 
 
 def test_metrics_count_kv_hits_misses_and_bytes(private_cluster: Path) -> None:
-    port = _free_port()
+    port = free_port()
     toml = cluster.up(private_cluster, data_servers=1,
                       data_args=["--metrics-port", str(port), "--kv-budget", str(16 << 20)])
     cfg = load(ClientConfig, toml)
@@ -446,12 +415,12 @@ def test_metrics_count_kv_hits_misses_and_bytes(private_cluster: Path) -> None:
             assert await kv.get_into(NS, b"absent", out) is None
 
     run(main)
-    text = _scrape(port)
-    assert _value(text, "pfs_kv_events", event="hits") == 1
-    assert _value(text, "pfs_kv_events", event="misses") == 1
-    assert _value(text, "pfs_kv_events", event="bytes_out") == 1000
-    assert _value(text, "pfs_kv_bytes", kind="budget") == 16 << 20
-    assert _value(text, "pfs_kv_bytes", kind="used") > 1000
+    text = scrape(port)
+    assert value(text, "pfs_kv_events", event="hits") == 1
+    assert value(text, "pfs_kv_events", event="misses") == 1
+    assert value(text, "pfs_kv_events", event="bytes_out") == 1000
+    assert value(text, "pfs_kv_bytes", kind="budget") == 16 << 20
+    assert value(text, "pfs_kv_bytes", kind="used") > 1000
 
 
 def test_many_clients_on_overlapping_keys_get_right_bytes_or_misses(tmp_path: Path) -> None:

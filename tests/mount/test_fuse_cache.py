@@ -72,7 +72,9 @@ def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path)
     """FLUSH and RELEASE of a handle that wrote nothing send no request of their own:
     the release rides on the next request (or one batched ``release``); a handle that
     wrote still commits its size when it is closed (FLUSH)."""
-    from tests.integration.test_metrics import _free_port, _scrape, _value
+    from tests.metrics_scrape import free_port as _free_port
+    from tests.metrics_scrape import scrape as _scrape
+    from tests.metrics_scrape import value as _value
 
     port = _free_port()
     toml = tmp_path / "client.toml"

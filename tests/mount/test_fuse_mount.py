@@ -177,7 +177,9 @@ def test_mount_metrics_count_client_cache_hits(client_toml: Path, tmp_path: Path
     operations its client-side counters (the attribute, xattr and short-circuit
     descriptor caches, RPCs sent) have moved, and the hedge and checksum counters are
     there."""
-    from tests.integration.test_metrics import _free_port, _scrape, _value
+    from tests.metrics_scrape import free_port as _free_port
+    from tests.metrics_scrape import scrape as _scrape
+    from tests.metrics_scrape import value as _value
 
     port = _free_port()
     toml = tmp_path / "client.toml"
