@@ -435,19 +435,15 @@ class DataService(RpcService):
         """Write ``data`` at ``off`` of ``obj`` and its checksums, under the blocks'
         exclusive lock (taken here unless the caller holds it). A full disk first takes
         back the KV store's space (its blocks are a cache) and tries once more."""
-        try:
-            return await self._apply_once(obj, off, data, locked)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            first = exc
-        if await self.kv.reclaim(len(data) + KV_RECLAIM_SLACK):
+        for retry in (False, True):
             try:
                 return await self._apply_once(obj, off, data, locked)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
                 first = exc
+            if retry or not await self.kv.reclaim(len(data) + KV_RECLAIM_SLACK):
+                break
         self.report_now.set()
         raise OSError(errno.ENOSPC, f"data server {self.sid}: its disk is full (object "
                                     f"{list(obj)}, {len(data)} bytes at {off})") from first

@@ -88,6 +88,18 @@ def check_value(n: int, what: str) -> None:
 
 
 # -- the async client -----------------------------------------------------------------
+
+def _whole_block(key: Any, n: int | None, out: Any) -> bool:
+    """``get``'s answer from ``get_into``'s: a hit must fill ``out`` exactly (EINVAL
+    otherwise: a layout mismatch between the writer and this reader)."""
+    if n is None:
+        return False
+    size = device.buffer_size(out)
+    if n != size:
+        raise OSError(errno.EINVAL, f"KV block {bytes(check_key(key)).hex()[:32]} is {n} "
+                                    f"bytes, the buffer {size}")
+    return True
+
 class AsyncKVCache:
     """KV blocks of one namespace. Make one with :meth:`open` (an async context)."""
 
@@ -284,14 +296,7 @@ class AsyncKVCache:
     async def get(self, key: Any, out: Any) -> bool:
         """Fill ``out`` (host or GPU buffer) with the block of ``key``: True on a hit.
         The block must be exactly ``out``'s size (EINVAL otherwise: a layout mismatch)."""
-        n = await self.get_into(key, out)
-        if n is None:
-            return False
-        size = device.buffer_size(out)
-        if n != size:
-            raise OSError(errno.EINVAL, f"KV block {bytes(check_key(key)).hex()[:32]} is "
-                                        f"{n} bytes, the buffer {size}")
-        return True
+        return _whole_block(key, await self.get_into(key, out), out)
 
     async def get_into(self, key: Any, out: Any, *, node_checked: bool = False) -> int | None:
         """Fill the start of ``out`` with the block: its length, or None on a miss.
@@ -615,14 +620,7 @@ class KVCache:
         return True
 
     def get(self, key: Any, out: Any) -> bool:
-        n = self.get_into(key, out)
-        if n is None:
-            return False
-        size = device.buffer_size(out)
-        if n != size:
-            raise OSError(errno.EINVAL, f"KV block {check_key(key).hex()[:32]} is {n} "
-                                        f"bytes, the buffer {size}")
-        return True
+        return _whole_block(key, self.get_into(key, out), out)
 
     def get_into(self, key: Any, out: Any) -> int | None:
         """As AsyncKVCache.get_into; a node-tier hit is served in this thread."""
