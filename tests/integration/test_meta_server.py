@@ -269,7 +269,10 @@ async def test_group_commit_concurrent_creates(tmp_path: Path) -> None:
             burst.start_soon(make, 0)
         errors = [r for r in results if isinstance(r, OSError)]
         assert len(errors) == 1 and errors[0].errno == errno.EEXIST
-        assert commits - before < n / 4, "creates were not grouped into shared commits"
+        # grouped: fewer commits than creates, by at least half. (A commit no longer waits
+        # for its meta page's flush, so the writer turns round sooner and a burst from 4
+        # connections packs about 4 creates per commit here, rather than n/4 in all.)
+        assert commits - before < n / 2, "creates were not grouped into shared commits"
         names: list[bytes] = []
         cookie = 0
         while True:
