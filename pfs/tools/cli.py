@@ -69,7 +69,7 @@ def cmd_load(args: argparse.Namespace) -> None:
     from pfs.loader.safetensors import CheckpointError, LoadStats
 
     stats = LoadStats(progress=Progress(None, "load"))  # a bar on a terminal, if long
-    pfs_source = not args.local and (args.config or args.meta or os.environ.get("PFS_CONFIG"))
+    pfs_source = not args.local and _names_pfs(args)
     try:
         with stats.progress:
             out = _load(args, stats, pfs_source)
@@ -87,6 +87,23 @@ def cmd_load(args: argparse.Namespace) -> None:
           f"{stats.bytes} bytes ({human(stats.bytes)}) in {stats.seconds:.3f} s, "
           f"{stats.gbps:.2f} GB/s [{'pfs' if pfs_source else 'local ' + stats.engine}, "
           f"{stats.requests} reads, device {args.device}]")
+
+
+def _names_pfs(args: argparse.Namespace) -> bool:
+    """Whether ``pfs load PATH`` reads from pfs: a cluster named (``--config``, ``--meta``,
+    ``$PFS_CONFIG``), or, with none named, PATH not on local disk and a client config
+    found where every other command looks for one (the user's, then the node's)."""
+    from pfs.core.config import ConfigError, find_client_config
+
+    if args.config or args.meta or os.environ.get("PFS_CONFIG"):
+        return True
+    if os.path.exists(args.path):
+        return False
+    try:
+        find_client_config()
+    except ConfigError:
+        return False  # reported as a missing local path, the likelier mistake
+    return True
 
 
 def _load(args: argparse.Namespace, stats: Any, pfs_source: Any) -> dict[str, Any]:
@@ -337,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     data_cmd("df", fscmds.cmd_df, "capacity of the cluster, per data server")
     sp = client_cmd("load", cmd_load, "load a safetensors checkpoint (file, index or "
                                       "directory) and report GB/s")
-    sp.add_argument("path", help="pfs path (with --config/--meta/$PFS_CONFIG) or local path")
+    sp.add_argument("path", help="a local path, or a pfs path (with --config/--meta/$PFS_CONFIG, "
+                                      "or when no local PATH exists and a client config is "
+                                      "found: ~/.config/pfs/client.toml, /etc/pfs/client.toml)")
     sp.add_argument("--device", default="cpu", type=_device, help="cpu, cuda or cuda:N")
     sp.add_argument("--tp-rank", type=int, default=None, help="this rank's tensor-parallel "
                                                               "index")

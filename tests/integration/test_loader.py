@@ -436,6 +436,27 @@ def test_cli_load_pfs(client_toml: Path, pfs_ckpt: str, ckpt: tuple[Path, Any],
     assert f"loaded {len(truth)} tensors" in out and "[pfs," in out
 
 
+def test_cli_load_finds_the_users_config(client_toml: Path, pfs_ckpt: str,
+                                        ckpt: tuple[Path, Any], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """No cluster named: a PATH that is not on local disk is read from pfs with the
+    config every other command would find (here the user's); one that is stays local."""
+    from pfs.tools.cli import main
+
+    _, truth = ckpt
+    monkeypatch.delenv("PFS_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "pfs").mkdir(parents=True)
+    (tmp_path / "xdg" / "pfs" / "client.toml").write_text(client_toml.read_text())
+    main(["load", pfs_ckpt, "--framework", "numpy"])
+    out = capsys.readouterr().out
+    assert f"loaded {len(truth)} tensors" in out and "[pfs," in out
+    local, _ = ckpt
+    main(["load", str(local), "--framework", "numpy"])
+    assert "[local " in capsys.readouterr().out
+
+
 class _Recorder:
     """What a progress bar is told: the planned bytes, then each read's."""
 
