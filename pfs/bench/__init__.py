@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,iops,close,failover,repair,kvcache} [options]   (-h after a subcommand for its options)
+USAGE = """usage: pfs bench {throughput,meta,fuse,io500,io500-peers,sweep,caps,wire,loader,iops,close,failover,repair,kvcache} [options]   (-h after a subcommand for its options)
 
   throughput  native-client sequential write/read of a striped file vs a local file
               and a loopback socket
@@ -17,6 +17,8 @@ USAGE = """usage: pfs bench {throughput,meta,fuse,io500,sweep,caps,wire,loader,i
   fuse        dd write / cold read and create/stat/unlink on a pfs mount, the native client,
               a local dir and a MooseFS mount, in one run
   io500       the twelve IO500 phases and score on a directory or the native client
+  io500-peers the reference IO500 harness on several file systems (LABEL=PATH ...),
+              interleaved, medians and ratios to the first
   sweep       data paths: engines x block sizes x patterns x threads, local/native/mount
   caps        1 MiB and 4 KiB reads/s with capability checks on and off
   wire        wire security: MAC/AEAD primitives, sealed frames, and 1 MiB / 4 KiB reads
@@ -51,6 +53,8 @@ def main(argv: list[str]) -> int:
         from pfs.bench.wire import main as run
     elif cmd == "io500":
         from pfs.bench.io500 import main as run
+    elif cmd == "io500-peers":
+        from pfs.bench.io500peers import main as run
     elif cmd == "sweep":
         from pfs.bench.sweep import main as run
     elif cmd == "loader":
