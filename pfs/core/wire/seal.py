@@ -216,13 +216,12 @@ class Opener(_Direction):
             f"{what} from {self.peer} failed authentication (frame {self.frame} of this "
             "connection tampered with, injected, replayed or reordered); connection dropped")
 
-    def head(self, sealed: bytes | memoryview, header_size: int) -> bytes | memoryview:
-        """The map of a frame whose ``sealed`` bytes are header, sealed map and ``T_h``
-        (a view of them: the map is then a view too)."""
+    def head(self, sealed: bytes, header_size: int) -> bytes:
+        """The map of a frame whose ``sealed`` bytes are header, sealed map and ``T_h``."""
         seq = self.frame = self.seq
         self.seq = seq + 1
         nonce = _NONCE.pack(seq, _HEAD)
-        tag = bytes(sealed[-TAG:])
+        tag = sealed[-TAG:]
         self.head_tag = tag
         if self.encrypt:
             try:

@@ -158,6 +158,22 @@ class Connection:
         why = getattr(exc, "strerror", None) or "was closed"
         return ConnectionClosed(f"connection to {self.name} {why}")
 
+    async def _readable(self, raw: socket.socket, deadline: float,
+                        stall: float | None) -> None:
+        """Wait until ``raw`` has data (until ``deadline``: a frame started must go on
+        arriving within ``stall`` seconds)."""
+        try:
+            if deadline == math.inf:
+                await trio.lowlevel.wait_readable(raw)
+                return
+            with trio.move_on_at(deadline) as scope:
+                await trio.lowlevel.wait_readable(raw)
+        except trio.ClosedResourceError as exc:
+            raise self._closed_error(exc) from None
+        if scope.cancelled_caught:
+            raise RemoteProtocolError(
+                f"{self.name} stalled for {stall:g} s in the middle of a frame")
+
     async def _recv_into(self, buf: memoryview) -> int:
         return await self._recvmsg_into([buf])
 
@@ -427,20 +443,25 @@ class Connection:
                 return head
             if stall is not None and dec.buffered and deadline == math.inf:
                 deadline = trio.current_time() + stall
-            n = -1
-            if raw is not None:
-                # what is already there, without the layers below (most requests)
-                try:
-                    n = raw.recv_into(chunk)
-                except BlockingIOError:
-                    self._ready_streak = 0
-                except OSError:
-                    pass  # mapped by the call below
-            if n >= 0:
-                pass
+            if raw is not None:  # the plain socket: straight to the system calls
+                while True:
+                    try:
+                        n = raw.recv_into(chunk)
+                        break
+                    except BlockingIOError:
+                        self._ready_streak = 0
+                        await self._readable(raw, deadline, stall)
+                    except ConnectionResetError:
+                        n = 0
+                        break
+                    except OSError as exc:
+                        if exc.errno == errno.EBADF:
+                            raise self._closed_error(exc) from None
+                        raise
             elif deadline == math.inf:
                 n = await self._recv_into(chunk)
             else:
+                n = -1
                 with trio.move_on_at(deadline):
                     n = await self._recv_into(chunk)
                 if n < 0:
