@@ -450,7 +450,13 @@ class Connection:
                         break
                     except BlockingIOError:
                         self._ready_streak = 0
-                        await self._readable(raw, deadline, stall)
+                        if deadline != math.inf:
+                            await self._readable(raw, deadline, stall)
+                            continue
+                        try:  # between frames (nearly always): no coroutine of our own
+                            await trio.lowlevel.wait_readable(raw)
+                        except trio.ClosedResourceError as exc:
+                            raise self._closed_error(exc) from None
                     except ConnectionResetError:
                         n = 0
                         break
