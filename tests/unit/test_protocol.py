@@ -174,6 +174,67 @@ def test_rpc_over_socketpair_many_in_flight() -> None:
     trio.run(main)
 
 
+def test_requests_that_wait_run_side_by_side_up_to_max_in_flight() -> None:
+    """Requests answered outside the reader wait concurrently (one waiting never holds
+    up the next), at most ``max_in_flight`` at once; the connection's handlers end with
+    it, without waiting out the grace period."""
+    from pfs.core.wire.rpc import Reply, RpcClient, RpcService
+    from pfs.core.wire.transport import Connection
+
+    class Svc(RpcService):
+        max_in_flight = 3
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.now = self.peak = 0
+            self.release, self.full = trio.Event(), trio.Event()
+
+        async def rpc_hold(self, ctx, req):
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            if self.now == self.max_in_flight:
+                self.full.set()
+            try:
+                await self.release.wait()
+            finally:
+                self.now -= 1
+            return Reply({"i": req.int("i")})
+
+    async def main() -> None:
+        svc = Svc()
+        a, b = trio.socket.socketpair()
+        served = trio.Event()
+
+        async def serve() -> None:
+            await svc.serve_connection(Connection(b))
+            served.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(serve)
+            cli = RpcClient(Connection(a))
+            n.start_soon(cli.run)
+            got: list[int] = []
+
+            async def one(i: int) -> None:
+                got.append((await cli.call("hold", {"i": i})).fields["i"])
+
+            async with trio.open_nursery() as m:
+                for i in range(10):
+                    m.start_soon(one, i)
+                with trio.fail_after(5):
+                    await svc.full.wait()
+                await trio.sleep(0.05)
+                assert svc.now == 3 and not got  # the 4th is not read until one ends
+                svc.release.set()
+            assert sorted(got) == list(range(10)) and svc.peak == 3
+            cli.close()
+            with trio.fail_after(5):
+                await served.wait()
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def _raw_pair():
     """An ``RpcClient`` over one end of a socket pair; the test plays the server on the
     other end with a bare ``Connection``."""

@@ -12,6 +12,7 @@ service without one (test fakes) gets the raw :class:`Request` and returns a dic
 from __future__ import annotations
 
 import builtins
+import collections
 import errno
 import itertools
 import logging
@@ -311,6 +312,8 @@ class ConnContext:
     identity: Identity | None = None  # who authenticated (None: not yet)
     inflight: set[int] = field(default_factory=set)  # request ids being handled
     local: bool = False  # came through the local Unix socket (same host)
+    # set when a request ends, while the reader waits for one to (max_in_flight reached)
+    slot_freed: trio.Event | None = None
 
     @property
     def version(self) -> int:
@@ -336,6 +339,48 @@ class ByteBudget:
         self.free += min(n, self.total)
         self._freed.set()
         self._freed = trio.Event()
+
+
+_Job = tuple["ConnContext", int, "Request", "tuple[ByteBudget, ByteBudget, int] | None"]
+
+
+class _Workers:
+    """The tasks that answer a connection's requests that may wait (not inline), kept
+    between requests: handing a request to a parked worker is one reschedule, where a
+    task of its own (spawn, context copy, nursery bookkeeping, exit) cost the server
+    about as much again as the rest of a small request. A request finding no worker
+    parked gets a new one, so as many wait at once as before (``max_in_flight``); they
+    live in the connection's nursery and end with it."""
+
+    __slots__ = ("_svc", "_nursery", "_jobs", "_idle", "_closed")
+
+    def __init__(self, svc: RpcService, nursery: trio.Nursery) -> None:
+        self._svc = svc
+        self._nursery = nursery
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._idle = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    def submit(self, job: _Job) -> None:
+        self._jobs.append(job)
+        if self._idle:
+            self._idle.unpark()
+        else:
+            self._nursery.start_soon(self._work, name=f"{self._svc.name}-handler")
+
+    async def _work(self) -> None:
+        jobs, handle = self._jobs, self._svc._handle
+        while True:
+            while jobs:
+                await handle(*jobs.popleft())
+            if self._closed:
+                return
+            await self._idle.park()
+
+    def close(self) -> None:
+        """No more requests: parked workers end, busy ones after their request."""
+        self._closed = True
+        self._idle.unpark_all()
 
 
 class RpcService:
@@ -577,41 +622,47 @@ class RpcService:
             authed = True
             metrics.connections(self.name, 1)
             async with trio.open_nursery() as handlers:
+                workers = _Workers(self, handlers)
                 try:
-                    slots = trio.Semaphore(self.max_in_flight)
+                    # requests in flight are bounded by counting ``inflight`` (a semaphore
+                    # would add a scheduler round trip to every request)
                     inflight = ctx.inflight
+                    limit = self.max_in_flight
+                    frame_timeout = self.frame_timeout
                     while True:
-                        head = await conn.recv_head(self.frame_timeout)
+                        head = await conn.recv_head(frame_timeout)
                         if head is None:
                             break
-                        if head.kind != Kind.REQUEST:
-                            raise ProtocolError(f"expected a request, got frame kind {head.kind}")
-                        if head.rid in inflight:
-                            raise ProtocolError(f"request id {head.rid} reused while in flight")
-                        n = head.payload_len
+                        kind, rid, fields, n = head
+                        if kind != Kind.REQUEST:
+                            raise ProtocolError(f"expected a request, got frame kind {kind}")
+                        if rid in inflight:
+                            raise ProtocolError(f"request id {rid} reused while in flight")
                         payload = None
                         if n:
                             await mine.acquire(n)
                             await budget.acquire(n)
-                            with trio.move_on_after(self.frame_timeout) as scope:
+                            with trio.move_on_after(frame_timeout) as scope:
                                 payload = await conn.recv_payload(n)
                             if scope.cancelled_caught:
                                 raise ProtocolError(f"payload of {n} bytes not received in "
-                                                    f"{self.frame_timeout:g} s")
-                        method = head.fields.get("m")
-                        if not isinstance(method, str):
+                                                    f"{frame_timeout:g} s")
+                        method = fields.get("m")
+                        if type(method) is not str:
                             self._release_payload(mine, budget, n)
-                            await self._send_error(conn, head.rid, OSError(
+                            await self._send_error(conn, rid, OSError(
                                 errno.EINVAL, "request has no method name ('m')"))
                             continue
-                        await slots.acquire()
-                        inflight.add(head.rid)
-                        req = Request(method, head.fields, payload)
+                        while len(inflight) >= limit:
+                            freed = ctx.slot_freed = trio.Event()
+                            await freed.wait()
+                        inflight.add(rid)
+                        req = Request(method, fields, payload)
+                        held = (mine, budget, n) if n else None
                         if ctx.identity is not None and self.is_inline(req):
-                            await self._handle(ctx, head.rid, req, slots, (mine, budget, n))
+                            await self._handle(ctx, rid, req, held)
                         else:
-                            handlers.start_soon(self._handle, ctx, head.rid, req, slots,
-                                                (mine, budget, n))
+                            workers.submit((ctx, rid, req, held))
                 except (ProtocolError, OSError) as exc:
                     # caught here, not outside: the nursery would wrap it in a group
                     handlers.cancel_scope.cancel()
@@ -620,6 +671,7 @@ class RpcService:
                     else:
                         log.debug("%s: connection %s ended: %s", self.name, conn.name, exc)
                     return
+                workers.close()
                 handlers.cancel_scope.deadline = trio.current_time() + 30
         except ProtocolError as exc:
             log.warning("%s: dropping %s: %s", self.name, conn.name, exc)
@@ -639,36 +691,40 @@ class RpcService:
             budget.release(n)
 
     async def _handle(self, ctx: ConnContext, rid: int, req: Request,
-                      slots: trio.Semaphore,
                       held: tuple[ByteBudget, ByteBudget, int] | None = None) -> None:
+        """Answer ``req``: its reply or its error sent, its slot and payload bytes
+        released (in the reader task for an inline request, else in a task of its
+        own)."""
         started, err, sent = time.perf_counter(), None, 0
+        conn = ctx.conn
         try:
             try:
                 reply = await self.dispatch(ctx, req)
             except OSError as exc:
                 err = exc.errno or errno.EIO
-                await self._send_error(ctx.conn, rid, exc)
+                await self._send_error(conn, rid, exc)
                 return
             except Exception:  # a handler bug must not kill the connection or hang the peer
                 err = errno.EIO
                 log.exception("%s: %s failed", self.name, req.method)
-                await self._send_error(ctx.conn, rid, OSError(
+                await self._send_error(conn, rid, OSError(
                     errno.EIO, f"internal error in {req.method}; see the server log"))
                 return
-            if isinstance(reply, dict):  # a typed reply, encoded
-                await ctx.conn.send_frame(Kind.REPLY, rid, reply, None)
+            if type(reply) is dict:  # a typed reply, encoded
+                await conn.send_frame(Kind.REPLY, rid, reply, None)
                 return
+            assert isinstance(reply, Reply)
             sent = reply.file[2] if reply.file else len(reply.payload or b"")
             try:
                 fields = reply.fields
                 assert isinstance(fields, dict)  # encoded by ``encode``
                 if reply.fds:
-                    await ctx.conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
+                    await conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
                 elif reply.file is not None:
                     fd, off, count = reply.file
-                    await ctx.conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
+                    await conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
                 else:
-                    await ctx.conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
+                    await conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
             finally:
                 if reply.release is not None:
                     reply.release()
@@ -676,9 +732,12 @@ class RpcService:
             pass
         finally:
             metrics.rpc_done(self.name, req.method, started, err, held[2] if held else 0, sent)
-            slots.release()
             ctx.inflight.discard(rid)
-            if held is not None and held[2]:
+            freed = ctx.slot_freed
+            if freed is not None:
+                ctx.slot_freed = None
+                freed.set()
+            if held is not None:
                 req.payload = None
                 self._release_payload(*held)
 

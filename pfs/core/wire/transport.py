@@ -31,6 +31,7 @@ from pfs.core.wire.protocol import (
     Kind,
     Limits,
     encode_head,
+    packer,
 )
 from pfs.core.wire.seal import CHUNK, TAG, FrameAuthError, Sealer, Session
 
@@ -75,6 +76,36 @@ def tune_socket(sock: trio.socket.SocketType) -> None:
             pass
 
 
+class _SendLock:
+    """Frames go out whole, one after another. Uncontended (nearly always) it is a flag:
+    no scheduler round trip, no task lookup (``trio.Lock`` does both); a sender that
+    finds it taken parks, and ``release`` hands it to the first one parked (fair)."""
+
+    __slots__ = ("busy", "_lot")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def acquire(self) -> None:
+        if not self.busy:
+            self.busy = True
+            return
+        await self._lot.park()  # woken by ``release``, which handed the lock over
+
+    def release(self) -> None:
+        if self._lot:
+            self._lot.unpark()  # stays busy: the woken sender owns it now
+        else:
+            self.busy = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Connection:
     """One framed, bidirectional connection."""
 
@@ -84,8 +115,10 @@ class Connection:
         self.limits = limits or Limits()
         self.decoder = FrameDecoder(self.limits)
         self.name = name or _peer_name(sock)
-        self._send_lock = trio.Lock()
+        self._send_lock = _SendLock()
+        self._pk = packer()  # frame maps encoded with one reused packer
         self._rbuf = bytearray(RECV_CHUNK)  # reused: recv(n) would allocate n bytes per call
+        self._head_view = memoryview(self._rbuf)[:HEAD_RECV]
         self.closed = False
         self.local = False  # accepted on a server's local Unix socket
         # The plain-socket fast path: non-blocking syscalls on the stdlib socket, waiting
@@ -124,6 +157,22 @@ class Connection:
         self.closed = True
         why = getattr(exc, "strerror", None) or "was closed"
         return ConnectionClosed(f"connection to {self.name} {why}")
+
+    async def _readable(self, raw: socket.socket, deadline: float,
+                        stall: float | None) -> None:
+        """Wait until ``raw`` has data (until ``deadline``: a frame started must go on
+        arriving within ``stall`` seconds)."""
+        try:
+            if deadline == math.inf:
+                await trio.lowlevel.wait_readable(raw)
+                return
+            with trio.move_on_at(deadline) as scope:
+                await trio.lowlevel.wait_readable(raw)
+        except trio.ClosedResourceError as exc:
+            raise self._closed_error(exc) from None
+        if scope.cancelled_caught:
+            raise RemoteProtocolError(
+                f"{self.name} stalled for {stall:g} s in the middle of a frame")
 
     async def _recv_into(self, buf: memoryview) -> int:
         return await self._recvmsg_into([buf])
@@ -174,11 +223,7 @@ class Connection:
             raise
 
     async def _lock_send(self) -> None:
-        # uncontended (the common case): take the lock without a scheduler round trip
-        if self._send_lock.locked():
-            await self._send_lock.acquire()
-        else:
-            self._send_lock.acquire_nowait()
+        await self._send_lock.acquire()
 
     def pin_version(self, version: int) -> None:
         """The handshake picked ``version``: frames carry it both ways from now on."""
@@ -189,14 +234,25 @@ class Connection:
                          payload: Payload | None = None) -> None:
         """Send one frame; ``payload`` may be one buffer or a list of buffers (gathered
         with ``sendmsg``, so the pieces of a stripe are never copied together)."""
-        views = _views(payload)
-        n = sum(len(v) for v in views)
-        head = encode_head(kind, rid, fields, n, self.limits, self.decoder.version)
-        await self._lock_send()
+        if payload is None:
+            views: list[memoryview] = []
+            n = 0
+        else:
+            views = _views(payload)
+            n = sum(len(v) for v in views)
+        head = encode_head(kind, rid, fields, n, self.limits, self.decoder.version, self._pk)
+        lock = self._send_lock
+        if lock.busy:
+            await lock.acquire()
+        else:
+            lock.busy = True
         start, seq0 = self._out, self._seq()
         try:
             if self.sealer is not None:
-                await self._send_sealed(self.sealer, head, views, n)
+                if n:
+                    await self._send_sealed(self.sealer, head, views, n)
+                else:  # the common small reply: head and tag, one send
+                    await self._sendall(self.sealer.head(head, HEADER_SIZE))
             elif n <= SMALL_PAYLOAD:
                 await self._sendall(b"".join([head, *views]) if n else head)
             else:
@@ -205,7 +261,7 @@ class Connection:
             self._cut_off(start, seq0)
             raise
         finally:
-            self._send_lock.release()
+            lock.release()
 
     async def _send_sealed(self, sealer: Sealer, head: bytes, views: list[memoryview],
                            n: int) -> None:
@@ -251,7 +307,7 @@ class Connection:
         sent as zeros so the framing stays intact.
         """
         head = encode_head(kind, rid, fields, count, self.limits,
-                           self.decoder.version)
+                           self.decoder.version, self._pk)
         await self._lock_send()
         start, seq0 = self._out, self._seq()
         try:
@@ -342,6 +398,21 @@ class Connection:
                 views[0] = views[0][sent:]
 
     async def _sendall(self, data: bytes | bytearray | memoryview) -> None:
+        raw = self._raw
+        if raw is not None and type(data) is bytes:
+            # a small frame nearly always goes out whole in one send: no views, no loop
+            try:
+                n = raw.send(data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                n = -1  # mapped below, by the same call again
+            if n == len(data):
+                self._out += n
+                return
+            if n > 0:
+                self._out += n
+                data = memoryview(data)[n:]
         view = memoryview(data).cast("B")
         while view:
             n = await self._send_some(view, False)
@@ -357,7 +428,8 @@ class Connection:
         sends a header and stops is dropped); waiting between frames is not limited."""
         dec = self.decoder
         deadline = math.inf
-        chunk = memoryview(self._rbuf)[:HEAD_RECV]
+        chunk = self._head_view
+        raw = self._raw
         while True:
             try:
                 head = dec.next_head()
@@ -371,7 +443,28 @@ class Connection:
                 return head
             if stall is not None and dec.buffered and deadline == math.inf:
                 deadline = trio.current_time() + stall
-            if deadline == math.inf:
+            if raw is not None:  # the plain socket: straight to the system calls
+                while True:
+                    try:
+                        n = raw.recv_into(chunk)
+                        break
+                    except BlockingIOError:
+                        self._ready_streak = 0
+                        if deadline != math.inf:
+                            await self._readable(raw, deadline, stall)
+                            continue
+                        try:  # between frames (nearly always): no coroutine of our own
+                            await trio.lowlevel.wait_readable(raw)
+                        except trio.ClosedResourceError as exc:
+                            raise self._closed_error(exc) from None
+                    except ConnectionResetError:
+                        n = 0
+                        break
+                    except OSError as exc:
+                        if exc.errno == errno.EBADF:
+                            raise self._closed_error(exc) from None
+                        raise
+            elif deadline == math.inf:
                 n = await self._recv_into(chunk)
             else:
                 n = -1
@@ -385,7 +478,7 @@ class Connection:
                 if dec.buffered:
                     raise RemoteProtocolError(f"{self.name} closed the connection mid-frame")
                 return None
-            dec.feed(memoryview(self._rbuf)[:n])
+            dec.feed(chunk[:n])
 
     async def recv_payload_into(self, dest: memoryview) -> None:
         """Receive exactly ``len(dest)`` payload bytes into ``dest`` (of a sealed
@@ -522,7 +615,7 @@ class Connection:
         byte, so the receiver finds them as soon as it reads the frame's header."""
         if self._raw is None or self.sock.family != socket.AF_UNIX:
             raise OSError(errno.EINVAL, "descriptors travel only over local Unix sockets")
-        head = encode_head(kind, rid, fields, 0, self.limits, self.decoder.version)
+        head = encode_head(kind, rid, fields, 0, self.limits, self.decoder.version, self._pk)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         await self._lock_send()
         start, seq0 = self._out, self._seq()
@@ -691,7 +784,7 @@ class TlsConnection(Connection):
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
                                    fd: int, offset: int, count: int) -> None:
         head = encode_head(kind, rid, fields, count, self.limits,
-                           self.decoder.version)
+                           self.decoder.version, self._pk)
         async with self._send_lock:
             start, seq0 = self._out, self._seq()
             try:
