@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from pfs.core.wire.protocol import Kind, encode_head
+from pfs.core.wire.protocol import Kind
 from pfs.core.wire.rpc import RpcClient
 from pfs.core.wire.transport import Connection
 

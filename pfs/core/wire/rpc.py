@@ -36,6 +36,7 @@ from pfs.core.wire.admission import Admission, Ticket
 from pfs.core.wire.protocol import FrameHead, Kind, Limits
 from pfs.core.wire.seal import TAG
 from pfs.core.wire.transport import (
+    YIELD_EVERY,
     Connection,
     ConnectionClosed,
     Payload,
@@ -124,6 +125,9 @@ class RpcClient:
         self._reading = not self._direct
         self._wake = trio.Event()  # the reader task is to take over
         self._handoff: FrameHead | None = None  # a head whose payload it is to receive
+        # calls since the last sure yield to the scheduler (a reply that is always there
+        # when read would never let other tasks run: see ``_exchange``)
+        self._unyielded = 0
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
@@ -297,6 +301,12 @@ class RpcClient:
                         timeout: float | None) -> Result:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:  # before anything is sent: cancelling is harmless
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+            if self._dead is not None:
+                raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)
         started = time.perf_counter()
         call = _Call(into)
