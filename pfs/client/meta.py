@@ -261,7 +261,9 @@ class MetaClient:
         while True:
             sent = False
             try:
-                rpc = await self._client()
+                rpc = self._rpc
+                if rpc is None or not rpc.alive:
+                    rpc = await self._client()
                 closes = self._take_closes() if self._closes else None
                 sent = True
                 reply = parse_reply(msg, (await rpc.send(msg, closes=closes)).fields)

@@ -35,10 +35,13 @@ from pfs.core.errors import ProtocolError, from_wire, to_wire
 from pfs.core.messages.base import Registry, ReplyMessage, RequestMessage, parse_reply
 from pfs.core.wire.admission import Admission, Ticket
 from pfs.core.wire.protocol import FrameHead, Kind, Limits
+from pfs.core.wire.seal import TAG
 from pfs.core.wire.transport import (
+    YIELD_EVERY,
     Connection,
     ConnectionClosed,
     Payload,
+    TlsConnection,
     open_connection,
     tls_connection,
     tune_socket,
@@ -62,14 +65,30 @@ ABANDON_GRACE = 1.0
 # ---------------------------------------------------------------------------
 # client side
 # ---------------------------------------------------------------------------
-@dataclass(slots=True)
 class _Call:
-    into: memoryview | list[memoryview] | None
-    done: trio.Event = field(default_factory=trio.Event)
-    fields: dict[str, Any] | None = None
-    payload: bytearray | None = None
-    nbytes: int = 0
-    error: OSError | None = None
+    """One call in flight: where its reply goes, and how it ended."""
+
+    __slots__ = ("into", "done", "waiter", "fields", "payload", "nbytes", "error")
+
+    def __init__(self, into: memoryview | list[memoryview] | None) -> None:
+        self.into = into
+        self.done = False
+        self.waiter: trio.Event | None = None  # made only when someone waits for it
+        self.fields: dict[str, Any] | None = None
+        self.payload: bytearray | None = None
+        self.nbytes = 0
+        self.error: OSError | None = None
+
+    def finish(self) -> None:
+        self.done = True
+        if self.waiter is not None:
+            self.waiter.set()
+
+    async def wait(self) -> None:
+        """Until :meth:`finish` (called by whoever reads the reply)."""
+        if self.waiter is None:
+            self.waiter = trio.Event()
+        await self.waiter.wait()
 
 
 @dataclass(slots=True)
@@ -80,7 +99,19 @@ class Result:
 
 
 class RpcClient:
-    """Calls over one connection; run :meth:`run` in a nursery before calling."""
+    """Calls over one connection; run :meth:`run` in a nursery before calling.
+
+    Who reads the replies: a caller alone on the connection reads its own reply, in its
+    own task, straight after sending (no reader task to wake, no event to wait for: the
+    hand-offs are most of a small call's cost under trio), and completes any other
+    reply that arrives meanwhile. While it reads, later callers wait; when it is done
+    and others still wait, the reader task (:meth:`run`) takes over until none does,
+    then the next caller alone reads its own again. The reader task also receives every
+    payload that has not fully arrived with its head, so a cancelled caller never leaves
+    a frame half-received (:meth:`_abandon`'s grace applies as before). TLS connections
+    are read by the reader task only. With nobody reading, :attr:`alive` peeks at the
+    socket to notice a peer that closed the idle connection.
+    """
 
     def __init__(self, conn: Connection, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
         self.conn = conn
@@ -89,6 +120,15 @@ class RpcClient:
         self._pending: dict[int, _Call] = {}
         self._dead: OSError | None = None
         self._cancel = trio.CancelScope()
+        # callers read their own replies (plain sockets: a cancelled read loses nothing)
+        self._direct = not isinstance(conn, TlsConnection)
+        # someone (a caller or the reader task) reads replies off the socket
+        self._reading = not self._direct
+        self._wake = trio.Event()  # the reader task is to take over
+        self._handoff: FrameHead | None = None  # a head whose payload it is to receive
+        # calls since the last sure yield to the scheduler (a reply that is always there
+        # when read would never let other tasks run: see ``_exchange``)
+        self._unyielded = 0
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
@@ -108,38 +148,99 @@ class RpcClient:
 
     @property
     def alive(self) -> bool:
-        return self._dead is None and not self.conn.closed
+        if self._dead is not None or self.conn.closed:
+            return False
+        if not self._reading and self.conn.peer_gone():  # idle, nobody watching it
+            self._fail(ConnectionClosed(f"{self.conn.name} closed the connection"))
+            return False
+        return True
 
     async def run(self) -> None:
+        """The reader task: reads replies whenever no caller does (see the class doc)."""
         with self._cancel:
             try:
-                await self._read_loop()
+                if not self._direct:
+                    await self._read_loop(forever=True)
+                while self._dead is None:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    if self._dead is None:
+                        await self._read_loop()
             except (OSError, ProtocolError) as exc:
                 self._fail(OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
                                    f"connection to {self.conn.name} failed: {exc}"))
                 return
         self._fail(OSError(errno.ECONNRESET, f"connection to {self.conn.name} closed"))
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, forever: bool = False) -> None:
+        """Read replies while calls wait for them (``forever``: until the end)."""
         conn = self.conn
-        while True:
-            head = await conn.recv_head()
-            if head is None:
-                self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
-                return
-            call = self._pending.pop(head.rid, None)
-            if call is None:  # cancelled or unknown: drop its payload
-                await conn.skip_payload(head.payload_len)
-                continue
-            try:
-                await self._complete(call, head)
-            except BaseException as exc:
-                # out of ``_pending`` already: ``_fail`` would not wake its caller
-                if not call.done.is_set():
-                    call.error = OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
-                                         f"connection to {conn.name} failed: {exc}")
-                    call.done.set()
-                raise
+        pending = self._pending
+        head, self._handoff = self._handoff, None
+        try:
+            while True:
+                if head is None:
+                    if not forever and not pending:
+                        return
+                    head = await conn.recv_head()
+                    if head is None:
+                        self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
+                        return
+                call = pending.pop(head.rid, None)
+                this, head = head, None
+                if call is None:  # cancelled or unknown: drop its payload
+                    await conn.skip_payload(this.payload_len)
+                    continue
+                await self._complete_or_fail(call, this)
+        finally:
+            if not forever:
+                self._reading = False
+
+    async def _read_own(self, rid: int, call: _Call) -> None:
+        """A caller alone on the connection reads until its reply is in (or hands a
+        frame whose payload is still arriving to the reader task)."""
+        conn = self.conn
+        dec = conn.decoder
+        pending = self._pending
+        self._reading = True
+        handoff = False
+        try:
+            while not call.done:
+                head = await conn.recv_head(fair=False)
+                if head is None:
+                    self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
+                    return
+                n = head.payload_len
+                if n and dec.buffered < n + (TAG if dec.tag_due else 0):
+                    # receiving it could be cancelled half-way: the reader task's job
+                    self._handoff = head
+                    handoff = True
+                    return
+                # from here on nothing waits (all of it is buffered): no cancellation
+                other = pending.pop(head.rid, None)
+                if other is None:
+                    await conn.skip_payload(n)
+                else:
+                    await self._complete_or_fail(other, head)
+        except (OSError, ProtocolError) as exc:
+            self._fail(OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
+                               f"connection to {conn.name} failed: {exc}"))
+        finally:
+            if handoff or (self._dead is None and len(pending) > (rid in pending)):
+                self._wake.set()  # others wait: the reader task reads on (``_reading``)
+            else:
+                self._reading = False
+
+    async def _complete_or_fail(self, call: _Call, head: FrameHead) -> None:
+        try:
+            await self._complete(call, head)
+        except BaseException as exc:
+            # out of ``_pending`` already: ``_fail`` would not wake its caller
+            if not call.done:
+                call.error = OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
+                                     f"connection to {self.conn.name} failed: {exc}")
+                call.finish()
+            raise
 
     async def _complete(self, call: _Call, head: FrameHead) -> None:
         conn = self.conn
@@ -161,7 +262,7 @@ class RpcClient:
                 call.payload = await conn.recv_payload(n)
             call.nbytes = n
             call.fields = head.fields
-        call.done.set()
+        call.finish()
 
     def _fail(self, exc: OSError) -> None:
         if self._dead is None:
@@ -169,8 +270,9 @@ class RpcClient:
         pending, self._pending = self._pending, {}
         for call in pending.values():
             call.error = OSError(exc.errno, str(exc.strerror or exc))
-            call.done.set()
+            call.finish()
         self.conn.close()
+        self._wake.set()  # the reader task ends
 
     async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
@@ -200,16 +302,24 @@ class RpcClient:
                         timeout: float | None) -> Result:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
+        self._unyielded += 1
+        if self._unyielded >= YIELD_EVERY:  # before anything is sent: cancelling is harmless
+            self._unyielded = 0
+            await trio.lowlevel.checkpoint()
+            if self._dead is not None:
+                raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)
         started = time.perf_counter()
         call = _Call(into)
         self._pending[rid] = call
-        msg = wire
         limit = self.timeout if timeout is None else timeout
         try:
             with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
-                await self.conn.send_frame(Kind.REQUEST, rid, msg, payload)
-                await call.done.wait()
+                await self.conn.send_frame(Kind.REQUEST, rid, wire, payload)
+                if not self._reading:  # alone: read the reply here (the class doc)
+                    await self._read_own(rid, call)
+                if not call.done:
+                    await call.wait()
         except BaseException:
             await self._abandon(rid, call)
             raise
@@ -235,8 +345,7 @@ class RpcClient:
 
     async def _abandon(self, rid: int, call: _Call) -> None:
         """The caller gives up on a call (timeout, cancellation)."""
-        if self._pending.pop(rid, None) is not None or call.done.is_set() \
-                or call.into is None:
+        if self._pending.pop(rid, None) is not None or call.done or call.into is None:
             return
         # Its reply is being received straight into the caller's buffer, which is the
         # caller's again once we return. The reader cannot be stopped half-way through a
@@ -244,8 +353,8 @@ class RpcClient:
         # connection for the calls sharing it; if it does not come soon, the connection
         # goes (the next call reconnects).
         with trio.CancelScope(shield=True), trio.move_on_after(ABANDON_GRACE):
-            await call.done.wait()
-        if not call.done.is_set():
+            await call.wait()
+        if not call.done:
             self._fail(OSError(errno.ECONNRESET, f"connection to {self.conn.name} "
                                "dropped: a call gave up while its reply was arriving"))
 

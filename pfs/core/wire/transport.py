@@ -17,6 +17,7 @@ import errno
 import logging
 import math
 import os
+import select
 import socket
 import ssl
 from typing import Any
@@ -49,6 +50,7 @@ SOCK_BUF = 4 << 20
 
 
 IOV_MAX = 1024
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
 Payload = bytes | bytearray | memoryview | list[memoryview]
 
 
@@ -130,6 +132,7 @@ class Connection:
         self.session: Session | None = None  # the handshake's session keys, if sealed
         self.sealer: Sealer | None = None  # ... and its sending side
         self._scratch: bytearray | None = None  # sealing's buffer (CHUNK + TAG), lazily
+        self._idle_poll: select.poll | None = None  # ``peer_gone``'s, lazily
 
     def install(self, session: Session) -> None:
         """The handshake's session keys: every frame from now on is sealed both ways."""
@@ -420,12 +423,15 @@ class Connection:
             view = view[n:]
 
     # -- receiving -----------------------------------------------------------
-    async def recv_head(self, stall: float | None = None) -> FrameHead | None:
+    async def recv_head(self, stall: float | None = None, *,
+                        fair: bool = True) -> FrameHead | None:
         """The next frame's header and map; None on a clean end of stream.
 
         With ``stall``, once part of a frame has arrived the rest of its header and map
         must arrive within ``stall`` seconds, else ``RemoteProtocolError`` (a peer that
-        sends a header and stops is dropped); waiting between frames is not limited."""
+        sends a header and stops is dropped); waiting between frames is not limited.
+        ``fair=False``: never yield once a head is decoded (a caller that may be
+        cancelled reads its own reply: a cancellation there would lose the head)."""
         dec = self.decoder
         deadline = math.inf
         chunk = self._head_view
@@ -437,7 +443,7 @@ class Connection:
                 raise self._auth_failed(exc) from None
             if head is not None:
                 self._ready_streak += 1
-                if self._ready_streak >= YIELD_EVERY:  # data kept coming: let others run
+                if fair and self._ready_streak >= YIELD_EVERY:  # data kept coming: let others run
                     self._ready_streak = 0
                     await trio.lowlevel.checkpoint()
                 return head
@@ -663,6 +669,27 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             raise
+
+    def peer_gone(self) -> bool:
+        """Whether the peer closed (or reset) this idle connection: one non-blocking
+        peek, for a client with nobody reading the socket between calls. False when it
+        cannot tell (TLS)."""
+        raw = self._raw
+        if self.closed:
+            return True
+        if raw is None:
+            return False
+        if self._idle_poll is None:  # poll(0) costs a quarter of a failing peek
+            self._idle_poll = select.poll()
+            self._idle_poll.register(raw.fileno(), select.POLLIN | select.POLLRDHUP)
+        if not self._idle_poll.poll(0):
+            return False
+        try:
+            return raw.recv(1, _PEEK) == b""
+        except BlockingIOError:
+            return False  # nothing to read: alive
+        except OSError:
+            return True
 
     def close(self) -> None:
         self.closed = True

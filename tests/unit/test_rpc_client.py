@@ -1,0 +1,202 @@
+"""RpcClient's reply reading over a real socket pair: a caller alone reads its own reply
+(no reader task involved), others in flight are served by whoever reads, and timeouts,
+cancellation and a lost peer behave the same whoever was reading."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+import trio
+import trio.testing
+
+from pfs.core.wire.protocol import Kind
+from pfs.core.wire.rpc import RpcClient
+from pfs.core.wire.transport import Connection
+
+
+def _run(body) -> None:
+    """``body(client, server_conn, nursery)``; the client's reader task runs unless the
+    body says otherwise (``body.no_reader``)."""
+
+    async def main() -> None:
+        a, b = trio.socket.socketpair()
+        cli, srv = RpcClient(Connection(a)), Connection(b)
+        try:
+            async with trio.open_nursery() as n:
+                if not getattr(body, "no_reader", False):
+                    n.start_soon(cli.run)
+                with trio.fail_after(10):
+                    await body(cli, srv, n)
+                n.cancel_scope.cancel()
+        finally:
+            cli.close()
+            srv.close()
+
+    trio.run(main)
+
+
+async def _reply(srv: Connection, rid: int, fields: dict, payload: bytes = b"") -> None:
+    await srv.send_frame(Kind.REPLY, rid, fields, payload or None)
+
+
+def test_a_caller_alone_reads_its_own_reply() -> None:
+    """No reader task at all: a call with nothing else in flight still gets its reply,
+    payload included, and an error frame as its OSError."""
+
+    async def body(cli, srv, n) -> None:
+        async def server() -> None:
+            for _ in range(3):
+                head = await srv.recv_head()
+                if head.fields["m"] == "boom":
+                    await srv.send_frame(Kind.ERROR, head.rid, {"errno": 28, "msg": "full"})
+                else:
+                    await _reply(srv, head.rid, {"ok": head.rid}, b"xyz")
+
+        n.start_soon(server)
+        buf = bytearray(8)
+        r = await cli.call("read", into=memoryview(buf))
+        assert r.fields == {"ok": 1} and bytes(buf[:r.nbytes]) == b"xyz"
+        r = await cli.call("read")
+        assert r.fields == {"ok": 2} and r.payload == b"xyz"
+        with pytest.raises(OSError) as ei:
+            await cli.call("boom")
+        assert ei.value.errno == 28
+        assert cli.alive
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
+def test_timeout_of_a_caller_alone_keeps_the_connection() -> None:
+    """The reply comes after the caller gave up: ETIMEDOUT, and the late reply is skipped
+    by whoever reads next; the connection serves the next call."""
+
+    async def body(cli, srv, n) -> None:
+        late = trio.Event()
+
+        async def server() -> None:
+            first = await srv.recv_head()
+            await late.wait()
+            await _reply(srv, first.rid, {"late": True}, b"L" * 100)
+            second = await srv.recv_head()
+            await _reply(srv, second.rid, {"second": True})
+
+        n.start_soon(server)
+        buf = bytearray(100)
+        with pytest.raises(OSError) as ei:
+            await cli.call("slow", into=memoryview(buf), timeout=0.2)
+        assert ei.value.errno == errno.ETIMEDOUT and "no reply" in str(ei.value)
+        late.set()
+        assert (await cli.call("next")).fields == {"second": True}
+        assert bytes(buf) == bytes(100)  # the late payload never landed in it
+        assert cli.alive
+
+    _run(body)
+
+
+def test_others_in_flight_get_their_replies_when_the_reading_caller_leaves() -> None:
+    """A reads (alone when it called), B waits; A is cancelled before any reply: the
+    reader task takes over, and B gets its reply; A's late one is dropped."""
+
+    async def body(cli, srv, n) -> None:
+        heads = []
+        results: dict[str, object] = {}
+
+        async def server() -> None:
+            heads.append(await srv.recv_head())
+            heads.append(await srv.recv_head())
+
+        async def call_b() -> None:
+            results["b"] = (await cli.call("b")).fields
+
+        n.start_soon(server)
+        with trio.CancelScope() as a_scope:
+            n.start_soon(call_b)  # starts once A waits
+
+            async def cancel_a() -> None:
+                while len(heads) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
+                a_scope.cancel()
+
+            n.start_soon(cancel_a)
+            await cli.call("a")
+        assert a_scope.cancelled_caught
+        a, b = heads
+        await _reply(srv, a.rid, {"a": 1}, b"A" * 10)
+        await _reply(srv, b.rid, {"b": 2})
+        while "b" not in results:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+        assert results["b"] == {"b": 2}
+        assert cli.alive
+
+    _run(body)
+
+
+def test_replies_out_of_order_reach_their_callers() -> None:
+    """Many calls, answered in reverse order with payloads of several sizes (some too
+    big to arrive with their head): each caller gets its own."""
+
+    async def body(cli, srv, n) -> None:
+        count = 8
+        got: dict[int, bytes] = {}
+
+        async def server() -> None:
+            heads = [await srv.recv_head() for _ in range(count)]
+            for h in reversed(heads):
+                i = h.fields["i"]
+                await _reply(srv, h.rid, {"i": i}, bytes([i]) * (i * 40_000 + 1))
+
+        async def one(i: int) -> None:
+            buf = bytearray(i * 40_000 + 1)
+            r = await cli.call("get", {"i": i}, into=memoryview(buf))
+            assert r.fields == {"i": i} and r.nbytes == len(buf)
+            got[i] = bytes(buf)
+
+        n.start_soon(server)
+        async with trio.open_nursery() as m:
+            for i in range(count):
+                m.start_soon(one, i)
+        assert got == {i: bytes([i]) * (i * 40_000 + 1) for i in range(count)}
+
+    _run(body)
+
+
+def test_idle_connection_closed_by_the_peer_is_not_alive() -> None:
+    """Nobody reads between calls: ``alive`` itself notices the peer went away (the
+    owner then reconnects instead of sending into a dead connection)."""
+
+    async def body(cli, srv, n) -> None:
+        async def server() -> None:
+            head = await srv.recv_head()
+            await _reply(srv, head.rid, {})
+
+        n.start_soon(server)
+        await cli.call("ping")
+        assert cli.alive
+        srv.close()
+        with trio.fail_after(2):
+            while cli.alive:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        with pytest.raises(OSError) as ei:
+            await cli.call("ping")
+        assert ei.value.errno == errno.ECONNRESET
+
+    _run(body)
+
+
+def test_peer_lost_while_a_caller_alone_waits() -> None:
+    """The peer closes before answering: ECONNRESET at once, not at the timeout."""
+
+    async def body(cli, srv, n) -> None:
+        async def server() -> None:
+            await srv.recv_head()
+            srv.close()
+
+        n.start_soon(server)
+        with trio.fail_after(5), pytest.raises(OSError) as ei:
+            await cli.call("ping", timeout=30)
+        assert ei.value.errno == errno.ECONNRESET
+        assert not cli.alive
+
+    _run(body)
