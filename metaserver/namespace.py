@@ -52,7 +52,7 @@ from pfs.core.messages.records import (  # the POSIX limits, defined once with t
     XATTR_SIZE_MAX,
 )
 from pfs.metaserver import keys as K
-from pfs.metaserver.chains import ChainTable
+from pfs.metaserver.chains import Chain, ChainTable
 from pfs.metaserver.store import Txn
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ READDIR_MAX = 4096
 DIR_SIZE = 4096
 FILES_MAX = 1 << 32
 DIRS_CACHED = 1 << 14  # decoded directory records kept for path walks
+PLACEMENTS_CACHED = 1 << 12  # stripe assignments kept by server order (place)
 STATFS_BSIZE = 4096
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
@@ -141,6 +142,40 @@ def kill_priv(mode: int) -> int:
     return mode
 
 
+def _assign(order: tuple[str, ...], doms: tuple[str, ...], count: int, replicas: int
+            ) -> tuple[tuple[tuple[str, ...], ...], bool]:
+    """The servers of each of ``count`` stripes, given the random ``order`` of the
+    servers and each one's failure domain (``doms``, in that order): each stripe's head
+    the first of the least used non-heads from its place in the ring, then replicas in
+    domains not yet in the stripe, least used first; and whether some stripe had to
+    share a domain (fewer domains than replicas)."""
+    n = len(order)
+    dom = dict(zip(order, doms))
+    used = dict.fromkeys(order, 0)
+    heads: set[str] = set()
+    servers: list[tuple[str, ...]] = []
+    short = False
+    for i in range(count):
+        ring = order[i % n:] + order[:i % n]
+        head = min(ring, key=lambda sid: (sid in heads, used[sid]))  # first of the least
+        heads.add(head)
+        members, seen = [head], {dom[head]}
+        rest = sorted((sid for sid in ring if sid != head), key=used.__getitem__)
+        for sid in rest:
+            if len(members) == replicas:
+                break
+            if dom[sid] not in seen:
+                members.append(sid)
+                seen.add(dom[sid])
+        if len(members) < replicas:  # fewer domains than replicas: distinct servers
+            short = True
+            members += [sid for sid in rest if sid not in members][:replicas - len(members)]
+        for sid in members:
+            used[sid] += 1
+        servers.append(tuple(members))
+    return tuple(servers), short
+
+
 class Namespace:
     def __init__(self, layout: LayoutDefaults | None = None, *,
                  servers: Callable[[], dict[str, int]] = dict,
@@ -167,6 +202,9 @@ class Namespace:
         # instead of a decoding. Never stale (the record is read each time); shared, so
         # only read-only callers (the walk) use it.
         self._dirs: dict[int, tuple[bytes, Rec]] = {}
+        # placement's stripe assignments by (server order, domains, count, replicas)
+        self._placements: dict[tuple[Any, ...],
+                               tuple[tuple[tuple[str, ...], ...], bool]] = {}
 
     # ------------------------------------------------------------------ records
     def format(self, txn: Txn) -> bool:
@@ -234,6 +272,15 @@ class Namespace:
         if not stat.S_ISDIR(rec["mode"]):
             raise _err(errno.ENOTDIR, f"inode {ino}")
         return rec
+
+    def _dir_copy(self, txn: Txn, ino: int) -> Rec:
+        """:meth:`_dir` from the decoded cache, as a shallow copy: for a caller that
+        sets the record's own fields (times, ``nseq``, ``nlink``) but never changes its
+        nested values (``layout``) in place."""
+        rec = self._rec_shared(txn, ino)
+        if not stat.S_ISDIR(rec["mode"]):
+            raise _err(errno.ENOTDIR, f"inode {ino}")
+        return dict(rec)
 
     def _new_inode(self, txn: Txn, rec: Rec) -> int:
         ino = self._bump(txn, b"next_ino")
@@ -426,6 +473,12 @@ class Namespace:
         """A placed layout: explicit values, else the nearest directory default, else
         the cluster's. ``what`` names the file in an ENOSPC; ``dir_rec``: the record of
         ``dir_ino`` when the caller has read it."""
+        return self._file_layout(txn, dir_ino, unit, count, replicas, what, dir_rec)[0]
+
+    def _file_layout(self, txn: Txn, dir_ino: int | None, unit: int = 0, count: int = 0,
+                     replicas: int = 0, what: str = "", dir_rec: Rec | None = None
+                     ) -> tuple[dict[str, Any], list[Chain]]:
+        """:meth:`file_layout`, and the chains of its stripes (read or made here)."""
         durable = True
         if dir_ino is not None:
             unit, count, replicas, durable = self._dir_defaults(txn, dir_ino, dir_rec, unit,
@@ -434,10 +487,11 @@ class Namespace:
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
-        layout = self.place(unit, count, replicas, what, txn)
+        layout, chains = self._place(unit, count, replicas, what, txn)
         if not durable:
             layout["durable"] = False  # absent: durable (what older records mean)
-        return layout
+        assert chains is not None  # placed with a transaction
+        return layout, chains
 
     def _dir_defaults(self, txn: Txn, dir_ino: int, rec: Rec | None, unit: int, count: int,
                       replicas: int) -> tuple[int, int, int, bool]:
@@ -449,7 +503,7 @@ class Namespace:
             if unit and count and replicas and durable is not None:
                 break
             if rec is None:
-                rec = self._rec(txn, node)
+                rec = self._rec_shared(txn, node)  # read only: an ancestor directory
             d = rec.get("layout") or {}
             unit = unit or d.get("unit", 0)
             count = count or d.get("count", 0)
@@ -485,6 +539,11 @@ class Namespace:
         stripes stay apart while there are enough servers. With ``txn`` each stripe gets
         the chain of its servers (made or reused). ENOSPC only when no server can take
         a stripe."""
+        return self._place(unit, count, replicas, what, txn)[0]
+
+    def _place(self, unit: int, count: int, replicas: int, what: str, txn: Txn | None
+               ) -> tuple[dict[str, Any], list[Chain] | None]:
+        """:meth:`place`, and the chains it made or reused (with ``txn``)."""
         alive = self.servers()
         if not alive:
             raise _err(errno.ENOSPC, f"{what + ': ' if what else ''}no data server can take "
@@ -493,42 +552,33 @@ class Namespace:
         count = min(count, n)
         replicas = min(replicas, n)
         top = max(max(alive.values()), 0) + 1
-        rng = self.rng
+        rand, log_ = self.rng.random, math.log
 
         def key(sid: str) -> float:
             w = (max(alive[sid], 0) + 1) / top
-            return math.log(1.0 - rng.random()) / w  # Efraimidis-Spirakis, in log form
+            return log_(1.0 - rand()) / w  # Efraimidis-Spirakis, in log form
 
-        order = sorted(sorted(alive), key=key, reverse=True)
-        used = dict.fromkeys(order, 0)
-        heads: set[str] = set()
-        servers: list[list[str]] = []
-        short = False
-        for i in range(count):
-            ring = order[i % n:] + order[:i % n]
-            head = min(ring, key=lambda sid: (sid in heads, used[sid]))  # first of the least
-            heads.add(head)
-            members, doms = [head], {self._domain(txn, head)}
-            rest = sorted((sid for sid in ring if sid != head), key=used.__getitem__)
-            for sid in rest:
-                if len(members) == replicas:
-                    break
-                dom = self._domain(txn, sid)
-                if dom not in doms:
-                    members.append(sid)
-                    doms.add(dom)
-            if len(members) < replicas:  # fewer domains than replicas: distinct servers
-                short = True
-                members += [sid for sid in rest if sid not in members][:replicas - len(members)]
-            for sid in members:
-                used[sid] += 1
-            servers.append(members)
+        order = tuple(sorted(sorted(alive), key=key, reverse=True))
+        doms = tuple([self._domain(txn, sid) for sid in order])
+        # the random part is the order; what follows depends on nothing else, so it is
+        # kept per order (a handful of servers has few orders; a large cluster's rarely
+        # repeat and the table is simply emptied when full)
+        ckey = (order, doms, count, replicas)
+        kept = self._placements.get(ckey)
+        if kept is None:
+            kept = _assign(order, doms, count, replicas)
+            if len(self._placements) >= PLACEMENTS_CACHED:
+                self._placements.clear()
+            self._placements[ckey] = kept
+        members_of, short = kept
         self._note(short, replicas)
         out: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
-                               "servers": servers}
-        if txn is not None:
-            out["chains"] = [self.chains.make_or_reuse(txn, tuple(m)).cid for m in servers]
-        return out
+                               "servers": [list(m) for m in members_of]}
+        if txn is None:
+            return out, None
+        chains = [self.chains.make_or_reuse(txn, m) for m in members_of]
+        out["chains"] = [c.cid for c in chains]
+        return out, chains
 
     def _domain(self, txn: Txn | None, sid: str) -> str:
         dom = self.domains.get(sid)
@@ -939,7 +989,7 @@ class Namespace:
         if _is_dot(name):
             raise _err(errno.EEXIST if flags & os.O_EXCL else errno.EISDIR, f"{name!r}")
         for _ in range(MAXSYMLINKS + 1):
-            prec = self._dir(txn, parent)
+            prec = self._dir_copy(txn, parent)  # a new entry changes only its own fields
             self.check_perm(cred, prec, X_OK)
             ent = self._entry(txn, parent, name)
             if ent is None:
@@ -978,17 +1028,17 @@ class Namespace:
             attr, layout = self._open_inode(txn, cred, ino, self._rec(txn, ino), flags, now)
             return attr, layout, False
         prec = self._new_entry_checks(txn, cred, parent, name, prec)
-        layout = self.file_layout(txn, parent, what=_show(name), dir_rec=prec)
+        layout, chains = self._file_layout(txn, parent, what=_show(name), dir_rec=prec)
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
-        return self.attr(ino, rec), self.chains.resolve(txn, layout), True
+        return self.attr(ino, rec), self.chains.resolved(layout, chains), True
 
     # ------------------------------------------------------------------ removal
     def unlink(self, txn: Txn, cred: Cred, parent: int, name: bytes) -> None:
         check_name(name)
         if _is_dot(name):
             raise _err(errno.EISDIR, f"{name!r}")
-        prec = self._dir(txn, parent)
+        prec = self._dir_copy(txn, parent)  # only its times change
         self.check_perm(cred, prec, X_OK)
         ino, rec, seq = self._child(txn, cred, parent, name)
         if stat.S_ISDIR(rec["mode"]):
