@@ -150,7 +150,7 @@ def _assign(order: tuple[str, ...], doms: tuple[str, ...], count: int, replicas:
     domains not yet in the stripe, least used first; and whether some stripe had to
     share a domain (fewer domains than replicas)."""
     n = len(order)
-    dom = dict(zip(order, doms))
+    dom = dict(zip(order, doms, strict=True))
     used = dict.fromkeys(order, 0)
     heads: set[str] = set()
     servers: list[tuple[str, ...]] = []
