@@ -97,6 +97,30 @@ def test_registry_liveness_follows_heartbeats() -> None:
     assert reg.address("b") == ("h2b", 3)
 
 
+def test_registry_placeable_set_follows_every_change() -> None:
+    """The placeable set is kept between creates: a refusal, a drain, a report of a
+    full disk and a lease running out each show at once, and a caller cannot change it."""
+    clock = FakeClock()
+    reg = Registry(15.0, clock)
+    reg.register("a", "h1", 1, 100, 50)
+    reg.register("b", "h2", 2, 200, 150)
+    got = reg.free_space()
+    assert got == {"a": 50, "b": 150}
+    got["c"] = 1  # the caller's copy
+    assert reg.free_space() == {"a": 50, "b": 150} and set(reg.placeable()) == {"a", "b"}
+    assert reg.refused("b") and reg.free_space() == {"a": 50}
+    assert reg.heartbeat("b", 200, 140) and reg.free_space() == {"a": 50, "b": 140}
+    reg.draining("a", True)
+    assert reg.free_space() == {"b": 140}
+    reg.draining("a", False)
+    assert reg.heartbeat("a", 100, 0) and reg.free_space() == {"b": 140}  # full
+    assert reg.heartbeat("a", 100, 60)
+    clock.now += 15
+    assert reg.free_space() == {"a": 60, "b": 140}  # the lease holds to its last instant
+    clock.now += 0.001
+    assert reg.free_space() == {}
+
+
 def test_registry_describes_stored_servers() -> None:
     clock = FakeClock()
     reg = Registry(15.0, clock)
@@ -244,6 +268,23 @@ async def test_background_operations(caplog: pytest.LogCaptureFixture) -> None:
         await queue.mutate(put(b"fg2"))
         assert store.value(b"dropped") is None
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_cancelled_caller_leaves_its_operation_queued() -> None:
+    """A handler cancelled while it waits (its client went away) does not take its
+    operation back: it commits with its batch, and the callers after it are served."""
+    store = CountingStore()
+    queue = CommitQueue(store)
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as callers:
+            callers.start_soon(queue.mutate, put(b"gone"))
+            await trio.testing.wait_all_tasks_blocked()
+            callers.cancel_scope.cancel()
+        nursery.start_soon(queue.run)
+        assert await queue.mutate(put(b"next", 2)) == 2
+        nursery.cancel_scope.cancel()
+    assert store.value(b"gone") == store.value(b"next") == b"v"
 
 
 @trio_test
