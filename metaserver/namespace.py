@@ -553,13 +553,12 @@ class Namespace:
         replicas = min(replicas, n)
         top = max(max(alive.values()), 0) + 1
         rand, log_ = self.rng.random, math.log
-
-        def key(sid: str) -> float:
-            w = (max(alive[sid], 0) + 1) / top
-            return log_(1.0 - rand()) / w  # Efraimidis-Spirakis, in log form
-
-        order = tuple(sorted(sorted(alive), key=key, reverse=True))
-        doms = tuple([self._domain(txn, sid) for sid in order])
+        # Efraimidis-Spirakis in log form: log(u) / w, w = (free + 1) / top
+        keys = {sid: log_(1.0 - rand()) * top / (max(alive[sid], 0) + 1)
+                for sid in sorted(alive)}
+        order = tuple(sorted(keys, key=keys.__getitem__, reverse=True))
+        known = self.domains.get
+        doms = tuple([known(sid) or self._domain(txn, sid) for sid in order])
         # the random part is the order; what follows depends on nothing else, so it is
         # kept per order (a handful of servers has few orders; a large cluster's rarely
         # repeat and the table is simply emptied when full)
