@@ -58,6 +58,7 @@ from pfs.metaserver.store import Txn
 log = logging.getLogger(__name__)
 
 R_OK, W_OK, X_OK = 4, 2, 1
+_OPEN_MASK = {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK, os.O_RDWR: R_OK | W_OK}  # by access mode
 
 MAXSYMLINKS = 40
 XATTR_LIST_MAX = 65536
@@ -376,11 +377,14 @@ class Namespace:
             self._save(txn, ino, rec)
             txn.put(K.orphan(ino), b"")
         else:
-            self._destroy(txn, ino, rec)
+            self._destroy(txn, ino, rec, orphan=False)
 
-    def _destroy(self, txn: Txn, ino: int, rec: Rec) -> None:
+    def _destroy(self, txn: Txn, ino: int, rec: Rec, orphan: bool = True) -> None:
+        """Delete ``ino`` and queue its objects' deletion. ``orphan`` False: it cannot
+        have an orphan mark (its last link went just now), none to delete."""
         txn.delete(K.inode(ino))
-        txn.delete(K.orphan(ino))
+        if orphan:
+            txn.delete(K.orphan(ino))
         for key, _ in self._scan(txn, K.xattr_prefix(ino)):
             txn.delete(key)
         self._bump(txn, b"inodes", -1)
@@ -945,7 +949,7 @@ class Namespace:
     def _open_inode(self, txn: Txn, cred: Cred, ino: int, rec: Rec, flags: int, now: int
                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         acc = flags & os.O_ACCMODE
-        mask = {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK, os.O_RDWR: R_OK | W_OK}.get(acc)
+        mask = _OPEN_MASK.get(acc)
         if mask is None:
             raise _err(errno.EINVAL, "bad access mode")
         trunc = bool(flags & os.O_TRUNC)
