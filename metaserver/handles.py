@@ -27,7 +27,6 @@ from pfs.metaserver import keys as K
 from pfs.metaserver.commit import CommitQueue
 from pfs.metaserver.store import Store, WriteTxn
 
-
 _RIGHTS = {os.O_RDONLY: caps.READ, os.O_WRONLY: caps.WRITE}
 
 
