@@ -27,6 +27,7 @@ from pfs.metaserver.handles import MAX_CLOSES, OpenFiles
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry
 from pfs.metaserver.security import SERVER_METHODS, cap_signer, meta_security
+from pfs.metaserver.server import MetaService
 from pfs.metaserver.store import LmdbStore, MemoryStore, WriteTxn
 
 
@@ -591,3 +592,26 @@ def test_lmdb_counts_the_commits_that_flushed(tmp_path: Path) -> None:
             assert txn.get(b"k") == b"v"
     finally:
         store.close()
+
+
+def test_credentials_kept_per_connection_are_checked_again_when_they_change() -> None:
+    """A connection's last allowed credentials are kept; other ones are checked afresh
+    (a refused uid stays refused after an allowed one, and root is still squashed)."""
+    svc = MetaService(MemoryStore(), MetaConfig(root_squash=True))
+    ctx = ConnContext(conn=None, peer="t",  # type: ignore[arg-type]  # no wire here
+                      identity=auth.Identity("node", "client", (1000, 1999), (100, 199)))
+
+    class Req:
+        def __init__(self, cred: tuple[int, int, tuple[int, ...]]) -> None:
+            self.cred = cred
+
+    assert svc._cred(ctx, Req((1000, 100, ()))) == Cred(1000, 100)
+    assert svc._cred(ctx, Req((1000, 100, ()))) == Cred(1000, 100)  # kept
+    with pytest.raises(OSError) as e:
+        svc._cred(ctx, Req((5, 100, ())))
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError):
+        svc._cred(ctx, Req((1000, 100, (7,))))  # a group outside the key's range
+    squashed = svc._cred(ctx, Req((0, 0, ())))
+    assert squashed.uid == svc.config.squash_uid
+    assert svc._cred(ctx, Req((1001, 101, ()))) == Cred(1001, 101)
