@@ -68,6 +68,7 @@ DIR_SIZE = 4096
 FILES_MAX = 1 << 32
 DIRS_CACHED = 1 << 14  # decoded directory records kept for path walks
 PLACEMENTS_CACHED = 1 << 12  # stripe assignments kept by server order (place)
+PLACEMENTS_KEPT_UP_TO = 8  # servers placeable: above this, orders rarely repeat
 STATFS_BSIZE = 4096
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
@@ -574,15 +575,16 @@ class Namespace:
         known = self.domains.get
         doms = tuple([known(sid) or self._domain(txn, sid) for sid in order])
         # the random part is the order; what follows depends on nothing else, so it is
-        # kept per order (a handful of servers has few orders; a large cluster's rarely
-        # repeat and the table is simply emptied when full)
+        # kept per order while there are few servers (few orders; a large cluster's
+        # orders rarely repeat, so it is computed each time there)
         ckey = (order, doms, count, replicas)
-        kept = self._placements.get(ckey)
+        kept = self._placements.get(ckey) if n <= PLACEMENTS_KEPT_UP_TO else None
         if kept is None:
             kept = _assign(order, doms, count, replicas)
-            if len(self._placements) >= PLACEMENTS_CACHED:
-                self._placements.clear()
-            self._placements[ckey] = kept
+            if n <= PLACEMENTS_KEPT_UP_TO:
+                if len(self._placements) >= PLACEMENTS_CACHED:
+                    self._placements.clear()
+                self._placements[ckey] = kept
         members_of, short = kept
         self._note(short, replicas)
         out: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
