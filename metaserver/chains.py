@@ -265,25 +265,34 @@ class ChainTable:
         them) is an implicit chain per stripe, as placed (version 0)."""
         if not layout or not layout.get("chains"):
             return layout
-        servers, versions = [], []
+        return self.resolved(layout, self._of(txn, layout))
+
+    @staticmethod
+    def resolved(layout: dict[str, Any], chains: list[Chain]) -> dict[str, Any]:
+        """:meth:`resolve` with the layout's chains already read (a create has them
+        from placement)."""
+        return {**layout, "servers": [list(c.members) for c in chains],
+                "versions": [c.version for c in chains]}
+
+    def _of(self, txn: Txn, layout: dict[str, Any]) -> list[Chain]:
+        """The chains ``layout`` names, each read once."""
+        chains = []
         for cid in layout["chains"]:
             chain = self.get(txn, cid)
             if chain is None:  # cannot happen: a chain is never deleted
                 raise OSError(errno.EIO, f"layout names chain {cid}, which does not exist")
-            servers.append(list(chain.members))
-            versions.append(chain.version)
-        return {**layout, "servers": servers, "versions": versions}
+            chains.append(chain)
+        return chains
 
     def holders(self, txn: Txn, layout: dict[str, Any]) -> dict[str, Any]:
         """``layout`` with, per stripe, every server that may hold its object: the
         members placed, those now, and stale ones (what deleting the file must reach)."""
         if not layout.get("chains"):
             return layout
-        now_ = self.resolve(txn, layout) or layout
+        chains = self._of(txn, layout)
+        placed_all = layout.get("servers", ())
         servers = []
-        for s, cid in enumerate(layout["chains"]):
-            chain = self.get(txn, cid)
-            placed = layout["servers"][s] if s < len(layout.get("servers", ())) else []
-            now = [*chain.members, *chain.stale] if chain is not None else []
-            servers.append(list(dict.fromkeys((*placed, *now))))
-        return {**now_, "servers": servers}
+        for s, chain in enumerate(chains):
+            placed = placed_all[s] if s < len(placed_all) else []
+            servers.append(list(dict.fromkeys((*placed, *chain.members, *chain.stale))))
+        return {**self.resolved(layout, chains), "servers": servers}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,7 +40,10 @@ T = TypeVar("T")
 @dataclass(slots=True, eq=False)
 class _Op:
     fn: Callable[[WriteTxn], Any]
-    done: trio.Event | None  # None: nobody waits (a background operation)
+    # the task waiting for it (woken with ``trio.lowlevel.reschedule``, cheaper than an
+    # Event per operation); None once woken, cancelled, or for a background operation
+    task: trio.lowlevel.Task | None
+    background: bool = False  # nobody waits: a failure is logged
     result: Any = None
     error: BaseException | None = None
     frees: bool = False  # it frees space: on ENOSPC, run again in the store's reserve
@@ -70,7 +73,10 @@ class CommitQueue:
         callers wake."""
         self._store = store
         self._after_batch = after_batch
-        self._send, self._recv = trio.open_memory_channel[_Op](math.inf)
+        # the queue: handlers append, the writer takes; a plain deque and a parked
+        # writer task (no channel, no Event per operation: the commit path is hot)
+        self._queue: deque[_Op] = deque()
+        self._writer: trio.lowlevel.Task | None = None  # parked, waiting for work
         self._closed = False
         # batches committed (visible) and batches made durable, counted; ``durable``
         # waits on the second to reach the first
@@ -92,11 +98,16 @@ class CommitQueue:
     async def mutate(self, fn: Callable[[WriteTxn], T], frees: bool = False) -> T:
         """Run ``fn`` in the next batch; its result once the batch is on disk.
         ``frees``: ``fn`` frees space (unlink, rmdir): when the store is full it runs
-        again in the reserve kept for that (``Store.write(headroom=True)``)."""
-        op = _Op(fn, trio.Event(), frees=frees)
-        self._send.send_nowait(op)
-        assert op.done is not None
-        await op.done.wait()
+        again in the reserve kept for that (``Store.write(headroom=True)``). A caller
+        cancelled while it waits leaves the operation queued: it still runs."""
+        op = _Op(fn, trio.lowlevel.current_task(), frees=frees)
+        self._enqueue(op)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            op.task = None  # nobody to wake
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
         if op.error is not None:
             raise op.error
         result: T = op.result
@@ -106,7 +117,26 @@ class CommitQueue:
         """Queue ``fn`` without waiting for it (a failure is logged); nothing once
         closed."""
         if not self._closed:
-            self._send.send_nowait(_Op(fn, None))
+            self._enqueue(_Op(fn, None, background=True))
+
+    def _enqueue(self, op: _Op) -> None:
+        self._queue.append(op)
+        writer = self._writer
+        if writer is not None:
+            self._writer = None
+            trio.lowlevel.reschedule(writer)
+
+    async def _next(self) -> _Op:
+        """The first queued operation, waiting for one."""
+        while not self._queue:
+            self._writer = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                self._writer = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        return self._queue.popleft()
 
     async def write_alone(self, fn: Callable[[WriteTxn], T]) -> T:
         """Run ``fn`` in a write transaction of its own, in a worker thread where the
@@ -131,21 +161,14 @@ class CommitQueue:
         unsynced: list[_Op] = []  # the last batch: committed, not yet flushed
         try:
             while True:
-                if unsynced:
-                    try:
-                        first = self._recv.receive_nowait()
-                    except trio.WouldBlock:  # nothing waiting: flush, wake its callers
-                        self._flush(unsynced)
-                        unsynced = []
-                        continue
-                else:
-                    first = await self._recv.receive()
-                batch = [first]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        batch.append(self._recv.receive_nowait())
-                    except trio.WouldBlock:
-                        break
+                queue = self._queue
+                if unsynced and not queue:  # nothing waiting: flush, wake its callers
+                    self._flush(unsynced)
+                    unsynced = []
+                    continue
+                batch = [queue.popleft() if queue else await self._next()]
+                while queue and len(batch) < MAX_BATCH:
+                    batch.append(queue.popleft())
                 # The batch runs and commits in the event loop's own thread: handing it
                 # to a worker thread costs more (~300 us here) than the loop loses by
                 # waiting for the flush, and requests arriving meanwhile simply join the
@@ -185,10 +208,13 @@ class CommitQueue:
 
     def _wake(self, batch: list[_Op]) -> None:
         self._after_batch()
+        reschedule = trio.lowlevel.reschedule
         for op in batch:
-            if op.done is not None:
-                op.done.set()
-            elif op.error is not None:
+            task = op.task
+            if task is not None:
+                op.task = None
+                reschedule(task)
+            elif op.background and op.error is not None:
                 log.warning("background metadata update failed: %s", op.error)
 
     def _run_batch(self, batch: list[_Op], headroom: bool = False) -> bool:

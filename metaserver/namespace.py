@@ -26,6 +26,7 @@ import math
 import os
 import random
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,12 +53,13 @@ from pfs.core.messages.records import (  # the POSIX limits, defined once with t
     XATTR_SIZE_MAX,
 )
 from pfs.metaserver import keys as K
-from pfs.metaserver.chains import ChainTable
+from pfs.metaserver.chains import Chain, ChainTable
 from pfs.metaserver.store import Txn
 
 log = logging.getLogger(__name__)
 
 R_OK, W_OK, X_OK = 4, 2, 1
+_OPEN_MASK = {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK, os.O_RDWR: R_OK | W_OK}  # by access mode
 
 MAXSYMLINKS = 40
 XATTR_LIST_MAX = 65536
@@ -65,6 +67,8 @@ READDIR_MAX = 4096
 DIR_SIZE = 4096
 FILES_MAX = 1 << 32
 DIRS_CACHED = 1 << 14  # decoded directory records kept for path walks
+PLACEMENTS_CACHED = 1 << 12  # stripe assignments kept by server order (place)
+PLACEMENTS_KEPT_UP_TO = 8  # servers placeable: above this, orders rarely repeat
 STATFS_BSIZE = 4096
 XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
 
@@ -109,8 +113,17 @@ def _show(name: bytes) -> str:
     return name.decode("utf-8", "replace")
 
 
+_local = threading.local()
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    # one Packer per thread, reused: ``packb`` makes (and allocates a buffer for) a new
+    # one at every call, ~1 us of a create's four records each
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    out: bytes = packer.pack(obj)
+    return out
 
 
 def unpack(data: bytes) -> Any:
@@ -141,6 +154,40 @@ def kill_priv(mode: int) -> int:
     return mode
 
 
+def _assign(order: tuple[str, ...], doms: tuple[str, ...], count: int, replicas: int
+            ) -> tuple[tuple[tuple[str, ...], ...], bool]:
+    """The servers of each of ``count`` stripes, given the random ``order`` of the
+    servers and each one's failure domain (``doms``, in that order): each stripe's head
+    the first of the least used non-heads from its place in the ring, then replicas in
+    domains not yet in the stripe, least used first; and whether some stripe had to
+    share a domain (fewer domains than replicas)."""
+    n = len(order)
+    dom = dict(zip(order, doms, strict=True))
+    used = dict.fromkeys(order, 0)
+    heads: set[str] = set()
+    servers: list[tuple[str, ...]] = []
+    short = False
+    for i in range(count):
+        ring = order[i % n:] + order[:i % n]
+        head = min(ring, key=lambda sid: (sid in heads, used[sid]))  # first of the least
+        heads.add(head)
+        members, seen = [head], {dom[head]}
+        rest = sorted((sid for sid in ring if sid != head), key=used.__getitem__)
+        for sid in rest:
+            if len(members) == replicas:
+                break
+            if dom[sid] not in seen:
+                members.append(sid)
+                seen.add(dom[sid])
+        if len(members) < replicas:  # fewer domains than replicas: distinct servers
+            short = True
+            members += [sid for sid in rest if sid not in members][:replicas - len(members)]
+        for sid in members:
+            used[sid] += 1
+        servers.append(tuple(members))
+    return tuple(servers), short
+
+
 class Namespace:
     def __init__(self, layout: LayoutDefaults | None = None, *,
                  servers: Callable[[], dict[str, int]] = dict,
@@ -167,6 +214,9 @@ class Namespace:
         # instead of a decoding. Never stale (the record is read each time); shared, so
         # only read-only callers (the walk) use it.
         self._dirs: dict[int, tuple[bytes, Rec]] = {}
+        # placement's stripe assignments by (server order, domains, count, replicas)
+        self._placements: dict[tuple[Any, ...],
+                               tuple[tuple[tuple[str, ...], ...], bool]] = {}
 
     # ------------------------------------------------------------------ records
     def format(self, txn: Txn) -> bool:
@@ -234,6 +284,15 @@ class Namespace:
         if not stat.S_ISDIR(rec["mode"]):
             raise _err(errno.ENOTDIR, f"inode {ino}")
         return rec
+
+    def _dir_copy(self, txn: Txn, ino: int) -> Rec:
+        """:meth:`_dir` from the decoded cache, as a shallow copy: for a caller that
+        sets the record's own fields (times, ``nseq``, ``nlink``) but never changes its
+        nested values (``layout``) in place."""
+        rec = self._rec_shared(txn, ino)
+        if not stat.S_ISDIR(rec["mode"]):
+            raise _err(errno.ENOTDIR, f"inode {ino}")
+        return dict(rec)
 
     def _new_inode(self, txn: Txn, rec: Rec) -> int:
         ino = self._bump(txn, b"next_ino")
@@ -329,11 +388,14 @@ class Namespace:
             self._save(txn, ino, rec)
             txn.put(K.orphan(ino), b"")
         else:
-            self._destroy(txn, ino, rec)
+            self._destroy(txn, ino, rec, orphan=False)
 
-    def _destroy(self, txn: Txn, ino: int, rec: Rec) -> None:
+    def _destroy(self, txn: Txn, ino: int, rec: Rec, orphan: bool = True) -> None:
+        """Delete ``ino`` and queue its objects' deletion. ``orphan`` False: it cannot
+        have an orphan mark (its last link went just now), none to delete."""
         txn.delete(K.inode(ino))
-        txn.delete(K.orphan(ino))
+        if orphan:
+            txn.delete(K.orphan(ino))
         for key, _ in self._scan(txn, K.xattr_prefix(ino)):
             txn.delete(key)
         self._bump(txn, b"inodes", -1)
@@ -426,6 +488,12 @@ class Namespace:
         """A placed layout: explicit values, else the nearest directory default, else
         the cluster's. ``what`` names the file in an ENOSPC; ``dir_rec``: the record of
         ``dir_ino`` when the caller has read it."""
+        return self._file_layout(txn, dir_ino, unit, count, replicas, what, dir_rec)[0]
+
+    def _file_layout(self, txn: Txn, dir_ino: int | None, unit: int = 0, count: int = 0,
+                     replicas: int = 0, what: str = "", dir_rec: Rec | None = None
+                     ) -> tuple[dict[str, Any], list[Chain]]:
+        """:meth:`file_layout`, and the chains of its stripes (read or made here)."""
         durable = True
         if dir_ino is not None:
             unit, count, replicas, durable = self._dir_defaults(txn, dir_ino, dir_rec, unit,
@@ -434,10 +502,11 @@ class Namespace:
         count = count or self.default.count
         replicas = replicas or self.default.replicas
         check_geometry(unit, count, replicas)
-        layout = self.place(unit, count, replicas, what, txn)
+        layout, chains = self._place(unit, count, replicas, what, txn)
         if not durable:
             layout["durable"] = False  # absent: durable (what older records mean)
-        return layout
+        assert chains is not None  # placed with a transaction
+        return layout, chains
 
     def _dir_defaults(self, txn: Txn, dir_ino: int, rec: Rec | None, unit: int, count: int,
                       replicas: int) -> tuple[int, int, int, bool]:
@@ -449,7 +518,7 @@ class Namespace:
             if unit and count and replicas and durable is not None:
                 break
             if rec is None:
-                rec = self._rec(txn, node)
+                rec = self._rec_shared(txn, node)  # read only: an ancestor directory
             d = rec.get("layout") or {}
             unit = unit or d.get("unit", 0)
             count = count or d.get("count", 0)
@@ -485,6 +554,11 @@ class Namespace:
         stripes stay apart while there are enough servers. With ``txn`` each stripe gets
         the chain of its servers (made or reused). ENOSPC only when no server can take
         a stripe."""
+        return self._place(unit, count, replicas, what, txn)[0]
+
+    def _place(self, unit: int, count: int, replicas: int, what: str, txn: Txn | None
+               ) -> tuple[dict[str, Any], list[Chain] | None]:
+        """:meth:`place`, and the chains it made or reused (with ``txn``)."""
         alive = self.servers()
         if not alive:
             raise _err(errno.ENOSPC, f"{what + ': ' if what else ''}no data server can take "
@@ -493,42 +567,33 @@ class Namespace:
         count = min(count, n)
         replicas = min(replicas, n)
         top = max(max(alive.values()), 0) + 1
-        rng = self.rng
-
-        def key(sid: str) -> float:
-            w = (max(alive[sid], 0) + 1) / top
-            return math.log(1.0 - rng.random()) / w  # Efraimidis-Spirakis, in log form
-
-        order = sorted(sorted(alive), key=key, reverse=True)
-        used = dict.fromkeys(order, 0)
-        heads: set[str] = set()
-        servers: list[list[str]] = []
-        short = False
-        for i in range(count):
-            ring = order[i % n:] + order[:i % n]
-            head = min(ring, key=lambda sid: (sid in heads, used[sid]))  # first of the least
-            heads.add(head)
-            members, doms = [head], {self._domain(txn, head)}
-            rest = sorted((sid for sid in ring if sid != head), key=used.__getitem__)
-            for sid in rest:
-                if len(members) == replicas:
-                    break
-                dom = self._domain(txn, sid)
-                if dom not in doms:
-                    members.append(sid)
-                    doms.add(dom)
-            if len(members) < replicas:  # fewer domains than replicas: distinct servers
-                short = True
-                members += [sid for sid in rest if sid not in members][:replicas - len(members)]
-            for sid in members:
-                used[sid] += 1
-            servers.append(members)
+        rand, log_ = self.rng.random, math.log
+        # Efraimidis-Spirakis in log form: log(u) / w, w = (free + 1) / top
+        keys = {sid: log_(1.0 - rand()) * top / (max(alive[sid], 0) + 1)
+                for sid in sorted(alive)}
+        order = tuple(sorted(keys, key=keys.__getitem__, reverse=True))
+        known = self.domains.get
+        doms = tuple([known(sid) or self._domain(txn, sid) for sid in order])
+        # the random part is the order; what follows depends on nothing else, so it is
+        # kept per order while there are few servers (few orders; a large cluster's
+        # orders rarely repeat, so it is computed each time there)
+        ckey = (order, doms, count, replicas)
+        kept = self._placements.get(ckey) if n <= PLACEMENTS_KEPT_UP_TO else None
+        if kept is None:
+            kept = _assign(order, doms, count, replicas)
+            if n <= PLACEMENTS_KEPT_UP_TO:
+                if len(self._placements) >= PLACEMENTS_CACHED:
+                    self._placements.clear()
+                self._placements[ckey] = kept
+        members_of, short = kept
         self._note(short, replicas)
         out: dict[str, Any] = {"unit": unit, "count": count, "replicas": replicas,
-                               "servers": servers}
-        if txn is not None:
-            out["chains"] = [self.chains.make_or_reuse(txn, tuple(m)).cid for m in servers]
-        return out
+                               "servers": [list(m) for m in members_of]}
+        if txn is None:
+            return out, None
+        chains = [self.chains.make_or_reuse(txn, m) for m in members_of]
+        out["chains"] = [c.cid for c in chains]
+        return out, chains
 
     def _domain(self, txn: Txn | None, sid: str) -> str:
         dom = self.domains.get(sid)
@@ -896,7 +961,7 @@ class Namespace:
     def _open_inode(self, txn: Txn, cred: Cred, ino: int, rec: Rec, flags: int, now: int
                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         acc = flags & os.O_ACCMODE
-        mask = {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK, os.O_RDWR: R_OK | W_OK}.get(acc)
+        mask = _OPEN_MASK.get(acc)
         if mask is None:
             raise _err(errno.EINVAL, "bad access mode")
         trunc = bool(flags & os.O_TRUNC)
@@ -939,7 +1004,7 @@ class Namespace:
         if _is_dot(name):
             raise _err(errno.EEXIST if flags & os.O_EXCL else errno.EISDIR, f"{name!r}")
         for _ in range(MAXSYMLINKS + 1):
-            prec = self._dir(txn, parent)
+            prec = self._dir_copy(txn, parent)  # a new entry changes only its own fields
             self.check_perm(cred, prec, X_OK)
             ent = self._entry(txn, parent, name)
             if ent is None:
@@ -978,17 +1043,17 @@ class Namespace:
             attr, layout = self._open_inode(txn, cred, ino, self._rec(txn, ino), flags, now)
             return attr, layout, False
         prec = self._new_entry_checks(txn, cred, parent, name, prec)
-        layout = self.file_layout(txn, parent, what=_show(name), dir_rec=prec)
+        layout, chains = self._file_layout(txn, parent, what=_show(name), dir_rec=prec)
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
-        return self.attr(ino, rec), self.chains.resolve(txn, layout), True
+        return self.attr(ino, rec), self.chains.resolved(layout, chains), True
 
     # ------------------------------------------------------------------ removal
     def unlink(self, txn: Txn, cred: Cred, parent: int, name: bytes) -> None:
         check_name(name)
         if _is_dot(name):
             raise _err(errno.EISDIR, f"{name!r}")
-        prec = self._dir(txn, parent)
+        prec = self._dir_copy(txn, parent)  # only its times change
         self.check_perm(cred, prec, X_OK)
         ino, rec, seq = self._child(txn, cred, parent, name)
         if stat.S_ISDIR(rec["mode"]):

@@ -31,6 +31,7 @@ the namespace's placement during a commit, hence the lock.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -137,6 +138,13 @@ class Registry:
         self._lock = threading.Lock()
         self._live: dict[str, LiveServer] = {}
         self._draining: set[str] = set()
+        # placement asks for the placeable servers at every create: the answer is kept
+        # until a report or state change (``_changed``) or the first lease in it runs out
+        self._placeable: tuple[float, dict[str, Placeable], dict[str, int]] | None = None
+
+    def _changed(self) -> None:
+        """Forget the kept placeable set (called with the lock held)."""
+        self._placeable = None
 
     def _alive(self, s: LiveServer, now: float) -> bool:
         return s.refused is None and s.seen >= now - self._lease
@@ -153,6 +161,7 @@ class Registry:
             self._live[sid] = LiveServer(host, port, total, free, self._clock(), vols,
                                          domain=domain or host, version=version or "",
                                          protocol=_range(protocol), kv=_kv(kv))
+            self._changed()
 
     def heartbeat(self, sid: str, total: int, free: int,
                   dirs: list[Volume] | None = None, load: list[int] | None = None,
@@ -167,6 +176,7 @@ class Registry:
             if live is None:
                 return False
             live.total, live.free, live.seen, live.dirs = total, free, self._clock(), vols
+            self._changed()
             live.refused = live.unanswered = None
             live.load = tuple(load) if load is not None else None
             live.kv = _kv(kv)
@@ -182,6 +192,7 @@ class Registry:
             if live is None or live.refused is not None:
                 return False
             live.refused = self._clock()
+            self._changed()
             return True
 
     def unanswered(self, sid: str) -> None:
@@ -195,6 +206,7 @@ class Registry:
         """The servers being drained (from their durable records)."""
         with self._lock:
             self._draining = set(sids)
+            self._changed()
 
     def draining(self, sid: str, on: bool) -> None:
         with self._lock:
@@ -202,6 +214,7 @@ class Registry:
                 self._draining.add(sid)
             else:
                 self._draining.discard(sid)
+            self._changed()
 
     def states(self) -> dict[str, tuple[State, float]]:
         """Every known server's state and seconds since its last heartbeat (for the
@@ -248,15 +261,29 @@ class Registry:
         not draining — with the free bytes placement weighs by and the failure domain
         replicas must differ in. Suspect servers stay in (a late heartbeat on a busy
         host is no failure; the lease decides)."""
-        now = self._clock()
-        with self._lock:
-            return {sid: Placeable(s.free, s.domain) for sid, s in self._live.items()
-                    if self._alive(s, now) and sid not in self._draining
-                    and not self._reserve.full(s.dirs)}
+        return dict(self._kept()[1])
 
     def free_space(self) -> dict[str, int]:
         """Free bytes of each placeable server (:meth:`placeable` without domains)."""
-        return {sid: p.free for sid, p in self.placeable().items()}
+        return dict(self._kept()[2])
+
+    def _kept(self) -> tuple[float, dict[str, Placeable], dict[str, int]]:
+        """The placeable set, computed again only after a change or once the earliest
+        lease in it has run out (a server leaves it only then; one joins it only by a
+        report, which is a change)."""
+        now = self._clock()
+        with self._lock:
+            kept = self._placeable
+            if kept is not None and now <= kept[0]:
+                return kept
+            places = {sid: Placeable(s.free, s.domain) for sid, s in self._live.items()
+                      if self._alive(s, now) and sid not in self._draining
+                      and not self._reserve.full(s.dirs)}
+            until = min((self._live[sid].seen + self._lease for sid in places),
+                        default=math.inf)
+            kept = (until, places, {sid: p.free for sid, p in places.items()})
+            self._placeable = kept
+            return kept
 
     def capacity(self) -> tuple[int, int]:
         """Total and free bytes of the servers that are up, each filesystem once."""

@@ -241,8 +241,21 @@ class MetaService(RpcService):
 
     def _cred(self, ctx: ConnContext, req: Any) -> Cred:
         """The caller's credentials (the request's ``cred``, checked by its message),
-        squashed and checked against what its key allows."""
-        uid, gid, groups = req.cred
+        squashed and checked against what its key allows. A client sends the same
+        credentials again and again: the last ones allowed on a connection are kept
+        (what they become depends only on them, the connection's identity and the
+        config)."""
+        raw = req.cred
+        kept = ctx.state.get("cred")
+        if kept is not None and kept[0] == raw:
+            cred: Cred = kept[1]
+            return cred
+        cred = self._check_cred(ctx, raw)
+        ctx.state["cred"] = (raw, cred)
+        return cred
+
+    def _check_cred(self, ctx: ConnContext, raw: Any) -> Cred:
+        uid, gid, groups = raw
         cred = Cred(uid, gid, groups)
         cfg = self.config
         ident = ctx.identity

@@ -130,6 +130,36 @@ def test_a_rack_label_is_the_domain_and_one_domain_still_gets_distinct_servers(
     assert "fewer failure domains" in ns.placement_note
 
 
+def test_kept_placements_follow_domain_changes_and_large_clusters(store: Any) -> None:
+    """Placement keeps its stripe assignments per server order: a server that moves
+    to another rack is placed by its new domain at once, and a cluster too large to
+    keep them is placed by the same rules."""
+    alive = {"s1": 100, "s2": 100, "s3": 100, "s4": 100}
+    ns = _ns(store, alive, replicas=2, count=2)
+    with store.write() as txn:  # two racks
+        for i, rack in ((1, "a"), (2, "a"), (3, "b"), (4, "b")):
+            ns.register_server(txn, f"s{i}", "h", i, 1, 1, f"rack-{rack}")
+    for n in range(40):  # every order seen: each is kept
+        for members in _create(ns, store, b"f%d" % n)["servers"]:
+            assert len({ns.domains[m] for m in members}) == 2
+    with store.write() as txn:  # s2 moves to rack b, s3 to rack a
+        ns.register_server(txn, "s2", "h", 2, 1, 1, "rack-b")
+        ns.register_server(txn, "s3", "h", 3, 1, 1, "rack-a")
+    for n in range(40):
+        for members in _create(ns, store, b"g%d" % n)["servers"]:
+            assert {ns.domains[m] for m in members} == {"rack-a", "rack-b"}, members
+    big = {f"t{i:02d}": 100 for i in range(20)}
+    ns = _ns(store, big, replicas=3, count=8)
+    with store.write() as txn:
+        for i in range(20):
+            ns.register_server(txn, f"t{i:02d}", f"10.0.0.{i % 5}", i, 1, 1)
+    with store.write() as txn:
+        lay = ns.place(65536, 8, 3, txn=txn)
+    assert len({m[0] for m in lay["servers"]}) == 8  # distinct heads
+    for members in lay["servers"]:
+        assert len({ns.domains[m] for m in members}) == 3
+
+
 def test_default_replicas_is_two_capped_by_the_servers_up(store: Any) -> None:
     assert LayoutDefaults().replicas == 2
     ns = Namespace(servers=lambda: {"only": 1}, rng=random.Random(1))

@@ -27,6 +27,7 @@ from pfs.metaserver.handles import MAX_CLOSES, OpenFiles
 from pfs.metaserver.namespace import Cred, Namespace
 from pfs.metaserver.registry import Registry
 from pfs.metaserver.security import SERVER_METHODS, cap_signer, meta_security
+from pfs.metaserver.server import MetaService
 from pfs.metaserver.store import LmdbStore, MemoryStore, WriteTxn
 
 
@@ -95,6 +96,30 @@ def test_registry_liveness_follows_heartbeats() -> None:
     assert reg.address("nobody") is None
     reg.register("b", "h2b", 3, 200, 100)  # back, at a new address
     assert reg.address("b") == ("h2b", 3)
+
+
+def test_registry_placeable_set_follows_every_change() -> None:
+    """The placeable set is kept between creates: a refusal, a drain, a report of a
+    full disk and a lease running out each show at once, and a caller cannot change it."""
+    clock = FakeClock()
+    reg = Registry(15.0, clock)
+    reg.register("a", "h1", 1, 100, 50)
+    reg.register("b", "h2", 2, 200, 150)
+    got = reg.free_space()
+    assert got == {"a": 50, "b": 150}
+    got["c"] = 1  # the caller's copy
+    assert reg.free_space() == {"a": 50, "b": 150} and set(reg.placeable()) == {"a", "b"}
+    assert reg.refused("b") and reg.free_space() == {"a": 50}
+    assert reg.heartbeat("b", 200, 140) and reg.free_space() == {"a": 50, "b": 140}
+    reg.draining("a", True)
+    assert reg.free_space() == {"b": 140}
+    reg.draining("a", False)
+    assert reg.heartbeat("a", 100, 0) and reg.free_space() == {"b": 140}  # full
+    assert reg.heartbeat("a", 100, 60)
+    clock.now += 15
+    assert reg.free_space() == {"a": 60, "b": 140}  # the lease holds to its last instant
+    clock.now += 0.001
+    assert reg.free_space() == {}
 
 
 def test_registry_describes_stored_servers() -> None:
@@ -244,6 +269,23 @@ async def test_background_operations(caplog: pytest.LogCaptureFixture) -> None:
         await queue.mutate(put(b"fg2"))
         assert store.value(b"dropped") is None
         nursery.cancel_scope.cancel()
+
+
+@trio_test
+async def test_a_cancelled_caller_leaves_its_operation_queued() -> None:
+    """A handler cancelled while it waits (its client went away) does not take its
+    operation back: it commits with its batch, and the callers after it are served."""
+    store = CountingStore()
+    queue = CommitQueue(store)
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as callers:
+            callers.start_soon(queue.mutate, put(b"gone"))
+            await trio.testing.wait_all_tasks_blocked()
+            callers.cancel_scope.cancel()
+        nursery.start_soon(queue.run)
+        assert await queue.mutate(put(b"next", 2)) == 2
+        nursery.cancel_scope.cancel()
+    assert store.value(b"gone") == store.value(b"next") == b"v"
 
 
 @trio_test
@@ -550,3 +592,26 @@ def test_lmdb_counts_the_commits_that_flushed(tmp_path: Path) -> None:
             assert txn.get(b"k") == b"v"
     finally:
         store.close()
+
+
+def test_credentials_kept_per_connection_are_checked_again_when_they_change() -> None:
+    """A connection's last allowed credentials are kept; other ones are checked afresh
+    (a refused uid stays refused after an allowed one, and root is still squashed)."""
+    svc = MetaService(MemoryStore(), MetaConfig(root_squash=True))
+    ctx = ConnContext(conn=None, peer="t",  # type: ignore[arg-type]  # no wire here
+                      identity=auth.Identity("node", "client", (1000, 1999), (100, 199)))
+
+    class Req:
+        def __init__(self, cred: tuple[int, int, tuple[int, ...]]) -> None:
+            self.cred = cred
+
+    assert svc._cred(ctx, Req((1000, 100, ()))) == Cred(1000, 100)
+    assert svc._cred(ctx, Req((1000, 100, ()))) == Cred(1000, 100)  # kept
+    with pytest.raises(OSError) as e:
+        svc._cred(ctx, Req((5, 100, ())))
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError):
+        svc._cred(ctx, Req((1000, 100, (7,))))  # a group outside the key's range
+    squashed = svc._cred(ctx, Req((0, 0, ())))
+    assert squashed.uid == svc.config.squash_uid
+    assert svc._cred(ctx, Req((1001, 101, ()))) == Cred(1001, 101)
