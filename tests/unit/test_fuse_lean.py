@@ -6,6 +6,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
 from pfs.fuse.workers import HandoffLock, trio_for_pyfuse3
@@ -69,7 +70,7 @@ def test_the_handoff_lock_serves_waiters_in_order_and_drops_a_cancelled_one() ->
         async with trio.open_nursery() as n:
             for i in range(4):
                 n.start_soon(worker, i)
-                await trio.sleep(0)
+                await trio.testing.wait_all_tasks_blocked()
         assert order == [0, 1, 2, 3] and not lock.locked()
 
         async with trio.open_nursery() as n:
@@ -78,7 +79,7 @@ def test_the_handoff_lock_serves_waiters_in_order_and_drops_a_cancelled_one() ->
                     await trio.sleep(0.05)
 
             n.start_soon(holder)
-            await trio.sleep(0)
+            await trio.testing.wait_all_tasks_blocked()
             with trio.move_on_after(0.01) as scope:
                 async with lock:
                     pytest.fail("acquired a held lock")
