@@ -117,6 +117,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
     import trio
 
     from pfs.client.aio import AsyncClient
+    from pfs.fuse import workers
     from pfs.fuse.ops import PfsOperations
 
     def report(err: str | None) -> None:
@@ -143,6 +144,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
                 except RuntimeError as exc:
                     raise MountError(f"cannot mount on {mountpoint}: {exc}") from None
                 mounted = True
+                workers.install(pyfuse3)
                 nursery.start_soon(_stop_on_signal, pyfuse3)
 
                 async def answered() -> None:

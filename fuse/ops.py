@@ -9,8 +9,9 @@ all come from the metaserver; write-behind and the sizes written here from the c
 ``fsync`` and ``close`` see, wait for and report the writes in flight). What lives here is only what
 the kernel protocol needs: credentials of the calling process, the tables of open file
 and directory handles, lookup counts, the kernel cache hints (timeouts, ``keep_cache``)
-and two small caches that answer requests the kernel repeats (see ``getattr`` and
-``getxattr``).
+two small caches that answer requests the kernel repeats (see ``getattr`` and
+``getxattr``) and, with negative entries on, the directories whose names it knows
+(:mod:`pfs.fuse.known_dirs`: ``lookup`` of a missing name with no call).
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.core import errors as E
 from pfs.core import metrics
 from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
+from pfs.fuse.known_dirs import KnownDirs
 from pfs.fuse.options import MountTuning
 
 log = logging.getLogger(__name__)
@@ -62,22 +63,59 @@ def _os_error_of(exc: BaseException) -> OSError | None:
     return None
 
 
-@contextmanager
-def fs_errors() -> Iterator[None]:
-    """Turn the client's ``OSError`` into ``FUSEError`` with the same errno, except
-    those the kernel must not get (AS_EIO, ENOSYS): EIO."""
-    try:
-        yield
-    except (OSError, BaseExceptionGroup) as exc:
+class _FsErrors:
+    """``with fs_errors():`` (a class, not a generator: it wraps every request)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None or not isinstance(exc, (OSError, BaseExceptionGroup)):
+            return
         err = _os_error_of(exc)
         if err is None:
-            raise
+            return
         code = err.errno if isinstance(err.errno, int) and err.errno > 0 else errno.EIO
         if code == errno.ENOSYS or code in AS_EIO:
             code = errno.EIO  # ENOSYS: the kernel would stop sending this request for good
         if code not in (errno.ENOENT, errno.EEXIST, errno.ENODATA):
             log.debug("-> %s: %s", errno.errorcode.get(code, code), err)
         raise pyfuse3.FUSEError(code) from None
+
+
+_FS_ERRORS = _FsErrors()
+
+
+def fs_errors() -> _FsErrors:
+    """Turn the client's ``OSError`` into ``FUSEError`` with the same errno, except
+    those the kernel must not get (AS_EIO, ENOSYS): EIO."""
+    return _FS_ERRORS
+
+
+class _NameChange:
+    """``with self._name_change(...)``: a name made (or removed) in directory ``parent``
+    by a request here; on success the known name set follows, on any failure (refused,
+    or not known to have happened: a timeout) the directory is dropped from it."""
+
+    __slots__ = ("known", "parent", "name", "made")
+
+    def __init__(self, known: KnownDirs, parent: int, name: bytes, made: bool) -> None:
+        self.known, self.parent, self.name, self.made = known, parent, name, made
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is not None:
+            self.known.drop(self.parent)
+        elif self.made:
+            self.known.added(self.parent, self.name)
+        else:
+            self.known.removed(self.parent, self.name)
 
 
 def _read_groups(pid: int) -> tuple[int, ...]:
@@ -122,6 +160,11 @@ class _DirHandle:
     pending: list[DirEntry] = field(default_factory=list)  # fetched, not yet returned
     pending_after: int = -1  # the cookie just before ``pending[0]``
     eof: bool = False
+    # names returned so far by a listing read from its start (None: not one, or not
+    # kept), when it started and the KnownDirs epoch then: a complete one is learned
+    listing: list[bytes] | None = None
+    listing_since: float = 0.0
+    listing_epoch: int = -1
 
 
 class PfsOperations(pyfuse3.Operations):
@@ -151,6 +194,11 @@ class PfsOperations(pyfuse3.Operations):
         self._dir_attrs: dict[int, tuple[float, StatResult]] = {}
         # entry changes ask the metaserver for their directory's new attributes
         self._want_parent = self.tuning.attr_timeout > 0
+        # directories whose every name is known, within negative_timeout; only with
+        # default_permissions (else the metaserver's check of search permission on the
+        # directory must come before any "missing")
+        self._known = KnownDirs(self.tuning.negative_timeout
+                                if self.tuning.kernel_permissions else 0.0)
 
     # -- helpers ---------------------------------------------------------------
     def cred(self, ctx: pyfuse3.RequestContext) -> Cred:
@@ -204,19 +252,33 @@ class PfsOperations(pyfuse3.Operations):
             if exc.errno not in (errno.ENOENT, errno.ENOSYS):
                 log.warning("invalidating the attributes of inode %d: %s", ino, exc)
 
+    def _name_change(self, parent: int, name: bytes, made: bool) -> _NameChange:
+        return _NameChange(self._known, parent, name, made)
+
+    @staticmethod
+    def _missing(timeout: float) -> pyfuse3.EntryAttributes:
+        """A negative entry: the kernel holds the name missing for ``timeout`` s."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = 0
+        e.entry_timeout = timeout
+        return e
+
     # -- names -----------------------------------------------------------------
     async def lookup(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self._known.enabled:
+            left = self._known.absent(parent_inode, name)
+            metrics.cache_lookup("absent", left is not None)
+            if left is not None:  # cached by the kernel only for what is left of the bound
+                return self._missing(min(left, self.tuning.negative_timeout))
         try:
             with fs_errors():
                 attr = await self.meta.lookup(parent_inode, name, self.cred(ctx))
         except pyfuse3.FUSEError as exc:
             if exc.errno == errno.ENOENT and self.tuning.negative_timeout > 0:
-                e = pyfuse3.EntryAttributes()
-                e.st_ino = 0
-                e.entry_timeout = self.tuning.negative_timeout
-                return e
+                return self._missing(self.tuning.negative_timeout)
             raise
+        self._known.found(parent_inode, name)
         return self._looked_up(attr)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -229,6 +291,7 @@ class PfsOperations(pyfuse3.Operations):
                 self._seen.pop(ino, None)
                 self._no_caps.pop(ino, None)
                 self._dir_attrs.pop(ino, None)
+                self._known.forget(ino)
 
     def _parent_changed(self, ino: int, attr: StatResult | None) -> None:
         """A create, unlink, mkdir, ... here changed directory ``ino``: the kernel drops
@@ -312,7 +375,7 @@ class PfsOperations(pyfuse3.Operations):
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
-        with fs_errors():
+        with self._name_change(parent_inode, name, True), fs_errors():
             attr, pa = await self.meta.mknod(parent_inode, name, mode & ~ctx.umask, rdev,
                                              self.cred(ctx), self._want_parent)
         self._parent_changed(parent_inode, pa)
@@ -321,28 +384,30 @@ class PfsOperations(pyfuse3.Operations):
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
-        with fs_errors():
+        since = time.monotonic()
+        with self._name_change(parent_inode, name, True), fs_errors():
             attr, pa = await self.meta.mkdir(parent_inode, name, mode & ~ctx.umask,
                                              self.cred(ctx), self._want_parent)
         self._parent_changed(parent_inode, pa)
+        self._known.learn(attr.st_ino, (), since)  # made here: empty when it was asked
         return self._looked_up(attr)
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
-        with fs_errors():
+        with self._name_change(parent_inode, name, False), fs_errors():
             pa = await self.meta.unlink(parent_inode, name, self.cred(ctx), self._want_parent)
         self._parent_changed(parent_inode, pa)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
-        with fs_errors():
+        with self._name_change(parent_inode, name, False), fs_errors():
             pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx), self._want_parent)
         self._parent_changed(parent_inode, pa)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
-        with fs_errors():
+        with self._name_change(parent_inode, name, True), fs_errors():
             attr, pa = await self.meta.symlink(parent_inode, name, target, self.cred(ctx),
                                                self._want_parent)
         self._parent_changed(parent_inode, pa)
@@ -361,15 +426,22 @@ class PfsOperations(pyfuse3.Operations):
         # both directories change, and so does a moved directory (its "..", its ctime),
         # whose inode is not known here: forget them all
         self._dir_attrs.clear()
-        with fs_errors():
-            await self.meta.rename(parent_inode_old, name_old, parent_inode_new, name_new,
-                                   wire, self.cred(ctx))
+        try:
+            with fs_errors():
+                await self.meta.rename(parent_inode_old, name_old, parent_inode_new,
+                                       name_new, wire, self.cred(ctx))
+        except BaseException:
+            self._known.drop(parent_inode_old, parent_inode_new)
+            raise
+        if not wire & RENAME_EXCHANGE:  # exchanged: both names are there still
+            self._known.removed(parent_inode_old, name_old)
+        self._known.added(parent_inode_new, name_new)
 
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         self._changed_here(inode, new_parent_inode)
-        with fs_errors():
+        with self._name_change(new_parent_inode, new_name, True), fs_errors():
             attr = await self.meta.link(inode, new_parent_inode, new_name, self.cred(ctx))
         return self._looked_up(attr)
 
@@ -401,7 +473,7 @@ class PfsOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._check_writable()
-        with fs_errors():
+        with self._name_change(parent_inode, name, True), fs_errors():
             h, pa = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
                                                 self.cred(ctx), self._want_parent)
         self._parent_changed(parent_inode, pa)
@@ -481,6 +553,9 @@ class PfsOperations(pyfuse3.Operations):
             d = self._dirs[fh]
         except KeyError:
             raise pyfuse3.FUSEError(errno.EBADF) from None
+        if start_id == 0 and self._known.enabled:  # from the start: may list it all
+            d.listing, d.listing_since = [], time.monotonic()
+            d.listing_epoch = self._known.epoch
         for offset, name in ((1, b"."), (2, b"..")):
             if start_id < offset:
                 if not pyfuse3.readdir_reply(token, name, await self._dot(d, name), offset):
@@ -489,15 +564,19 @@ class PfsOperations(pyfuse3.Operations):
         cookie = start_id - DOT_OFFSETS
         if d.pending_after != cookie:  # a new position (or a rewind): fetch afresh
             d.pending, d.pending_after, d.eof = [], cookie, False
+            if cookie != 0:
+                d.listing = None  # a seek: not a listing from the start
         while True:
             if not d.pending:
                 if d.eof:
+                    self._listed(d)
                     return
                 with fs_errors():
                     d.pending, d.eof = await self.meta.readdir(d.ino, d.pending_after,
                                                                READDIR_PAGE, True, d.cred)
                 if not d.pending:
                     d.eof = True
+                    self._listed(d)
                     return
             while d.pending:
                 e = d.pending[0]
@@ -505,12 +584,22 @@ class PfsOperations(pyfuse3.Operations):
                 if attr is None:
                     with fs_errors():
                         attr = await self.meta.getattr(e.inode_number)
-                if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self.entry(attr),
+                bname = os.fsencode(e.name)
+                if not pyfuse3.readdir_reply(token, bname, self.entry(attr),
                                              e.cookie + DOT_OFFSETS):
                     return
+                if d.listing is not None:
+                    d.listing.append(bname)
                 self._lookups[attr.st_ino] = self._lookups.get(attr.st_ino, 0) + 1
                 d.pending.pop(0)
                 d.pending_after = e.cookie
+
+    def _listed(self, d: _DirHandle) -> None:
+        """The listing reached its end: if it was read from the start, with no change
+        made here meanwhile, the directory held these names when it started."""
+        if d.listing is not None and d.listing_epoch == self._known.epoch:
+            self._known.learn(d.ino, d.listing, d.listing_since)
+        d.listing = None
 
     async def _dot(self, d: _DirHandle, name: bytes) -> pyfuse3.EntryAttributes:
         """'.' or '..' for a listing: only the inode number and type reach the caller

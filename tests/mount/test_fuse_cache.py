@@ -113,3 +113,107 @@ def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path)
     assert calls(after, "release") - calls(before, "release") < n  # batched, if at all
     assert calls(last, "commit_size") - calls(after, "commit_size") == 1  # at FLUSH
 
+
+
+def test_a_default_mount_holds_no_name_missing_in_a_directory_it_made_or_listed(
+        mdir: Path, mdir2: Path) -> None:
+    """Without negative_timeout, a directory this mount made, or listed in full, never
+    answers a missing name itself: a name another mount creates in it is there at once."""
+    os.mkdir(mdir / "made")
+    assert _missing(mdir / "made" / "x")
+    (mdir2 / "made" / "x").write_bytes(b"b")
+    assert (mdir / "made" / "x").read_bytes() == b"b"
+    assert os.listdir(mdir / "made") == ["x"]  # listed in full
+    (mdir2 / "made" / "y").write_bytes(b"b2")
+    assert (mdir / "made" / "y").read_bytes() == b"b2"
+
+
+def test_a_known_directory_hides_a_name_made_elsewhere_at_most_negative_timeout(
+        client_toml: Path, mnt: Path, mdir: Path) -> None:
+    """With negative_timeout, a directory this mount made (or listed in full) answers a
+    missing name itself, for at most negative_timeout from when it was known: then a
+    name another mount made in it is there. A create never makes a second file: O_EXCL
+    gets EEXIST, a plain O_CREAT opens the other mount's file."""
+    with mounted(client_toml, f"negative_timeout={NEG:g}") as neg:
+        here = neg / mdir.relative_to(mnt)
+        t0 = time.monotonic()
+        os.mkdir(here / "made")  # known: empty
+        os.mkdir(mdir / "listed")
+        assert os.listdir(here / "listed") == []  # known: listed in full
+        for d in ("made", "listed"):
+            for n in ("seen", "excl", "creat"):
+                (mdir / d / n).write_bytes(b"elsewhere")
+            # missing here until the bound is over (if it is not over already); the
+            # kernel caches that answer only for what is left of the bound
+            _missing(here / d / "seen")
+            with pytest.raises(FileExistsError):
+                os.open(here / d / "excl", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(here / d / "creat", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, b"+")
+            finally:
+                os.close(fd)
+            assert (mdir / d / "creat").read_bytes() == b"elsewhere+"
+        time.sleep(max(0.0, t0 + NEG + 0.5 - time.monotonic()))
+        for d in ("made", "listed"):
+            assert (here / d / "seen").read_bytes() == b"elsewhere"
+
+
+def test_a_name_held_missing_here_is_there_once_this_mount_makes_it(
+        client_toml: Path, mnt: Path, mdir: Path) -> None:
+    """A missing name answered without the metaserver follows this mount's own changes
+    at once: create, mkdir, symlink, link and rename make a name there; unlink, rmdir
+    and rename take it away."""
+    with mounted(client_toml, f"negative_timeout={NEG:g}") as neg:
+        d = neg / mdir.relative_to(mnt) / "own"
+        os.mkdir(d)
+        for n in ("f", "sub", "sym", "hard", "moved"):
+            assert _missing(d / n)
+        (d / "f").write_bytes(b"f")
+        assert (d / "f").read_bytes() == b"f"
+        os.mkdir(d / "sub")
+        assert (d / "sub").is_dir()
+        os.symlink("f", d / "sym")
+        assert os.readlink(d / "sym") == "f"
+        os.link(d / "f", d / "hard")
+        assert os.stat(d / "hard").st_nlink == 2
+        os.rename(d / "hard", d / "moved")
+        assert _missing(d / "hard") and (d / "moved").read_bytes() == b"f"
+        os.unlink(d / "moved")
+        os.rmdir(d / "sub")
+        assert _missing(d / "moved") and _missing(d / "sub")
+        assert os.stat(d / "f").st_nlink == 1
+        assert sorted(os.listdir(mdir / "own")) == ["f", "sym"]  # as the other mount sees
+
+
+def test_creates_in_a_directory_made_here_skip_the_lookup(client_toml: Path,
+                                                          tmp_path: Path) -> None:
+    """With negative_timeout, O_EXCL creates in a directory this mount just made cost
+    one metaserver call each (the CREATE), not two: the kernel's LOOKUP of each new name
+    is answered here."""
+    from tests.metrics_scrape import free_port as _free_port
+    from tests.metrics_scrape import scrape as _scrape
+    from tests.metrics_scrape import value as _value
+
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    n = 20
+    with mounted(toml, "negative_timeout=30") as m:
+        d = m / f"lean-{os.getpid()}"
+        before = _scrape(port)
+        d.mkdir()
+        for i in range(n):
+            os.close(os.open(d / f"f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        after = _scrape(port)
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+    def calls(method: str) -> float:
+        return (_value(after, "pfs_rpc_requests_total", service="client", method=method)
+                - _value(before, "pfs_rpc_requests_total", service="client", method=method))
+
+    assert calls("create") == n
+    assert calls("lookup") <= 1  # (the directory's own name, before the mkdir)

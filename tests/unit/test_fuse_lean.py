@@ -1,0 +1,97 @@
+"""The mount's request path without a kernel: the directories whose names it knows
+(``pfs.fuse.known_dirs``) and the lock pyfuse3's workers hand over (``pfs.fuse.workers``)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
+from pfs.fuse.workers import HandoffLock, trio_for_pyfuse3
+
+
+def test_a_known_directory_answers_missing_names_only_within_the_bound() -> None:
+    k = KnownDirs(0.3)
+    k.learn(7, [b"a", b"b"], time.monotonic())
+    assert k.absent(7, b"a") is None  # there: asked of the metaserver
+    left = k.absent(7, b"c")
+    assert left is not None and 0 < left <= 0.3
+    assert k.absent(8, b"c") is None  # not known
+    assert k.absent(7, b".") is None and k.absent(7, b"..") is None
+    time.sleep(0.35)
+    assert k.absent(7, b"c") is None  # the bound is over: ask again
+
+
+def test_the_bound_counts_from_when_the_directory_was_known() -> None:
+    k = KnownDirs(1.0)
+    k.learn(7, [], time.monotonic() - 0.8)  # listed 0.8 s ago
+    left = k.absent(7, b"x")
+    assert left is not None and left <= 0.2
+    k.learn(9, [], time.monotonic() - 2.0)  # already over: not kept
+    assert k.absent(9, b"x") is None
+
+
+def test_this_mounts_changes_keep_the_names_right() -> None:
+    k = KnownDirs(5.0)
+    k.learn(7, [], time.monotonic())
+    k.added(7, b"new")
+    assert k.absent(7, b"new") is None  # made here: there at once
+    k.removed(7, b"new")
+    assert k.absent(7, b"new") is not None
+    k.found(7, b"elsewhere")  # the metaserver has a name held missing: the set is wrong
+    assert k.absent(7, b"other") is None
+    k.learn(7, [], time.monotonic())
+    epoch = k.epoch
+    k.drop(7)  # a change that failed or may have happened
+    assert k.absent(7, b"x") is None and k.epoch > epoch
+
+
+def test_off_and_too_large_keep_nothing() -> None:
+    off = KnownDirs(0.0)
+    off.learn(7, [], time.monotonic())
+    assert not off.enabled and off.absent(7, b"x") is None
+    k = KnownDirs(5.0)
+    k.learn(7, (b"%d" % i for i in range(MAX_NAMES + 1)), time.monotonic())
+    assert k.absent(7, b"x") is None
+
+
+def test_the_handoff_lock_serves_waiters_in_order_and_drops_a_cancelled_one() -> None:
+    async def main() -> None:
+        lock = HandoffLock()
+        order: list[int] = []
+
+        async def worker(i: int) -> None:
+            async with lock:
+                order.append(i)
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as n:
+            for i in range(4):
+                n.start_soon(worker, i)
+                await trio.testing.wait_all_tasks_blocked()
+        assert order == [0, 1, 2, 3] and not lock.locked()
+
+        async with trio.open_nursery() as n:
+            async def holder() -> None:
+                async with lock:
+                    await trio.sleep(0.05)
+
+            n.start_soon(holder)
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.01) as scope:
+                async with lock:
+                    pytest.fail("acquired a held lock")
+            assert scope.cancelled_caught
+            n.start_soon(worker, 9)  # the next waiter still gets it
+        assert order[-1] == 9 and not lock.locked()
+
+    trio.run(main)
+
+
+def test_pyfuse3_gets_trio_with_the_handoff_lock() -> None:
+    m = trio_for_pyfuse3()
+    assert m.Lock is HandoffLock
+    assert m.lowlevel is trio.lowlevel and m.ClosedResourceError is trio.ClosedResourceError
+    assert m.open_nursery is trio.open_nursery
