@@ -381,7 +381,7 @@ def _published_matches_the_index(kv: KvStore) -> None:
             left_out += 1
             continue
         at = F.INDEX_HEAD_SIZE + e.slot * F.SLOT.size
-        assert F.slot_ok(pub.mm, at)
+        assert F.slot_ok(memoryview(pub.mm), at)
         tag, seq, slab, off, vlen, _ = F.SLOT.unpack_from(pub.mm, at)
         assert (tag, seq, slab, off, vlen) == (F.tag_of(ns.encode(), key), e.seq,
                                                e.slab.sid, e.off, e.vlen)
