@@ -457,11 +457,19 @@ class AsyncKVCache:
     async def _exists_remote(self, keys: list[bytes]) -> list[bool]:
         self.pool.expire_down()
         by_home: dict[str, list[int]] = {}
+        present = [False] * len(keys)
+        nsb = self.ns.encode()
         for i, k in enumerate(keys):
             homes = self._homes(k)
-            if homes:
-                by_home.setdefault(homes[0], []).append(i)
-        present = [False] * len(keys)
+            if not homes:
+                continue
+            lk = await self.local(homes[0])
+            if lk is not None:  # a home on this host: its published index answers
+                got = lk.lookup(nsb, k)
+                if got != ASK:
+                    present[i] = got != MISS
+                    continue
+            by_home.setdefault(homes[0], []).append(i)
 
         async def ask(sid: str, idx: list[int]) -> None:
             try:

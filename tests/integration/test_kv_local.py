@@ -280,6 +280,8 @@ def test_kvcache_uses_the_local_server_and_only_when_allowed(client_toml: Path) 
         for k in keys:
             assert kv.get(k, out) and out == value_of(k, 40_000)
         assert not kv.get(b"sc-absent", out)
+        assert kv.exists(keys) == len(keys)  # from the published indexes
+        assert kv.exists(keys[:3] + [b"sc-absent"] + keys[3:]) == 3
         st = kv.stats()
         assert st["local_hits"] == len(keys) and st["remote_hits"] == 0
         assert st["local_servers"]
@@ -288,4 +290,8 @@ def test_kvcache_uses_the_local_server_and_only_when_allowed(client_toml: Path) 
             assert kv.get(k, out) and out == value_of(k, 40_000)
         st = kv.stats()
         assert st["local_hits"] == 0 and st["remote_hits"] == len(keys)
+        assert kv.remove(keys[:1]) == 1
+    with KVCache(client_toml, NS, node_tier_bytes=0) as kv:
+        assert kv.exists(keys) == 0  # the removal is in the index at once
+        assert kv.exists(keys[1:]) == len(keys) - 1
         kv.remove(keys)
