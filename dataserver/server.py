@@ -523,7 +523,9 @@ class DataService(RpcService):
             self._kv_allowed(ctx, ns, "kv_open")
         fd = self.kv.open_for_reader(req.slab)
         size = os.fstat(fd).st_size
-        return Reply(K.KvOpenReply(size=size), fds=[fd], release=lambda: os.close(fd))
+        live = list(self.kv.slabs) if req.slab == 0 else []
+        return Reply(K.KvOpenReply(size=size, slabs=live), fds=[fd],
+                     release=lambda: os.close(fd))
 
     async def rpc_kv_stats(self, ctx: ConnContext, req: K.KvStats) -> K.KvStatsReply:
         st = self.kv.stats()

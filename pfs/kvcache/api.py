@@ -55,6 +55,7 @@ BACKGROUND_BYTES = 256 << 20  # bytes of sync=False puts queued before a put wai
 PARALLEL = 32  # requests of one batch in flight at once
 THREAD_BYTES = 1 << 20  # the async client moves node-tier blocks this large in a thread
 LOCAL_RETRY = 5.0  # seconds before a home with no short-circuit is asked again
+LOCAL_SETUP = 5.0  # seconds start() waits for the short-circuits to the pool's servers
 _NS = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -164,6 +165,11 @@ class AsyncKVCache:
         await self.pool.refresh()
         if not len(self.pool.addrs):
             log.warning("KV cache: no data server with a KV budget in the pool")
+        if self.local_auth is not None:  # the first gets find them ready
+            with trio.move_on_after(LOCAL_SETUP):
+                async with trio.open_nursery() as nursery:
+                    for sid in self.pool.addrs:
+                        nursery.start_soon(self._setup_local, sid)
         if self._refresh > 0 and math.isfinite(self._refresh):
             self._nursery.start_soon(self._refresher, name="pfs-kv-refresh")
 
@@ -397,6 +403,11 @@ class AsyncKVCache:
             self.locals[sid] = lk
             self._local_at[sid] = time.monotonic() + LOCAL_RETRY
             return lk
+
+    async def _setup_local(self, sid: str) -> None:
+        lk = await self.local(sid)
+        if lk is not None:
+            await lk.prefetch()
 
     async def _get_local(self, sid: str, k: bytes, view: memoryview) -> int:
         """A short-circuit get from home ``sid``: the length (a hit), MISS, or ASK."""

@@ -35,6 +35,7 @@ from pfs.core import kvformat as F
 from pfs.core.auth import ClientAuth
 from pfs.core.errors import ProtocolError, from_wire
 from pfs.core.messages import kv as K
+from pfs.core.messages.base import parse_reply
 from pfs.core.wire.protocol import Kind
 from pfs.core.wire.transport import Connection, local_socket_name, open_unix_connection
 
@@ -44,6 +45,8 @@ MISS = 0  # get_into: the key is not at this server
 ASK = -1  # get_into: ask the server (the index could not answer for sure)
 _DEAD = select.POLLIN | select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 _BUCKET = F.WAYS * F.SLOT.size
+MAX_FDS = 256  # slab descriptors held per server at most (the oldest go first)
+PREFETCH = 16  # slab descriptors taken at connect time (the newest: the likeliest read)
 Slot = tuple[int, int, int, int, int]  # tag, seq, slab id, offset, value length
 
 
@@ -60,8 +63,10 @@ class LocalKv:
     """Short-circuit gets from one data server on this host; ``get_into`` is called
     from any thread, ``open_slab`` and ``close`` from the event loop's."""
 
-    def __init__(self, sid: str, conn: Connection, index_fd: int) -> None:
+    def __init__(self, sid: str, conn: Connection, index_fd: int,
+                 live: list[int] | None = None) -> None:
         self.sid = sid
+        self.live = list(live or [])  # the server's slabs when the index was handed out
         self.conn = conn
         try:
             size = os.fstat(index_fd).st_size
@@ -189,13 +194,27 @@ class LocalKv:
                     self.dead = True
                 return
             with self._lock:
-                self.fds[slab] = fd
+                if len(self.fds) >= MAX_FDS and not self._busy:
+                    oldest = min(self.fds)
+                    os.close(self.fds.pop(oldest))
+                kept = len(self.fds) < MAX_FDS
+                if kept:
+                    self.fds[slab] = fd
+            if not kept:  # reads in flight: gets of keys there ask the server meanwhile
+                os.close(fd)
+                return
             self.counts["slabs"] += 1
+
+    async def prefetch(self, n: int = PREFETCH) -> None:
+        """Take the descriptors of the ``n`` newest slabs now, so that the first gets
+        there need no round trip."""
+        for slab in self.live[-n:]:
+            await self.open_slab(slab)
 
     async def _open(self, slab: int) -> int:
         self._asking = True
         try:
-            return await kv_open(self.conn, self._next_rid(), slab)
+            return (await kv_open(self.conn, self._next_rid(), slab))[0]
         except BaseException:
             self.dead = True  # a reply half-read leaves the stream out of step
             raise
@@ -216,9 +235,11 @@ class LocalKv:
         self.conn.close()
 
 
-async def kv_open(conn: Connection, rid: int, slab: int) -> int:
-    """One ``kv_open`` over a local connection: the descriptor it hands out."""
-    await conn.send_frame(Kind.REQUEST, rid, K.KvOpen(slab=slab).to_wire())
+async def kv_open(conn: Connection, rid: int, slab: int) -> tuple[int, K.KvOpenReply]:
+    """One ``kv_open`` over a local connection: the descriptor it hands out, and the
+    reply."""
+    msg = K.KvOpen(slab=slab)
+    await conn.send_frame(Kind.REQUEST, rid, msg.to_wire())
     head, fds = await conn.recv_frame_with_fds()
     if head.kind == Kind.ERROR or not fds:
         for fd in fds:
@@ -226,7 +247,12 @@ async def kv_open(conn: Connection, rid: int, slab: int) -> int:
         raise from_wire(head.fields.get("errno"), head.fields.get("msg"))
     for extra in fds[1:]:
         os.close(extra)
-    return fds[0]
+    try:
+        reply: K.KvOpenReply = parse_reply(msg, head.fields)
+    except OSError:
+        os.close(fds[0])
+        raise
+    return fds[0], reply
 
 
 async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
@@ -238,7 +264,7 @@ async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
         return None
     try:
         await auth.hello(conn)
-        fd = await kv_open(conn, 1, 0)
+        fd, reply = await kv_open(conn, 1, 0)
     except (OSError, ProtocolError, trio.TooSlowError) as exc:
         conn.close()
         log.info("data server %s: no short-circuit KV gets (%s)", sid, exc)
@@ -247,7 +273,7 @@ async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
         conn.close()
         raise
     try:
-        local = LocalKv(sid, conn, fd)
+        local = LocalKv(sid, conn, fd, reply.slabs)
     except OSError as exc:
         conn.close()
         log.info("data server %s: no short-circuit KV gets (%s)", sid, exc)

@@ -295,3 +295,28 @@ def test_kvcache_uses_the_local_server_and_only_when_allowed(client_toml: Path) 
         assert kv.exists(keys) == 0  # the removal is in the index at once
         assert kv.exists(keys[1:]) == len(keys) - 1
         kv.remove(keys)
+
+
+def test_descriptors_are_prefetched_and_capped(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from pfs.kvcache import local
+
+    monkeypatch.setattr(local, "MAX_FDS", 2)
+
+    async def main() -> None:
+        async with server(tmp_path, budget=8 << 20, slab_bytes=256 << 10) as srv, \
+                KvServerClient.connect("127.0.0.1", srv.port) as kv:
+            keys = [b"cap-%d" % i for i in range(12)]
+            for k in keys:  # about 5 slabs
+                await kv.put(NS, k, value_of(k, 100_000))
+            lk = await connect_local(srv.sid, auth.ClientAuth())
+            assert lk is not None and lk.live == sorted(srv.kvs.slabs)
+            await lk.prefetch()
+            assert set(lk.fds) == set(lk.live[-2:])  # the newest, within the cap
+            out = memoryview(bytearray(100_000))
+            for k in keys:
+                assert await local_get(lk, k, out) == 100_000 and out == value_of(k, 100_000)
+                assert len(lk.fds) <= 2
+            lk.close()
+
+    run(main)

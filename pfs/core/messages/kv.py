@@ -158,6 +158,8 @@ class KvOpenReply(ReplyMessage):
     payload_doc = ("as SCM_RIGHTS ancillary data, a read-only descriptor: of the published "
                    "index (`slab` 0) or of the slab asked for")
     size: int = Int(doc="the index's bytes, or the slab's")
+    slabs: list[int] = List(Int(), default=[], max_len=1 << 16,
+                            doc="with the index: the ids of the live slabs, oldest first")
 
 
 class KvOpen(DataRequest, method="kv_open", reply=KvOpenReply):
