@@ -85,8 +85,9 @@ class LocalKv:
         self._ask_lock = trio.Lock()
         self._asking = False  # a kv_open in flight: its reply makes the socket readable
         self._rid = 0
-        self._poll = select.poll()
-        self._poll.register(conn.sock.fileno(), _DEAD)
+        self._sock = conn.sock.fileno()
+        self._polls = threading.local()  # a poll object per thread (one is not shared)
+        self._oldest = 0  # the lowest slab id held (0: none)
         self.dead = False
         self._complete = False  # no key left out of the index: an absent key is a miss
         self.counts = {"hits": 0, "misses": 0, "asks": 0, "slabs": 0}
@@ -96,14 +97,25 @@ class LocalKv:
         (_m, _v, _b, _w, beat, unpublished, low, closed) = F.INDEX_HEAD.unpack_from(self.mm)
         if closed or time.monotonic() - beat > F.LIVE_FOR or self.conn.closed:
             self.dead = True
-        elif not self._asking and self._poll.poll(0):
+        elif not self._asking and self._poller().poll(0):
             self.dead = True  # the server closed the connection: it stopped or died
         if self.dead:
             return False
-        if self.fds and low > min(self.fds):
+        if 0 < self._oldest < low:
             self._reap(low)
         self._complete = not unpublished
         return True
+
+    def _poller(self) -> select.poll:
+        p: select.poll | None = getattr(self._polls, "p", None)
+        if p is None:
+            p = self._polls.p = select.poll()
+            p.register(self._sock, _DEAD)
+        return p
+
+    def _held(self) -> None:
+        """(under the lock) note the lowest slab id held."""
+        self._oldest = min(self.fds) if self.fds else 0
 
     def _reap(self, low: int) -> None:
         """Close the descriptors of slabs the server evicted (their disk space is held
@@ -113,6 +125,7 @@ class LocalKv:
                 return
             old = [s for s in self.fds if s < low]
             fds = [self.fds.pop(s) for s in old]
+            self._held()
         for fd in fds:
             os.close(fd)
 
@@ -200,6 +213,7 @@ class LocalKv:
                 kept = len(self.fds) < MAX_FDS
                 if kept:
                     self.fds[slab] = fd
+                self._held()
             if not kept:  # reads in flight: gets of keys there ask the server meanwhile
                 os.close(fd)
                 return
@@ -229,6 +243,7 @@ class LocalKv:
         self.dead = True
         with self._lock:
             fds, self.fds = list(self.fds.values()), {}
+            self._held()
         for fd in fds:
             os.close(fd)
         self.mm.close()
