@@ -1,9 +1,10 @@
 """The KV block store's on-disk format: records appended to slab files, and the scan
 that rebuilds the index from them at start.
 
-A slab is a file ``DIR/kv/<id>.slab`` (``<id>``: 16 hex digits, increasing: the order
-slabs were opened in, which is the order they are evicted in). It holds records one
-after another, each position-independent (a record copied to another slab is the same
+The record's head is defined in :mod:`pfs.core.kvformat` (a client on the server's
+host checks it too: short-circuit gets). A slab is a file ``DIR/kv/<id>.slab``
+(``<id>``: 16 hex digits, increasing: the order slabs were opened in, which is the
+order they are evicted in). It holds records one after another, each position-independent (a record copied to another slab is the same
 bytes)::
 
     magic "PKV1" | flags u8 | ns_len u8 | key_len u16 | value_len u32 | seq u64
@@ -24,36 +25,33 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from dataclasses import dataclass
 
 import crc32c
 
+from pfs.core.kvformat import (  # noqa: F401 (the record format, re-exported)
+    HEAD,
+    HEAD_CRC_AT,
+    MAGIC,
+    MAX_KEY,
+    MAX_NS,
+    MAX_VALUE,
+    PINNED,
+    TOMBSTONE,
+    head_crc,
+    pack_head,
+)
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"PKV1"
-HEAD = struct.Struct("<4sBBHIQII")
-HEAD_CRC_AT = HEAD.size - 4  # the head's own checksum covers the bytes before it
-PINNED = 1
-TOMBSTONE = 2
 SUFFIX = ".slab"
 KV_DIR = "kv"
-MAX_NS = 128
-MAX_KEY = 256
-MAX_VALUE = 64 << 20
 _PREFIX = HEAD.size + MAX_NS + MAX_KEY  # a head with the longest namespace and key
 SCAN_CHUNK = 1 << 20  # bytes a scan reads at once among small records
 
 
 def record_size(ns: bytes, key: bytes, vlen: int) -> int:
     return HEAD.size + len(ns) + len(key) + vlen
-
-
-def pack_head(ns: bytes, key: bytes, vlen: int, seq: int, vcrc: int, flags: int) -> bytes:
-    """The head, namespace and key of a record (its value follows)."""
-    body = HEAD.pack(MAGIC, flags, len(ns), len(key), vlen, seq, vcrc, 0)[:HEAD_CRC_AT]
-    hcrc = crc32c.crc32c(key, crc32c.crc32c(ns, crc32c.crc32c(body)))
-    return body + struct.pack("<I", hcrc) + ns + key
 
 
 @dataclass(slots=True)
@@ -86,8 +84,7 @@ def parse_head(buf: bytes | memoryview, off: int, file_size: int) -> Scanned | N
         return None
     ns = bytes(buf[HEAD.size:HEAD.size + nlen])
     key = bytes(buf[HEAD.size + nlen:HEAD.size + nlen + klen])
-    want = crc32c.crc32c(key, crc32c.crc32c(ns, crc32c.crc32c(bytes(buf[:HEAD_CRC_AT]))))
-    if want != hcrc:
+    if head_crc(bytes(buf[:HEAD_CRC_AT]), ns, key) != hcrc:
         return None
     size = HEAD.size + nlen + klen + vlen
     if off + size > file_size:

@@ -51,6 +51,7 @@ import crc32c
 import trio
 
 from pfs.dataserver import kvslab as fmt
+from pfs.dataserver.kvindex import PublishedIndex
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ DEFAULT_CAP = 64 << 30  # ... at most
 MAX_SLAB = 64 << 20  # bytes of records a slab takes before the next one opens
 MIN_SLAB = 256 << 10
 SYNC_INTERVAL = 2.0  # seconds between flushes of the slabs written to
+HEARTBEAT = 1.0  # seconds between two stamps of the published index's heartbeat
 INLINE_MAX = 64 << 10  # I/O below this runs in the event loop; get buffers from it pooled
 WRITE_INLINE_MAX = 256 << 10  # appends below this are written in the event loop
 CRC_INLINE_MAX = 1 << 20  # values up to this are checksummed in the event loop
@@ -196,13 +198,15 @@ class Slab:
 class Entry:
     """Where the newest record of a key lies, and its eviction state."""
 
-    __slots__ = ("slab", "off", "hlen", "vlen", "crc", "seq", "pinned", "ref")
+    __slots__ = ("slab", "off", "hlen", "vlen", "crc", "seq", "pinned", "ref", "slot")
 
     def __init__(self, slab: Slab, off: int, hlen: int, vlen: int, crc: int, seq: int,
                  pinned: bool) -> None:
         self.slab, self.off, self.hlen, self.vlen = slab, off, hlen, vlen
         self.crc, self.seq, self.pinned = crc, seq, pinned
         self.ref = False  # read since written or moved: survives one eviction
+        # its slot in the published index (-1: left out, counted; None: not published)
+        self.slot: int | None = None
 
     @property
     def size(self) -> int:
@@ -241,6 +245,37 @@ class KvStore:
         self._evicting = trio.Lock()
         self._free_at: dict[str, tuple[float, int, int]] = {}  # dir -> (when, free, total)
         self._pressure_until = 0.0
+        # the index in shared memory for short-circuit gets (kvindex.py); None: off
+        self.published: PublishedIndex | None = None
+
+    def publish(self) -> PublishedIndex:
+        """Publish the index in shared memory from now on (the server's local socket
+        hands it out); every key indexed so far goes in."""
+        if self.published is None:
+            self.published = PublishedIndex(self.budget)
+            for key, e in self.index.items():
+                self._publish(key, e)
+            self._low()
+        return self.published
+
+    def _publish(self, key: Key, e: Entry) -> None:
+        pub = self.published
+        if pub is not None:
+            e.slot = pub.publish(key[0].encode("ascii"), key[1], e.seq, e.slab.sid,
+                                 e.off, e.vlen)
+
+    def _unpublish(self, e: Entry) -> None:
+        pub = self.published
+        if pub is not None:
+            if e.slot is not None and e.slot >= 0:
+                pub.clear(e.slot)
+            elif e.slot is not None:
+                pub.forget_unpublished()
+            e.slot = None
+
+    def _low(self) -> None:
+        if self.published is not None:
+            self.published.set_low(next(iter(self.slabs), self.next_sid))
 
     @property
     def enabled(self) -> bool:
@@ -308,6 +343,9 @@ class KvStore:
             await self._make_room(0)
 
     def close(self) -> None:
+        if self.published is not None:
+            self.published.close()
+            self.published = None
         for slab in self.slabs.values():
             slab.dead = True
             if slab.refs == 0:
@@ -320,8 +358,12 @@ class KvStore:
                   ) -> None:
         """Flush the slabs written to, every SYNC_INTERVAL seconds, until cancelled."""
         task_status.started()
+        beats = max(1, round(SYNC_INTERVAL / HEARTBEAT))
         while True:
-            await trio.sleep(SYNC_INTERVAL)
+            for _ in range(beats):
+                await trio.sleep(SYNC_INTERVAL / beats)
+                if self.published is not None:
+                    self.published.beat()
             await self.sync()
 
     async def sync(self) -> None:
@@ -352,8 +394,14 @@ class KvStore:
 
     # -- the index -----------------------------------------------------------------
     def _index(self, key: Key, e: Entry) -> None:
+        """Index ``e`` (published too: into the slot it inherited, or a new one)."""
         self.index[key] = e
         e.slab.keys.add(key)
+        if e.slot is not None and e.slot >= 0 and self.published is not None:
+            self.published.move(e.slot, key[0].encode("ascii"), key[1], e.seq, e.slab.sid,
+                                e.off, e.vlen)
+        else:
+            self._publish(key, e)
         self.live += e.size
         if e.pinned:
             self.pinned += 1
@@ -362,6 +410,7 @@ class KvStore:
     def _drop(self, key: Key, e: Entry) -> None:
         del self.index[key]
         e.slab.keys.discard(key)
+        self._unpublish(e)
         self.live -= e.size
         if e.pinned:
             self.pinned -= 1
@@ -443,6 +492,7 @@ class KvStore:
             self.current = None
         self.used -= slab.size
         slab.dead = True
+        self._low()
         try:
             os.unlink(slab.path)
         except FileNotFoundError:
@@ -540,6 +590,9 @@ class KvStore:
                         continue
                     e.slab, e.off, e.ref = slab, off, False
                     slab.keys.add(key)
+                    if e.slot is not None and e.slot >= 0 and self.published is not None:
+                        self.published.move(e.slot, key[0].encode("ascii"), key[1], e.seq,
+                                            slab.sid, off, e.vlen)
                     moved += len(buf)
             finally:  # a copy failed (the disk is full): the rest go with the victim
                 for key, e in keep:
@@ -572,7 +625,19 @@ class KvStore:
         return freed
 
     # -- operations ----------------------------------------------------------------
-    def _check_enabled(self) -> None:
+    def open_for_reader(self, slab: int) -> int:
+        """A new read-only descriptor of the published index (``slab`` 0) or of a live
+        slab, for a local client (short-circuit gets); ENOENT: gone or not published."""
+        if slab == 0:
+            if self.published is None:
+                raise OSError(errno.ENOENT, "kv: no index published (no local socket)")
+            return self.published.reader_fd()
+        s = self.slabs.get(slab)
+        if s is None or s.dead or self.published is None:
+            raise OSError(errno.ENOENT, f"kv slab {slab} is gone")
+        return os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def check_enabled(self) -> None:
         if not self.enabled:
             raise OSError(errno.EOPNOTSUPP, "this data server keeps no KV blocks "
                                             "(kv_budget 0)")
@@ -581,7 +646,7 @@ class KvStore:
                   crc: int, pin: bool = False) -> int:
         """Store ``value`` under ``(ns, key)`` (replacing an older one): EIO when it
         does not match ``crc``; EFBIG when the record exceeds the whole budget."""
-        self._check_enabled()
+        self.check_enabled()
         view = memoryview(value)
         n = view.nbytes
         got = await self._io(n, _crc, view, inline_max=CRC_INLINE_MAX + 1)
@@ -601,12 +666,17 @@ class KvStore:
         slab, off = self._reserve(size)
         await self._append(slab, off, [memoryview(head), view])
         k = (ns, key)
+        new = Entry(slab, off, len(head), n, crc, seq, pin)
         old = self.index.get(k)
         if old is not None:
             if old.seq > seq:  # a later put of the key landed first
                 return n
+            # the new record takes the old one's published slot: a local reader never
+            # finds the key absent in between
+            if old.slot is not None and old.slot >= 0:
+                new.slot, old.slot = old.slot, None
             self._drop(k, old)
-        self._index(k, Entry(slab, off, len(head), n, crc, seq, pin))
+        self._index(k, new)
         self.counters.puts += 1
         self.counters.bytes_in += n
         return n

@@ -512,6 +512,21 @@ class DataService(RpcService):
         self._kv_allowed(ctx, req.ns, "kv_remove")
         return K.KvRemoveReply(n=await self.kv.remove(req.ns, req.keys))
 
+    async def rpc_kv_open(self, ctx: ConnContext, req: K.KvOpen) -> Reply:
+        """Short-circuit gets: the published index or a slab, read-only, to a client on
+        this host that may read every namespace (a slab mixes them)."""
+        if not ctx.local:
+            raise OSError(errno.EPERM, "kv_open: descriptors are handed out only over the "
+                                       "data server's local socket")
+        self.kv.check_enabled()
+        for ns in self.kv_namespaces:
+            self._kv_allowed(ctx, ns, "kv_open")
+        fd = self.kv.open_for_reader(req.slab)
+        size = os.fstat(fd).st_size
+        live = list(self.kv.slabs) if req.slab == 0 else []
+        return Reply(K.KvOpenReply(size=size, slabs=live), fds=[fd],
+                     release=lambda: os.close(fd))
+
     async def rpc_kv_stats(self, ctx: ConnContext, req: K.KvStats) -> K.KvStatsReply:
         st = self.kv.stats()
         return K.KvStatsReply(budget=st["budget"], used=st["used"], blocks=st["blocks"],
@@ -869,6 +884,8 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         async with trio.open_nursery() as nursery:
             await nursery.start(service.peers.run)
             if kv.enabled:
+                if config.local_socket:  # short-circuit gets for clients on this host
+                    kv.publish()
                 await nursery.start(kv.run)
             port: int = await nursery.start(service.serve, config.host, config.port)
             if config.meta:

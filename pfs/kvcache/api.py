@@ -2,7 +2,8 @@
 ``KVCache`` its blocking twin).
 
 A get looks in the node's shared memory tier (:mod:`pfs.kvcache.nodetier`), then at the
-block's homes (:mod:`pfs.kvcache.homes` over :mod:`pfs.kvcache.pool`); a hit at a home
+block's homes - a home on this host read by the client itself from the server's slabs
+(short-circuit, :mod:`pfs.kvcache.local`), any other (:mod:`pfs.kvcache.homes` over :mod:`pfs.kvcache.pool`); a hit at a home
 fills the node tier (read-through), so the next get on this node is local. A put writes
 the node tier and, by default (``sync=True``), the block's homes before it returns: the
 block is then visible to every node. ``sync=False`` returns once the node tier holds it
@@ -21,6 +22,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -34,8 +36,10 @@ from pfs.client.aio import AsyncClient
 from pfs.client.data import run_all
 from pfs.client.sync import _Loop
 from pfs.core import metrics
+from pfs.core.auth import ClientAuth
 from pfs.core.config import client_config
 from pfs.kvcache.direct import DirectKv
+from pfs.kvcache.local import ASK, MISS, LocalKv, NeedSlab, connect_local
 from pfs.kvcache.nodetier import NodeTier
 from pfs.kvcache.pool import SKIP, BlockStore, Connect, Lookup, Pool
 from pfs.kvcache.remote import KvServerClient
@@ -50,6 +54,8 @@ REFRESH = 30.0  # seconds between two reads of the pool from the metaserver
 BACKGROUND_BYTES = 256 << 20  # bytes of sync=False puts queued before a put waits
 PARALLEL = 32  # requests of one batch in flight at once
 THREAD_BYTES = 1 << 20  # the async client moves node-tier blocks this large in a thread
+LOCAL_RETRY = 5.0  # seconds before a home with no short-circuit is asked again
+LOCAL_SETUP = 5.0  # seconds start() waits for the short-circuits to the pool's servers
 _NS = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -128,9 +134,14 @@ class AsyncKVCache:
         # the blocking twin's route to the homes from its callers' threads (None: through
         # the event loop only)
         self.direct: DirectKv | None = None
+        # short-circuit gets from homes on this host (None: off; make_cache sets it)
+        self.local_auth: ClientAuth | None = None
+        self.locals: dict[str, LocalKv | None] = {}
+        self._local_at: dict[str, float] = {}  # sid -> when it may be tried again
+        self._local_lock = trio.Lock()
         self.counts: dict[str, int] = dict.fromkeys(
-            ("puts", "put_bytes", "gets", "node_hits", "remote_hits", "misses", "get_bytes",
-             "remote_errors", "background_failed"), 0)
+            ("puts", "put_bytes", "gets", "node_hits", "local_hits", "remote_hits",
+             "misses", "get_bytes", "remote_errors", "background_failed"), 0)
         self.closed = False
 
     @classmethod
@@ -154,6 +165,11 @@ class AsyncKVCache:
         await self.pool.refresh()
         if not len(self.pool.addrs):
             log.warning("KV cache: no data server with a KV budget in the pool")
+        if self.local_auth is not None:  # the first gets find them ready
+            with trio.move_on_after(LOCAL_SETUP):
+                async with trio.open_nursery() as nursery:
+                    for sid in self.pool.addrs:
+                        nursery.start_soon(self._setup_local, sid)
         if self._refresh > 0 and math.isfinite(self._refresh):
             self._nursery.start_soon(self._refresher, name="pfs-kv-refresh")
 
@@ -329,6 +345,13 @@ class AsyncKVCache:
     async def _get_remote(self, k: bytes, view: memoryview) -> int | None:
         self.pool.expire_down()
         for sid in self._homes(k):
+            got = await self._get_local(sid, k, view)
+            if got > 0:
+                if self.node is not None:
+                    await self._node_put(k, view[:got])  # read-through: into DRAM
+                return got
+            if got == MISS:
+                continue
             try:
                 async with self._slots:
                     n = await self.pool.store(sid).get_into(self.ns, k, view)
@@ -353,6 +376,63 @@ class AsyncKVCache:
         self.counts["misses"] += 1
         metrics.kv_op("get", "remote", "miss")
         return None
+
+    # -- short-circuit gets ---------------------------------------------------------
+    def local_due(self, sid: str) -> bool:
+        """Whether :meth:`local` should (re)connect to ``sid`` now."""
+        lk = self.locals.get(sid)
+        if lk is not None and not lk.dead:
+            return False
+        return self.local_auth is not None and time.monotonic() >= self._local_at.get(sid, 0)
+
+    async def local(self, sid: str) -> LocalKv | None:
+        """Short-circuit gets from home ``sid`` if it is on this host (and hands out its
+        index), connected on first use, again after it died, and retried every
+        LOCAL_RETRY seconds when it is not."""
+        if not self.local_due(sid):
+            lk = self.locals.get(sid)
+            return lk if lk is not None and not lk.dead else None
+        async with self._local_lock:
+            if not self.local_due(sid):
+                return self.locals.get(sid)
+            old = self.locals.pop(sid, None)
+            if old is not None:
+                old.close()
+            assert self.local_auth is not None
+            lk = await connect_local(sid, self.local_auth)
+            self.locals[sid] = lk
+            self._local_at[sid] = time.monotonic() + LOCAL_RETRY
+            return lk
+
+    async def _setup_local(self, sid: str) -> None:
+        lk = await self.local(sid)
+        if lk is not None:
+            await lk.prefetch()
+
+    async def _get_local(self, sid: str, k: bytes, view: memoryview) -> int:
+        """A short-circuit get from home ``sid``: the length (a hit), MISS, or ASK."""
+        lk = await self.local(sid)
+        if lk is None:
+            return ASK
+        nsb = self.ns.encode()
+        for _ in range(2):
+            if len(view) >= THREAD_BYTES:
+                got = await trio.to_thread.run_sync(lk.get_into, nsb, k, view)
+            else:
+                got = lk.get_into(nsb, k, view)
+            if not isinstance(got, NeedSlab):
+                break
+            await lk.open_slab(got.slab)
+        else:
+            return ASK
+        return self.count_local(got)
+
+    def count_local(self, got: int) -> int:
+        if got > 0:
+            self.counts["local_hits"] += 1
+            self.counts["get_bytes"] += got
+            metrics.kv_op("get", "local", "hit", got)
+        return got
 
     async def get_batch(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[bool]:
         if len(keys) != len(outs):
@@ -388,11 +468,19 @@ class AsyncKVCache:
     async def _exists_remote(self, keys: list[bytes]) -> list[bool]:
         self.pool.expire_down()
         by_home: dict[str, list[int]] = {}
+        present = [False] * len(keys)
+        nsb = self.ns.encode()
         for i, k in enumerate(keys):
             homes = self._homes(k)
-            if homes:
-                by_home.setdefault(homes[0], []).append(i)
-        present = [False] * len(keys)
+            if not homes:
+                continue
+            lk = await self.local(homes[0])
+            if lk is not None:  # a home on this host: its published index answers
+                got = lk.lookup(nsb, k)
+                if got != ASK:
+                    present[i] = got != MISS
+                    continue
+            by_home.setdefault(homes[0], []).append(i)
 
         async def ask(sid: str, idx: list[int]) -> None:
             try:
@@ -464,6 +552,7 @@ class AsyncKVCache:
         if self.node is not None:
             out.update(node_puts=self.node.puts, node_evictions=self.node.evictions,
                        node_corrupt=self.node.corrupt)
+        out["local_servers"] = sorted(s for s, lk in self.locals.items() if lk is not None)
         out["pool"] = len(self.pool.addrs)
         return out
 
@@ -489,6 +578,10 @@ class AsyncKVCache:
         except OSError as exc:
             log.warning("closing the KV cache: %s", exc)
         self.closed = True
+        for lk in self.locals.values():
+            if lk is not None:
+                lk.close()
+        self.locals.clear()
         self.pool.close()
         for close in self.on_close:
             close()
@@ -511,11 +604,13 @@ def _ro_buffer(buf: Any) -> device.DeviceBuffer:
 
 def make_cache(nursery: trio.Nursery, config: Any = None, namespace: str = "default", *,
                meta: str | None = None, node_tier_bytes: int = NODE_TIER_BYTES,
-               node_dir: str | None = None, **kw: Any) -> AsyncKVCache:
+               node_dir: str | None = None, short_circuit: bool | None = None,
+               **kw: Any) -> AsyncKVCache:
     """An AsyncKVCache in ``nursery`` (not started) on the cluster of ``config``: the
     pool from its metaserver, blocks over the data connections' credentials.
     ``node_tier_bytes=0``: no node tier; ``node_dir``: its folder (default
-    ``/dev/shm/pfs-kv-UID``); ``replicas``, ``pin``, ``refresh``: as AsyncKVCache."""
+    ``/dev/shm/pfs-kv-UID``); ``short_circuit``: read blocks whose home is on this host
+    from its slabs (default: the config's ``short_circuit``); ``replicas``, ``pin``, ``refresh``: as AsyncKVCache."""
     cfg = client_config(config, meta)
     check_ns(namespace)
     node = NodeTier(node_dir, node_tier_bytes) if node_tier_bytes > 0 else None
@@ -526,6 +621,8 @@ def make_cache(nursery: trio.Nursery, config: Any = None, namespace: str = "defa
 
     kv = AsyncKVCache(nursery, namespace, fs.meta.servers, connect, node_tier=node, **kw)
     kv.direct = DirectKv(fs.data_auth, lambda sid: kv.pool.addrs.get(sid), cfg.timeout)
+    if cfg.short_circuit if short_circuit is None else short_circuit:
+        kv.local_auth = fs.data_auth
     kv.on_close += [fs.close, kv.direct.close]
     return kv
 
@@ -572,6 +669,7 @@ class KVCache:
             raise
         self.node = self.aio.node
         self.ns = self.aio.ns
+        self._nsb = self.ns.encode()
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if getattr(self, "aio", None) is not None:
@@ -655,6 +753,13 @@ class KVCache:
         counts = aio.counts
         counts["gets"] += 1
         for sid in aio._homes(k):
+            got = self._get_local(sid, k, view) if aio.local_auth is not None else ASK
+            if got > 0:
+                if self.node is not None:
+                    self.node.put(self.ns, k, view[:got])  # read-through: into DRAM
+                return got
+            if got == MISS:
+                continue
             try:
                 n = direct.get_into(sid, self.ns, k, view)
             except OSError as exc:
@@ -676,6 +781,26 @@ class KVCache:
         counts["misses"] += 1
         metrics.kv_op("get", "remote", "miss")
         return None
+
+    def _get_local(self, sid: str, k: bytes, view: memoryview) -> int:
+        """A short-circuit get from home ``sid`` in this thread (the event loop only to
+        connect, or for a slab's descriptor met for the first time): the length (a
+        hit), MISS, or ASK."""
+        aio = self.aio
+        lk = aio.locals.get(sid)
+        if lk is None or lk.dead:
+            if not aio.local_due(sid):
+                return ASK
+            lk = self._run(aio.local, sid)
+            if lk is None:
+                return ASK
+        got = lk.get_into(self._nsb, k, view)
+        if isinstance(got, NeedSlab):
+            self._run(lk.open_slab, got.slab)
+            got = lk.get_into(self._nsb, k, view)
+            if isinstance(got, NeedSlab):
+                return ASK
+        return aio.count_local(got)
 
     def exists(self, keys: Sequence[Any]) -> int:
         """As AsyncKVCache.exists; a chain held whole by the node tier is answered in

@@ -210,10 +210,10 @@ def test_bench_kvcache_runs(cluster_dir: Path, tmp_path: Path,
                        "--procs", "1,2", "--bytes", "1m", "--local-dir", str(tmp_path),
                        "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for word in ("node", "server", "file", "get GB/s/core"):
+    for word in ("node", "local", "server", "file", "get GB/s/core"):
         assert word in text
     res = json.loads(out.read_text())
-    assert {c["backend"] for c in res["cells"]} >= {"node", "server", "file"}
+    assert {c["backend"] for c in res["cells"]} >= {"node", "local", "server", "file"}
     assert len(res["cells"]) >= 2 * 2 * 3
     for c in res["cells"]:
         assert c["errors"] == 0, c

@@ -364,3 +364,68 @@ def test_a_failed_move_during_eviction_leaves_no_entry_on_a_dropped_slab(
             assert await get(kv, b"after") == b"ok"
 
     run(main)
+
+
+def _published_matches_the_index(kv: KvStore) -> None:
+    """Every indexed key is in its published slot (or counted as left out), and no
+    slot names anything else."""
+    from pfs.core import kvformat as F
+
+    pub = kv.published
+    assert pub is not None
+    seen = set()
+    left_out = 0
+    for (ns, key), e in kv.index.items():
+        assert e.slot is not None
+        if e.slot < 0:
+            left_out += 1
+            continue
+        at = F.INDEX_HEAD_SIZE + e.slot * F.SLOT.size
+        assert F.slot_ok(memoryview(pub.mm), at)
+        tag, seq, slab, off, vlen, _ = F.SLOT.unpack_from(pub.mm, at)
+        assert (tag, seq, slab, off, vlen) == (F.tag_of(ns.encode(), key), e.seq,
+                                               e.slab.sid, e.off, e.vlen)
+        assert e.slot // F.WAYS == tag & (pub.buckets - 1)
+        seen.add(e.slot)
+    assert left_out == pub.unpublished
+    used = {i for i in range(pub.buckets * F.WAYS)
+            if F.SLOT.unpack_from(pub.mm, F.INDEX_HEAD_SIZE + i * F.SLOT.size)[0]}
+    assert used == seen
+    head = F.INDEX_HEAD.unpack_from(pub.mm)
+    assert head[5] == pub.unpublished and head[6] == next(iter(kv.slabs), kv.next_sid)
+
+
+def test_the_published_index_follows_puts_removals_evictions_and_restarts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pfs.dataserver import kvindex
+
+    monkeypatch.setattr(kvindex, "MIN_SLOTS", 64)  # 8 buckets: some fill up
+    monkeypatch.setattr(kvindex, "MAX_SLOTS", 64)
+    rng = random.Random(7)
+
+    async def main() -> None:
+        async with store([tmp_path], budget=1 << 20, slab=64 << 10) as kv:
+            kv.publish()
+            for _ in range(400):
+                key = b"k%d" % rng.randrange(120)
+                op = rng.random()
+                if op < 0.6:
+                    await put(kv, key, rng.randbytes(rng.choice([10, 3000, 20_000])),
+                              pin=rng.random() < 0.1)
+                elif op < 0.8:
+                    await get(kv, key)
+                else:
+                    await kv.remove(NS, [key])
+                _published_matches_the_index(kv)
+            assert kv.counters.evictions > 0 and kv.published is not None
+            assert kv.published.unpublished > 0  # full buckets were met
+        async with store([tmp_path], budget=1 << 20, slab=64 << 10) as kv:
+            kv.publish()  # after a restart: the rebuilt index, published whole
+            _published_matches_the_index(kv)
+            fd = kv.open_for_reader(0)
+            os.close(fd)
+            with pytest.raises(OSError) as e:
+                kv.open_for_reader(10 ** 9)
+            assert e.value.errno == errno.ENOENT
+
+    run(main)

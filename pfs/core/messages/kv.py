@@ -152,3 +152,21 @@ class KvRemove(DataRequest, method="kv_remove", reply=KvRemoveReply):
 
 class KvStats(DataRequest, method="kv_stats", reply=KvStatsReply):
     pass
+
+
+class KvOpenReply(ReplyMessage):
+    payload_doc = ("as SCM_RIGHTS ancillary data, a read-only descriptor: of the published "
+                   "index (`slab` 0) or of the slab asked for")
+    size: int = Int(doc="the index's bytes, or the slab's")
+    slabs: list[int] = List(Int(), default=[], max_len=1 << 16,
+                            doc="with the index: the ids of the live slabs, oldest first")
+
+
+class KvOpen(DataRequest, method="kv_open", reply=KvOpenReply):
+    note = ("short-circuit gets: the KV index this server publishes in shared memory, or "
+            "one slab file, handed to a client on this host (only over the server's local "
+            "socket: `EPERM` over TCP) whose key may use every namespace (`EACCES` while "
+            "some namespace is restricted to other node keys); `ENOENT` for a slab gone, "
+            "`EOPNOTSUPP` without a KV store")
+    slab: int = Int(lo=0, hi=(1 << 63) - 1, default=0,
+                    doc="0: the index; else the slab (its id, from an index slot)")

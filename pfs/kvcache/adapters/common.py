@@ -16,7 +16,7 @@ MAX_NS = 128
 _NOT_NS = re.compile(r"[^A-Za-z0-9._:-]+")
 # the options an engine's config may give (all optional but a cluster: config or meta)
 OPTIONS = ("config", "meta", "namespace", "node_tier_bytes", "node_dir", "replicas", "pin",
-           "sync")
+           "sync", "short_circuit")
 
 
 def namespace(*parts: str | None) -> str:
@@ -51,6 +51,8 @@ def open_cache(options: Mapping[str, Any], ns: str) -> KVCache:
         kw["replicas"] = int(options["replicas"])
     if "pin" in options:
         kw["pin"] = _flag(options["pin"])
+    if "short_circuit" in options:
+        kw["short_circuit"] = _flag(options["short_circuit"])
     return KVCache(options.get("config"), ns, meta=options.get("meta"), **kw)
 
 
