@@ -61,7 +61,6 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEADER_PROBE = 64 << 10  # first read of a shard: the length and, usually, the whole header
 ALIGN = 8  # region buffers start at multiples of this (relative to the data section)
-PFS_CONCURRENCY = 64  # strided-slice requests in flight through the pfs client
 POPULATE_THREADS = 1  # beside the reads' own workers (io_uring, the client's threads)
 
 # safetensors dtype -> (itemsize, numpy dtype name, torch dtype attribute)
@@ -380,7 +379,6 @@ class _PfsReader(_Reader):
 
     def __init__(self, aclient: Any) -> None:
         self.client = aclient
-        self.limiter = trio.CapacityLimiter(PFS_CONCURRENCY)
 
     async def open(self, path: str) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
@@ -396,20 +394,27 @@ class _PfsReader(_Reader):
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
                         progress: Any = None) -> list[int]:
+        """Each file's reads in one call (``File.pread_many``): its local objects are
+        read in bulk on threads, by object, each chunk verified as it is read."""
         out = [0] * len(ops)
+        by_file: dict[int, tuple[Any, list[int]]] = {}
+        for i, (f, _off, _view) in enumerate(ops):
+            by_file.setdefault(id(f), (f, []))[1].append(i)
+        lock = threading.Lock()
 
-        async def one(i: int, f: Any, off: int, view: memoryview) -> None:
-            if len(view) <= (1 << 20):  # small pieces: bounded; large ones are striped
-                async with self.limiter:
-                    out[i] = await f.pread_into(view, off)
-            else:
-                out[i] = await f.pread_into(view, off)
-            if progress is not None:
-                progress.add(out[i])
+        def done(n: int) -> None:  # from the client's worker threads
+            with lock:
+                progress.add(n)
+
+        async def one(f: Any, idx: list[int]) -> None:
+            got = await f.pread_many([(ops[i][1], ops[i][2]) for i in idx],
+                                     done=done if progress is not None else None)
+            for i, n in zip(idx, got, strict=True):
+                out[i] = n
 
         async with trio.open_nursery() as n:
-            for i, (f, off, view) in enumerate(ops):
-                n.start_soon(one, i, f, off, view)
+            for f, idx in by_file.values():
+                n.start_soon(one, f, idx)
         return out
 
     async def close(self, handle: Any) -> None:
