@@ -222,14 +222,16 @@ class FileHandle:
         return n
 
     async def pread_many(self, reads: Sequence[tuple[int, Any]], done: Any = None,
-                         chunk: int = 4 << 20) -> list[int]:
+                         chunk: int = 4 << 20, limiter: trio.CapacityLimiter | None = None
+                         ) -> list[int]:
         """Many reads ``(offset, buffer)`` of this file at once (a loader's regions);
         each one's bytes read, as :meth:`pread_into` gives. Whatever lies in local
         objects this handle holds descriptors of (:meth:`open_local`) is read in bulk,
         regrouped by object into preadv's of about ``chunk`` bytes on worker threads,
         each verified as soon as it is read (:meth:`HandleObjects.read_chunks`); the
         rest, and a chunk that did not verify, through :meth:`pread_into`. ``done(n)``:
-        called with bytes as they land, from any thread."""
+        called with bytes as they land, from any thread. ``limiter``: the worker
+        threads' (shared by the reads of several files: one pool for all)."""
         self._check(False)
         todo = []
         for off, buf in reads:
@@ -244,7 +246,7 @@ class FileHandle:
                         for s in range(self.layout.count)):
             chunks = plan.local_chunks(self.layout, todo, chunk)
             try:
-                got = await self._objects.read_chunks(chunks, done=done)
+                got = await self._objects.read_chunks(chunks, done=done, limiter=limiter)
             except OSError as exc:
                 raise self._named(exc) from exc
             rest = [(o, d) for c, g in zip(chunks, got, strict=True) if g is None

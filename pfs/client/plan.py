@@ -335,7 +335,9 @@ def local_chunks(layout: Layout, reads: Sequence[tuple[int, memoryview]],
     about ``chunk`` bytes (one ``preadv`` each for a short-circuit reader). A piece
     never splits: a chunk ends at a piece's edge, so it is the units of an object, not
     the file's, that decide how large a read is (with a 1 MiB unit and 4 stripes, a
-    16 MiB region is four 4 MiB reads, one per object, not sixteen)."""
+    16 MiB region is four 4 MiB reads, one per object, not sixteen). Chunks come in
+    the order of their first byte in the file: readers taking them in turn fill the
+    buffers front to back (the loader faults them in from the far end meanwhile)."""
     by_stripe: dict[int, list[tuple[int, memoryview, int]]] = {}
     for off, buf in reads:
         for run in runs(layout, off, len(buf)) if len(buf) else ():
@@ -358,6 +360,7 @@ def local_chunks(layout: Layout, reads: Sequence[tuple[int, memoryview]],
                 out.append(cur)
                 size = len(view)
             end = obj_off + len(view)
+    out.sort(key=lambda c: c.file_offs[0])  # front to back, as a caller fills buffers
     return out
 
 

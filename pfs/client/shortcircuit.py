@@ -327,13 +327,16 @@ class HandleObjects:
         return counts
 
     async def read_chunks(self, chunks: Sequence[LocalChunk], threads: int = BULK_THREADS,
-                          done: Any = None) -> list[list[int] | None]:
+                          done: Any = None, limiter: trio.CapacityLimiter | None = None
+                          ) -> list[list[int] | None]:
         """Read many chunks (:func:`pfs.client.plan.local_chunks`) on ``threads`` worker
         threads, each taking the next chunk when it is done with one: no event-loop
         hop, no task per chunk, the GIL dropped in preadv and CRC32C, so reads and
         verification of different chunks run on every core. Per chunk: the bytes there
         were for each destination (holes zeroed), or None: read it the general way.
-        ``done(n)`` is called (from a worker thread) with each chunk's bytes."""
+        ``done(n)`` is called (from a worker thread) with each chunk's bytes.
+        ``limiter``: shared with other such reads (of other files), so that all of
+        them together run at most its number of threads."""
         out: list[list[int] | None] = [None] * len(chunks)
         if not chunks:
             return out
@@ -354,7 +357,7 @@ class HandleObjects:
         try:
             async with trio.open_nursery() as n:
                 for _ in range(max(1, min(threads, len(chunks)))):
-                    n.start_soon(partial(trio.to_thread.run_sync, work))
+                    n.start_soon(partial(trio.to_thread.run_sync, work, limiter=limiter))
         finally:
             self._leave()
         return out

@@ -52,6 +52,7 @@ from typing import Any
 
 import trio
 
+from pfs.client.shortcircuit import BULK_THREADS
 from pfs.core.config import ProfileSettings, profile_settings
 from pfs.loader.buffers import address, anon_buffer, populate
 
@@ -401,6 +402,9 @@ class _PfsReader(_Reader):
         for i, (f, _off, _view) in enumerate(ops):
             by_file.setdefault(id(f), (f, []))[1].append(i)
         lock = threading.Lock()
+        # one pool of reader threads for every shard: the files are read one after
+        # another, front to back, rather than all at once by 4 threads each
+        threads = trio.CapacityLimiter(BULK_THREADS)
 
         def done(n: int) -> None:  # from the client's worker threads
             with lock:
@@ -408,7 +412,8 @@ class _PfsReader(_Reader):
 
         async def one(f: Any, idx: list[int]) -> None:
             got = await f.pread_many([(ops[i][1], ops[i][2]) for i in idx],
-                                     done=done if progress is not None else None)
+                                     done=done if progress is not None else None,
+                                     limiter=threads)
             for i, n in zip(idx, got, strict=True):
                 out[i] = n
 
