@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # Bulk reads (:meth:`HandleObjects.read_chunks`, the loader's): threads that each read a
 # chunk with one preadv and verify it at once, while its bytes are still in the cache.
 BULK_THREADS = 4  # 2 would keep 2 cores busy warm; more give a cold drive a deeper queue
+BULK_AHEAD = 2  # chunks per thread asked of the kernel (WILLNEED) before their read
 _STATS_LOCK = threading.Lock()
 
 
@@ -307,6 +308,14 @@ class HandleObjects:
         self._count(sum(counts))
         return list(counts)
 
+    def _prefetch(self, c: LocalChunk) -> None:
+        """Ask the kernel to start reading a chunk a little ahead of the threads: a
+        cold object is then read with more requests in flight than one per thread
+        (a warm one costs a walk of its cached pages, ~10 µs per MiB)."""
+        fd = self._fds.get(c.stripe)
+        if fd is not None:
+            os.posix_fadvise(fd, c.obj_off, c.length, os.POSIX_FADV_WILLNEED)
+
     def _read_chunk(self, c: LocalChunk) -> list[int] | None:
         """One chunk in the calling thread (:meth:`read_blocking`'s read: one preadv,
         verified in place right after), holes zeroed; None when this handle has no
@@ -342,6 +351,7 @@ class HandleObjects:
             return out
         nxt = iter(range(len(chunks)))
         lock = threading.Lock()
+        ahead = BULK_AHEAD * max(1, threads)
 
         def work() -> None:
             while True:
@@ -349,6 +359,11 @@ class HandleObjects:
                     i = next(nxt, None)
                 if i is None:
                     return
+                if i + ahead < len(chunks):
+                    self._prefetch(chunks[i + ahead])
+                elif i == 0:  # too few chunks to run ahead of: all of them now
+                    for c in chunks[1:]:
+                        self._prefetch(c)
                 out[i] = got = self._read_chunk(chunks[i])
                 if got is not None and done is not None:
                     done(sum(got))
