@@ -86,6 +86,12 @@ def open_flags(mode: str) -> int:
     return flags | (os.O_RDONLY if kind == "r" else os.O_WRONLY)
 
 
+def _chunk_done(done: Any, chunk: plan.LocalChunk) -> None:
+    """``done(off, n)`` for each destination of a chunk read in bulk."""
+    for off, d in zip(chunk.file_offs, chunk.dests, strict=True):
+        done(off, len(d))
+
+
 class FileHandle:
     """An open pfs file: positionless reads and writes straight into/from buffers."""
 
@@ -229,8 +235,9 @@ class FileHandle:
         objects this handle holds descriptors of (:meth:`open_local`) is read in bulk,
         regrouped by object into preadv's of about ``chunk`` bytes on worker threads,
         each verified as soon as it is read (:meth:`HandleObjects.read_chunks`); the
-        rest, and a chunk that did not verify, through :meth:`pread_into`. ``done(n)``:
-        called with bytes as they land, from any thread. ``limiter``: the worker
+        rest, and a chunk that did not verify, through :meth:`pread_into`.
+        ``done(off, n)``: called for the ``n`` file bytes at ``off`` once they are in
+        their buffer (verified, holes zeroed), from a worker thread or this one. ``limiter``: the worker
         threads' (shared by the reads of several files: one pool for all)."""
         self._check(False)
         todo = []
@@ -246,7 +253,9 @@ class FileHandle:
                         for s in range(self.layout.count)):
             chunks = plan.local_chunks(self.layout, todo, chunk)
             try:
-                got = await self._objects.read_chunks(chunks, done=done, limiter=limiter)
+                got = await self._objects.read_chunks(
+                    chunks, done=None if done is None else partial(_chunk_done, done),
+                    limiter=limiter)
             except OSError as exc:
                 raise self._named(exc) from exc
             rest = [(o, d) for c, g in zip(chunks, got, strict=True) if g is None
@@ -258,7 +267,7 @@ class FileHandle:
             async with limit:
                 await self.pread_into(view, off)
             if done is not None:
-                done(len(view))
+                done(off, len(view))
 
         await run_all([partial(one, o, v) for o, v in rest if len(v)])
         return out

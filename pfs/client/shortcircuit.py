@@ -343,7 +343,7 @@ class HandleObjects:
         hop, no task per chunk, the GIL dropped in preadv and CRC32C, so reads and
         verification of different chunks run on every core. Per chunk: the bytes there
         were for each destination (holes zeroed), or None: read it the general way.
-        ``done(n)`` is called (from a worker thread) with each chunk's bytes.
+        ``done(chunk)`` is called (from a worker thread) with each chunk read.
         ``limiter``: shared with other such reads (of other files), so that all of
         them together run at most its number of threads."""
         out: list[list[int] | None] = [None] * len(chunks)
@@ -366,7 +366,7 @@ class HandleObjects:
                         self._prefetch(c)
                 out[i] = got = self._read_chunk(chunks[i])
                 if got is not None and done is not None:
-                    done(sum(got))
+                    done(chunks[i])
 
         self._enter()
         try:

@@ -291,7 +291,7 @@ def test_pread_many_reads_local_objects_in_bulk(client_toml, cluster_dir, workdi
                     bufs = [bytearray(n) for _o, n in reads]
                     seen: list[int] = []
                     got = await f.pread_many([(o, b) for (o, _n), b in zip(reads, bufs, strict=True)],
-                                             done=seen.append)
+                                             done=lambda _off, n: seen.append(n))
                     return got, [bytes(b) for b in bufs], seen
                 finally:
                     await f.close()
