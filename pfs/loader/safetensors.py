@@ -16,9 +16,10 @@ How it reads:
    (rows that touch are merged);
 4. all reads of all shards are issued at once: local files through an I/O engine
    (io_uring where the kernel has it: one batch of SQEs; otherwise preadv in threads),
-   pfs files through the async client, concurrently in one trio nursery, each request
-   striped across the data servers (a pfs shard's short-circuit descriptors are all
-   asked for when it is opened, in the same round as the headers);
+   pfs files through the async client (``File.pread_many``: a shard's local objects are
+   read by object, in 4 MiB preadv's on a pool of threads, each verified right after
+   its read; everything else striped across the data servers; a pfs shard's
+   short-circuit descriptors are all asked for when it is opened, beside its header);
 5. each buffer is a fresh mapping of its own that a thread faults in from its far end
    while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
    are there before a copy reaches them instead of faulting in one by one inside it.
