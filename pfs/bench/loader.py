@@ -36,8 +36,9 @@ is skipped and said so.
 
 Reported per path: GB/s (tensor bytes / wall seconds), GB/s per core (tensor bytes / CPU
 seconds of the loading process, all its threads, + the data servers and metaserver for
-pfs paths), seconds to the first tensor a caller can use (``pfs.load_safetensors``
-returns all at once: its first is its last), page faults. ``--stability N``: N
+pfs paths), seconds to the first tensor a caller can use (``pfs.load_safetensors``: its
+first ``on_tensor`` call; short-circuit pfs reads hand tensors out as their bytes land,
+other sources when all reads are done), page faults. ``--stability N``: N
 consecutive warm loads in one process per path; the spread (max/min - 1) is reported.
 Each path's tensors are compared bit for bit with safetensors' once (first repetition),
 outside the timed span.

@@ -111,8 +111,8 @@ def _loader_for(path: str, src: str, paths: list[str], client: Any
     if path == "fastsafetensors":
         return lambda mark: _fastsafetensors(paths, mark)
 
-    def load(mark: Mark) -> dict[str, Any]:  # every tensor at once when it returns
-        out = pfs.load_safetensors(src, client=client)
+    def load(mark: Mark) -> dict[str, Any]:  # tensors handed out as their bytes land
+        out = pfs.load_safetensors(src, client=client, on_tensor=lambda _n, _t: mark())
         mark()
         return out
 

@@ -21,7 +21,7 @@ import trio
 
 from pfs.client import device, ops, plan
 from pfs.client.blocking_driver import BlockingDriver
-from pfs.client.data import DataClient
+from pfs.client.data import DataClient, run_all
 from pfs.client.direct import DirectData
 from pfs.client.health import Health
 from pfs.client.meta import MetaClient
@@ -84,6 +84,12 @@ def open_flags(mode: str) -> int:
     if plus:
         return flags | os.O_RDWR
     return flags | (os.O_RDONLY if kind == "r" else os.O_WRONLY)
+
+
+def _chunk_done(done: Any, chunk: plan.LocalChunk) -> None:
+    """``done(off, n)`` for each destination of a chunk read in bulk."""
+    for off, d in zip(chunk.file_offs, chunk.dests, strict=True):
+        done(off, len(d))
 
 
 class FileHandle:
@@ -220,6 +226,51 @@ class FileHandle:
             except OSError as exc:
                 raise self._named(exc) from exc
         return n
+
+    async def pread_many(self, reads: Sequence[tuple[int, Any]], done: Any = None,
+                         chunk: int = 4 << 20, limiter: trio.CapacityLimiter | None = None
+                         ) -> list[int]:
+        """Many reads ``(offset, buffer)`` of this file at once (a loader's regions);
+        each one's bytes read, as :meth:`pread_into` gives. Whatever lies in local
+        objects this handle holds descriptors of (:meth:`open_local`) is read in bulk,
+        regrouped by object into preadv's of about ``chunk`` bytes on worker threads,
+        each verified as soon as it is read (:meth:`HandleObjects.read_chunks`); the
+        rest, and a chunk that did not verify, through :meth:`pread_into`.
+        ``done(off, n)``: called for the ``n`` file bytes at ``off`` once they are in
+        their buffer (verified, holes zeroed), from a worker thread or this one. ``limiter``: the worker
+        threads' (shared by the reads of several files: one pool for all)."""
+        self._check(False)
+        todo = []
+        for off, buf in reads:
+            if off < 0:
+                raise OSError(errno.EINVAL, "negative offset")
+            view = memoryview(buf).cast("B")
+            todo.append((off, view[:max(0, min(len(view), self.state.known_size - off))]))
+        out = [len(v) for _o, v in todo]
+        rest: list[tuple[int, memoryview]] = todo
+        if self._objects is not None and not self.client.writes.busy(self.ino) \
+                and any(self._objects.known_fd(s) is not None
+                        for s in range(self.layout.count)):
+            chunks = plan.local_chunks(self.layout, todo, chunk)
+            try:
+                got = await self._objects.read_chunks(
+                    chunks, done=None if done is None else partial(_chunk_done, done),
+                    limiter=limiter)
+            except OSError as exc:
+                raise self._named(exc) from exc
+            rest = [(o, d) for c, g in zip(chunks, got, strict=True) if g is None
+                    for o, d in zip(c.file_offs, c.dests, strict=True)]
+
+        limit = trio.CapacityLimiter(64)  # pieces of stripes with no local object
+
+        async def one(off: int, view: memoryview) -> None:
+            async with limit:
+                await self.pread_into(view, off)
+            if done is not None:
+                done(off, len(view))
+
+        await run_all([partial(one, o, v) for o, v in rest if len(v)])
+        return out
 
     def _named(self, exc: OSError) -> OSError:
         """A data error (EIO: a checksum mismatch, a missing or short object;

@@ -310,6 +310,60 @@ def runs(layout: Layout, off: int, length: int) -> list[list[Piece]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class LocalChunk:
+    """Consecutive bytes of one stripe's object (from ``obj_off``) for ``dests`` in
+    order; ``file_offs``: where in the file each destination's bytes are."""
+
+    stripe: int
+    obj_off: int
+    dests: list[memoryview]
+    file_offs: list[int]
+
+    @property
+    def length(self) -> int:
+        return sum(len(d) for d in self.dests)
+
+
+LOCAL_IOV_MAX = 1024  # Linux's IOV_MAX: destinations of one preadv
+
+
+def local_chunks(layout: Layout, reads: Sequence[tuple[int, memoryview]],
+                 chunk: int) -> list[LocalChunk]:
+    """Many reads ``(file offset, buffer)`` of one file regrouped by object: per stripe,
+    the pieces in object order, pieces that continue one another joined into chunks of
+    about ``chunk`` bytes (one ``preadv`` each for a short-circuit reader). A piece
+    never splits: a chunk ends at a piece's edge, so it is the units of an object, not
+    the file's, that decide how large a read is (with a 1 MiB unit and 4 stripes, a
+    16 MiB region is four 4 MiB reads, one per object, not sixteen). Chunks come in
+    the order of their first byte in the file: readers taking them in turn fill the
+    buffers front to back (the loader faults them in from the far end meanwhile)."""
+    by_stripe: dict[int, list[tuple[int, memoryview, int]]] = {}
+    for off, buf in reads:
+        for run in runs(layout, off, len(buf)) if len(buf) else ():
+            for p in run:
+                at = p.file_off - off
+                by_stripe.setdefault(p.stripe, []).append(
+                    (p.obj_off, buf[at:at + p.length], p.file_off))
+    out: list[LocalChunk] = []
+    for stripe in sorted(by_stripe):
+        cur: LocalChunk | None = None
+        end = size = 0
+        for obj_off, view, file_off in sorted(by_stripe[stripe], key=lambda x: x[0]):
+            if (cur is not None and obj_off == end and size + len(view) <= chunk
+                    and len(cur.dests) < LOCAL_IOV_MAX):
+                cur.dests.append(view)
+                cur.file_offs.append(file_off)
+                size += len(view)
+            else:
+                cur = LocalChunk(stripe, obj_off, [view], [file_off])
+                out.append(cur)
+                size = len(view)
+            end = obj_off + len(view)
+    out.sort(key=lambda c: c.file_offs[0])  # front to back, as a caller fills buffers
+    return out
+
+
 def _split(pieces: Sequence[Piece]) -> Any:
     for p in pieces:
         if p.length <= MAX_REQUEST:

@@ -16,9 +16,10 @@ How it reads:
    (rows that touch are merged);
 4. all reads of all shards are issued at once: local files through an I/O engine
    (io_uring where the kernel has it: one batch of SQEs; otherwise preadv in threads),
-   pfs files through the async client, concurrently in one trio nursery, each request
-   striped across the data servers (a pfs shard's short-circuit descriptors are all
-   asked for when it is opened, in the same round as the headers);
+   pfs files through the async client (``File.pread_many``: a shard's local objects are
+   read by object, in 4 MiB preadv's on a pool of threads, each verified right after
+   its read; everything else striped across the data servers; a pfs shard's
+   short-circuit descriptors are all asked for when it is opened, beside its header);
 5. each buffer is a fresh mapping of its own that a thread faults in from its far end
    while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
    are there before a copy reaches them instead of faulting in one by one inside it.
@@ -52,7 +53,9 @@ from typing import Any
 
 import trio
 
+from pfs.client.shortcircuit import BULK_THREADS
 from pfs.core.config import ProfileSettings, profile_settings
+from pfs.loader.arrivals import Arrivals
 from pfs.loader.buffers import address, anon_buffer, populate
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,6 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEADER_PROBE = 64 << 10  # first read of a shard: the length and, usually, the whole header
 ALIGN = 8  # region buffers start at multiples of this (relative to the data section)
-PFS_CONCURRENCY = 64  # strided-slice requests in flight through the pfs client
 POPULATE_THREADS = 1  # beside the reads' own workers (io_uring, the client's threads)
 
 # safetensors dtype -> (itemsize, numpy dtype name, torch dtype attribute)
@@ -89,6 +91,8 @@ DTYPES: dict[str, tuple[int, str, str]] = {
 _RAW = {1: "uint8", 2: "uint16"}
 
 SplitRule = int | Callable[[str, tuple[int, ...], int, int], Any]
+Landed = Callable[[Any, int, int], None]  # (file handle, file offset, bytes)
+OnTensor = Callable[[str, Any], None]
 
 
 class CheckpointError(ValueError):
@@ -286,9 +290,10 @@ class _Reader:
         raise NotImplementedError
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None) -> list[int]:
         """Read every ``(handle, offset, buffer)`` at once; ``progress.add(n)`` as
-        reads complete."""
+        reads complete; ``landed(handle, off, n)`` (where the reader knows: the pfs
+        bulk reads) as the ``n`` file bytes at ``off`` are in their buffer."""
         raise NotImplementedError
 
     async def close(self, handle: Any) -> None:
@@ -331,7 +336,7 @@ class _LocalReader(_Reader):
         return await trio.to_thread.run_sync(_open_local, path)
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None) -> list[int]:
         from pfs.core.engine import Op
 
         batch: list[Op] = []
@@ -380,7 +385,6 @@ class _PfsReader(_Reader):
 
     def __init__(self, aclient: Any) -> None:
         self.client = aclient
-        self.limiter = trio.CapacityLimiter(PFS_CONCURRENCY)
 
     async def open(self, path: str) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
@@ -395,21 +399,35 @@ class _PfsReader(_Reader):
         return f, f.size
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None) -> list[int]:
+        """Each file's reads in one call (``File.pread_many``): its local objects are
+        read in bulk on threads, by object, each chunk verified as it is read."""
         out = [0] * len(ops)
+        by_file: dict[int, tuple[Any, list[int]]] = {}
+        for i, (f, _off, _view) in enumerate(ops):
+            by_file.setdefault(id(f), (f, []))[1].append(i)
+        lock = threading.Lock()
+        # one pool of reader threads for every shard: the files are read one after
+        # another, front to back, rather than all at once by 4 threads each
+        threads = trio.CapacityLimiter(BULK_THREADS)
 
-        async def one(i: int, f: Any, off: int, view: memoryview) -> None:
-            if len(view) <= (1 << 20):  # small pieces: bounded; large ones are striped
-                async with self.limiter:
-                    out[i] = await f.pread_into(view, off)
-            else:
-                out[i] = await f.pread_into(view, off)
+        def done(f: Any, off: int, n: int) -> None:  # from the client's worker threads
             if progress is not None:
-                progress.add(out[i])
+                with lock:
+                    progress.add(n)
+            if landed is not None:
+                landed(f, off, n)
+
+        async def one(f: Any, idx: list[int]) -> None:
+            tell = None if progress is None and landed is None else partial(done, f)
+            got = await f.pread_many([(ops[i][1], ops[i][2]) for i in idx], done=tell,
+                                     limiter=threads)
+            for i, n in zip(idx, got, strict=True):
+                out[i] = n
 
         async with trio.open_nursery() as n:
-            for i, (f, off, view) in enumerate(ops):
-                n.start_soon(one, i, f, off, view)
+            for f, idx in by_file.values():
+                n.start_soon(one, f, idx)
         return out
 
     async def close(self, handle: Any) -> None:
@@ -718,19 +736,20 @@ async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
 
 
 async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
-                           views: list[memoryview], progress: Any) -> list[int]:
+                           views: list[memoryview], progress: Any,
+                           landed: Landed | None = None) -> list[int]:
     """``reader.read_many(ops)`` while a thread faults the fresh buffers in from their
     far end (buffers.py): the reads, which start at the front, copy into pages already
     there instead of faulting each one in; the thread stops once the reads are done."""
     fresh = [(address(v), len(v)) for v in views if len(v)]
     if not fresh:
-        return await reader.read_many(ops, progress)
+        return await reader.read_many(ops, progress, landed)
     stop = threading.Event()
     counts: list[int] = []
     async with trio.open_nursery() as n:
         n.start_soon(partial(trio.to_thread.run_sync, populate, fresh, POPULATE_THREADS, stop))
         try:
-            counts = await reader.read_many(ops, progress)
+            counts = await reader.read_many(ops, progress, landed)
         finally:
             stop.set()
     return counts
@@ -738,10 +757,13 @@ async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview
 
 async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
-                merge_gap: int, stats: LoadStats, gds_ok: bool = False) -> dict[str, Any]:
+                merge_gap: int, stats: LoadStats, gds_ok: bool = False,
+                on_tensor: OnTensor | None = None) -> dict[str, Any]:
     paths, _index = await _shard_paths(reader, source)
     gds = gds_ok and isinstance(reader, _LocalReader) and isinstance(fw, _Torch)
     regions_on_device = False
+    arrivals: Arrivals | None = None
+    early: dict[str, Any] = {}  # tensors handed to on_tensor during the reads
     shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
     try:
         async def head(i: int, p: str) -> None:
@@ -774,7 +796,10 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 pos += length
         if stats.progress is not None:
             stats.progress.set_total(sum(len(v) for _h, _o, v in ops))
-        counts = await _read_populating(reader, ops, views, stats.progress)
+        if on_tensor is not None and device == "cpu" and not gds:
+            arrivals = _arrivals(fw, regions, on_tensor, early)
+        counts = await _read_populating(reader, ops, views, stats.progress,
+                                        arrivals.landed if arrivals is not None else None)
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
@@ -788,19 +813,42 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
     stats.requests = len(ops)
     stats.read_bytes = sum(len(v) for _h, _o, v in ops)
     stats.engine = "gds" if gds else reader.engine_name
+    if arrivals is not None:
+        arrivals.rest()  # what landed with no word from the reader
     out: dict[str, Any] = {}
     host = device == "cpu" or regions_on_device
     for r in regions:
         buf = r.buf if host else fw.to_device(r.buf, device)
         for t in r.members:
-            out[t.name] = fw.view(buf, t.begin - r.start, t, t.shape)
+            had = early.get(t.name)
+            out[t.name] = had if had is not None else fw.view(buf, t.begin - r.start, t, t.shape)
+            if arrivals is None and on_tensor is not None:
+                on_tensor(t.name, out[t.name])
     for s in sliced:
         buf = s.buf if host else fw.to_device(s.buf, device)
         out[s.info.name] = fw.view(buf, 0, s.info, s.shape)
+        if on_tensor is not None:
+            on_tensor(s.info.name, out[s.info.name])
     stats.tensors = len(out)
     stats.bytes = sum(t.nbytes for r in regions for t in r.members) + sum(
         math.prod(s.shape) * s.info.itemsize for s in sliced)
     return out
+
+
+def _arrivals(fw: _Numpy | _Torch, regions: list[_Region], on_tensor: OnTensor,
+              early: dict[str, Any]) -> Arrivals:
+    """Hands each whole tensor to ``on_tensor`` once its bytes are in (read and
+    verified): during the reads where the reader says what landed (pfs bulk reads),
+    else when they are done. The view is kept in ``early`` for the result."""
+    owner = {id(t): r for r in regions for t in r.members}
+
+    def ready(t: TensorInfo) -> None:
+        r = owner[id(t)]
+        early[t.name] = view = fw.view(r.buf, t.begin - r.start, t, t.shape)
+        on_tensor(t.name, view)
+
+    return Arrivals([(r.shard.handle, t.begin, t.end, t) for r in regions
+                     for t in r.members], ready)
 
 
 def _check_tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -818,7 +866,8 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
                             split: Mapping[str, SplitRule] | None = None,
                             names: Sequence[str] | None = None, framework: str | None = None,
                             profile: str = "load", merge_gap: int | None = None,
-                            stats: LoadStats | None = None) -> dict[str, Any]:
+                            stats: LoadStats | None = None,
+                            on_tensor: OnTensor | None = None) -> dict[str, Any]:
     """:func:`load_safetensors` inside a trio run; ``client`` is an async client."""
     rank, size = _check_tp(tp_rank, tp_size)
     settings = profile_settings(profile)
@@ -835,7 +884,7 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
     t0 = time.perf_counter()
     try:
         out = await _load(reader, os.fspath(source), fw, device, wanted, split, rank, size,
-                          gap, st, gds_ok)
+                          gap, st, gds_ok, on_tensor)
     except BaseExceptionGroup as group:  # parallel reads: report the (first) error itself
         leaf: BaseException = group
         while isinstance(leaf, BaseExceptionGroup):
@@ -855,7 +904,8 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
                      names: Sequence[str] | None = None, framework: str | None = None,
                      profile: str = "load", merge_gap: int | None = None,
                      config: Any = None, meta: str | None = None,
-                     stats: LoadStats | None = None) -> dict[str, Any]:
+                     stats: LoadStats | None = None,
+                     on_tensor: OnTensor | None = None) -> dict[str, Any]:
     """Load a safetensors checkpoint into ``{name: tensor}``.
 
     ``source``: a local file, a local directory (with ``model.safetensors.index.json``, or
@@ -870,6 +920,12 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     ``names``: load only these. ``framework``: ``"torch"`` or ``"numpy"`` (default: torch
     if installed). ``merge_gap``: bytes of unwanted data worth reading to merge two ranges
     (default: the profile's). ``stats``: a :class:`LoadStats` to fill.
+    ``on_tensor(name, tensor)``: called once per tensor as soon as all its bytes are in
+    memory and verified, before this returns, so a caller can start with the first
+    tensors while the rest load (short-circuit pfs reads hand them out as their chunks
+    land, from the loader's worker threads, one call at a time; other sources when
+    their reads are done). The tensor is the one the result holds. If the load then
+    fails, what was handed out is right, but the load raises.
 
     Errors: :class:`CheckpointError` (a ValueError naming the file) for corrupt headers
     and truncated files, FileNotFoundError naming a missing shard."""
@@ -884,7 +940,7 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     try:
         kwargs = dict(device=device, tp_rank=tp_rank, tp_size=tp_size, split=split,
                       names=names, framework=framework, profile=profile, merge_gap=merge_gap,
-                      stats=stats)
+                      stats=stats, on_tensor=on_tensor)
         if client is None:
             return trio.run(lambda: aload_safetensors(src, **kwargs))  # type: ignore[arg-type]
         aio = getattr(client, "aio", None)

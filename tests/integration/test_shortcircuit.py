@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 
@@ -259,3 +260,68 @@ def test_open_local_asks_for_every_stripe_at_once(client_toml, workdir) -> None:
                 assert c.aio.local.stats["local_bytes"] >= len(data)
             else:
                 assert held == 0
+
+
+def test_pread_many_reads_local_objects_in_bulk(client_toml, cluster_dir, workdir,
+                                                caplog) -> None:
+    """A loader's ``pread_many``: many reads of one file, local objects read by object
+    on threads; bit-exact with the network path (holes, odd edges, the file's end), and
+    a block that does not verify is read from the other replica, or is EIO naming the
+    file when there is none."""
+    unit = 4 * UNIT
+    data = bytearray(os.urandom(41 * unit + 777))
+    data[9 * unit + 5:13 * unit] = bytes(4 * unit - 5)  # zeros the writer leaves a hole
+    rng = random.Random(7)
+    reads = [(0, 3 * unit + 13), (3 * unit + 13, 20 * unit), (23 * unit + 13, len(data)),
+             (rng.randrange(len(data)), 5000), (len(data) + 10, 10), (5 * UNIT + 3, 0)]
+    reads += [(rng.randrange(len(data)), rng.randrange(3 * unit)) for _ in range(12)]
+    want = [bytes(data[o:o + n]) for o, n in reads]
+    for sc, replicas in ((True, 2), (False, 2), (True, 1)):
+        with _client(client_toml, sc) as c:
+            path = f"{workdir}/many-{sc}-{replicas}"
+            c.set_layout(workdir, count=3, unit=unit, replicas=replicas)
+            with c.open(path, "wb") as f:  # written around the hole
+                f.pwrite(bytes(data[:9 * unit + 5]), 0)
+                f.pwrite(bytes(data[13 * unit:]), 13 * unit)
+
+            async def go(c=c, path=path) -> tuple[list[int], list[bytes], list[int]]:
+                f = await c.aio.open(path, "rb")
+                try:
+                    await f.open_local()
+                    bufs = [bytearray(n) for _o, n in reads]
+                    seen: list[int] = []
+                    got = await f.pread_many([(o, b) for (o, _n), b in zip(reads, bufs, strict=True)],
+                                             done=lambda _off, n: seen.append(n))
+                    return got, [bytes(b) for b in bufs], seen
+                finally:
+                    await f.close()
+
+            got, bufs, seen = c._run(go)
+            assert got == [len(w) for w in want]
+            assert [b[:len(w)] for b, w in zip(bufs, want, strict=True)] == want
+            assert sum(seen) == sum(got)
+            if sc:
+                assert c.aio.local is not None
+                assert c.aio.local.stats["local_bytes"] >= sum(got)
+                ino = c.stat(path).st_ino
+                objs = sorted((cluster_dir / "data").glob(f"ds*/objects/*/{ino}.1"))
+                assert len(objs) == replicas
+                # each replica bad at another unit (the reads cover the whole file):
+                # whichever is local, a unit of its fails and the other replica has it
+                for k, obj in enumerate(objs):
+                    with open(obj, "r+b") as fo:
+                        at = (1 + 9 * k) * unit + 7
+                        fo.seek(at)
+                        b = fo.read(1)
+                        fo.seek(at)
+                        fo.write(bytes([b[0] ^ 0x40]))
+                caplog.clear()
+                if replicas > 1:  # the bad units' bytes from the other replica
+                    with caplog.at_level(logging.INFO, logger="pfs.client.shortcircuit"):
+                        got, bufs, _seen = c._run(go)
+                    assert [b[:len(w)] for b, w in zip(bufs, want, strict=True)] == want
+                    assert "over the network" in caplog.text
+                else:
+                    with pytest.raises(OSError) as ei:
+                        c._run(go)
+                    assert ei.value.errno == errno.EIO and path in str(ei.value)

@@ -684,3 +684,30 @@ def test_a_device_destination_is_staged_in_two_alternating_halves() -> None:
     assert bytes(device[:len(data) - 7]) == data[7:]
     assert st.events[:4] == ["wait0", "copy0", "wait1", "copy1"]
     assert st.events[-2:] == ["wait0", "wait1"] and st.pending == [False, False]
+
+
+def test_local_chunks_regroup_reads_by_object() -> None:
+    """Many reads of one file become, per stripe, chunks of consecutive object bytes
+    (a piece never split), whose destinations cover every byte read exactly once."""
+    lay = Layout(count=3, unit=UNIT, servers=(("a",), ("b",), ("c",)))
+    size = 40 * UNIT + 100
+    data = os.urandom(size)
+    reads = [(0, 7 * UNIT + 5), (7 * UNIT + 5, 20 * UNIT), (30 * UNIT - 3, 10 * UNIT + 103),
+             (2 * UNIT + 1, 0)]
+    bufs = [bytearray(n) for _o, n in reads]
+    chunks = plan.local_chunks(lay, [(o, memoryview(b)) for (o, _n), b in zip(reads, bufs, strict=True)],
+                               4 * UNIT)
+    for c in chunks:  # as a local reader fills them: one object, consecutive bytes
+        assert c.length <= 4 * UNIT
+        at = c.obj_off
+        for d, fo in zip(c.dests, c.file_offs, strict=True):
+            row, within = divmod(at, UNIT)
+            assert fo == (row * lay.count + c.stripe) * UNIT + within  # the same place
+            d[:] = data[fo:fo + len(d)]
+            at += len(d)
+    assert [bytes(b) for b in bufs] == [data[o:o + n] for o, n in reads]
+    assert sum(c.length for c in chunks) == sum(n for _o, n in reads)
+    # the two reads that meet (7 * UNIT + 5) continue each other in the objects: no
+    # chunk shorter than needed except at the ends of what each object gives
+    per_stripe = {s: [c for c in chunks if c.stripe == s] for s in range(3)}
+    assert all(len(cs) <= 4 for cs in per_stripe.values())
