@@ -30,10 +30,12 @@ does, read from their sources, with the same files, order, rank shifts and timin
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
 too, untimed (``--mdtest-pause``): on a FUSE mount with 1 s entry and attribute timeouts it
-decides whether a stat is answered by the kernel or by the filesystem. What cannot be done
-as the harness does (the native client has no kernel caches and nothing for sync() to
-flush; Python's per-call cost where the kernel answers in a microsecond) is printed as
-``[NOTE  ]`` lines. ``--compare`` runs the harness itself beside this (pfs/bench/io500ref.py).
+decides whether a stat is answered by the kernel or by the filesystem. On a POSIX path the
+mdtest, find and IOR read loops run in C (io500_loops.c: the same system calls as mdtest,
+pfind and IOR), since Python's per-call cost decides where the kernel answers in a
+microsecond; the Python loops are the fallback. What cannot be done as the harness does
+(the native client has no kernel caches and nothing for sync() to flush; the Python
+loops) is printed as ``[NOTE  ]`` lines. ``--compare`` runs the harness itself beside this (pfs/bench/io500ref.py).
 
 Write phases run until the stonewall time, then every process keeps writing until it has
 done as much as the process that did most (IO500's stonewall wear-out), so every
