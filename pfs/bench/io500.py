@@ -17,7 +17,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
-                      seconds of ctime
+                      seconds of ctime; timed as pfind times itself, from after the
+                      timestamp file's lstat and broadcast
   ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
                       node: each rank reads what it wrote); every byte compared
   mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
@@ -226,6 +227,7 @@ class Rank:
         self.ior_shift = 0
         self._paths: list[str] = []  # the files of the mdtest phase about to run (Python)
         self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
+        self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
         rng = random.Random(cfg.seed)
         self.pattern = bytearray(rng.randbytes(max(cfg.easy_transfer, HARD_TRANSFER)))
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
@@ -568,10 +570,7 @@ class Rank:
         level has a directory for every rank; then each rank walks its directories'
         subtrees alone."""
         s = self.store
-        ts = None
-        if self.r == 0:
-            ts = s.stat(self.beside("timestampfile"))[1] // 1_000_000_000
-        newer = int(self.comm.allgather_obj(ts)[0])
+        newer = self._newer
         files = found = 0
 
         c = self.c
@@ -612,6 +611,14 @@ class Rank:
             listing(stack.pop(), stack)
         return {"items": files, "found": found}
 
+    def find_newer(self) -> int:
+        """The timestamp file's ctime in whole seconds, known to every rank: pfind lstats
+        it on rank 0 and broadcasts it before its clock starts."""
+        ts = None
+        if self.r == 0:
+            ts = self.store.stat(self.beside("timestampfile"))[1] // 1_000_000_000
+        return int(self.comm.allgather_obj(ts)[0])
+
     # -- the run -------------------------------------------------------------------
     FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit")
 
@@ -622,8 +629,10 @@ class Rank:
         if name in ("ior-easy-write", "ior-hard-write"):
             self._ior_remove(name)
         pool = self.comm.dir_pool()
-        if name == "find" and pool is not None and self.r == 0:
-            pool.start(self.data)  # before the barrier: no rank sees an empty pool early
+        if name == "find":
+            self._newer = self.find_newer()
+            if pool is not None and self.r == 0:
+                pool.start(self.data)  # before the barrier: no rank sees an empty pool early
         self._paths, self._md_work = [], ("", 0, 0)
         if name in MD_READERS:
             self._md_work = self.md_work(name)
