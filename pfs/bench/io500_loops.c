@@ -17,7 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,9 +49,25 @@ static int fail(char *err, size_t errlen, const char *path) {
     return e;
 }
 
-/* mdtest's file name: DIR/file.mdtest.RANK.ITEM */
+/* mdtest's file name: DIR/file.mdtest.RANK.ITEM, built per item as create_file and
+ * remove_file build it (one sprintf into a PATH_MAX buffer; GetTimeStamp around the
+ * call: gettimeofday) */
 static void item_path(char *out, size_t len, const char *dir, int owner, int64_t i) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
     snprintf(out, len, "%s/file.mdtest.%d.%lld", dir, owner, (long long)i);
+}
+
+/* ... and as mdtest_stat and mdtest_read build it: both PATH_MAX buffers cleared, the
+ * name formatted, then the directory put before it through the second buffer */
+static void item_path_read(char *item, char *temp, const char *dir, int owner, int64_t i) {
+    struct timeval tv;
+    memset(item, 0, PATH_MAX);
+    memset(temp, 0, PATH_MAX);
+    snprintf(item, PATH_MAX, "file.mdtest.%d.%lld", owner, (long long)i);
+    snprintf(temp, PATH_MAX, "%s/%s", dir, item);
+    strcpy(item, temp);
+    gettimeofday(&tv, NULL);
 }
 
 /* POSIX_Xfer: lseek to the offset, then write (or read) until done */
@@ -74,7 +92,7 @@ static ssize_t xfer(int fd, int write_, unsigned char *buf, size_t len) {
 int io5_md_create(const char *dir, int rank, int64_t stop, double deadline,
                   unsigned char *data, size_t size, uint64_t seed, int64_t *done,
                   char *err, size_t errlen) {
-    char path[4096];
+    char path[PATH_MAX];
     for (int64_t i = *done; i < stop; i++) {
         if (mono() >= deadline) break;
         item_path(path, sizeof path, dir, rank, i);
@@ -99,10 +117,10 @@ int io5_md_create(const char *dir, int rank, int64_t stop, double deadline,
 /* mdtest stat: stat() of items [0, count) of `owner`; a size other than `size` is a bad one */
 int io5_md_stat(const char *dir, int owner, int64_t count, int64_t size, int64_t *done,
                 int64_t *bad, char *err, size_t errlen) {
-    char path[4096];
+    char path[PATH_MAX], temp[PATH_MAX];
     struct stat st;
     for (int64_t i = 0; i < count; i++) {
-        item_path(path, sizeof path, dir, owner, i);
+        item_path_read(path, temp, dir, owner, i);
         if (stat(path, &st) != 0) return fail(err, errlen, path);
         if ((int64_t)st.st_size != size) (*bad)++;
         *done = i + 1;
@@ -142,6 +160,8 @@ int io5_ior_read(int fd, unsigned char *buf, size_t transfer, int64_t count, int
                  size_t errlen) {
     for (int64_t k = 0; k < count; k++) {
         int64_t off = first + k * stride;
+        struct timeval tv; /* IOR's GetTimeStamp before and after each transfer */
+        gettimeofday(&tv, NULL);
         buf[0] = (unsigned char)~buf[0];
         if (lseek(fd, off, SEEK_SET) == -1) return fail(err, errlen, "lseek");
         size_t got = 0;
@@ -154,6 +174,7 @@ int io5_ior_read(int fd, unsigned char *buf, size_t transfer, int64_t count, int
             if (rc == 0) break;
             got += (size_t)rc;
         }
+        gettimeofday(&tv, NULL);
         *bytes += (int64_t)got;
         if (got != transfer || (check && verify(buf, got, (uint64_t)off, writer, seed, body)))
             (*bad)++;
@@ -168,9 +189,9 @@ int io5_ior_read(int fd, unsigned char *buf, size_t transfer, int64_t count, int
 int io5_md_read(const char *dir, int owner, int64_t count, unsigned char *buf, size_t size,
                 const unsigned char *body, uint64_t seed, int check, int64_t *done,
                 int64_t *bytes, int64_t *bad, char *err, size_t errlen) {
-    char path[4096];
+    char path[PATH_MAX], temp[PATH_MAX];
     for (int64_t i = 0; i < count; i++) {
-        item_path(path, sizeof path, dir, owner, i);
+        item_path_read(path, temp, dir, owner, i);
         int fd = open(path, O_RDWR);
         if (fd < 0) return fail(err, errlen, path);
         buf[0] = (unsigned char)~buf[0]; /* invalidate_buffer_pattern */
@@ -196,7 +217,7 @@ int io5_md_read(const char *dir, int owner, int64_t count, unsigned char *buf, s
 /* mdtest remove: unlink() of items [0, count) of `owner` */
 int io5_md_unlink(const char *dir, int owner, int64_t count, int64_t *done, char *err,
                   size_t errlen) {
-    char path[4096];
+    char path[PATH_MAX];
     for (int64_t i = 0; i < count; i++) {
         item_path(path, sizeof path, dir, owner, i);
         if (unlink(path) != 0) return fail(err, errlen, path);
@@ -223,7 +244,7 @@ int io5_find_dir(const char *dir, const char *regex, int64_t size, int64_t newer
     *sublen = 0;
     size_t cap = 0;
     int rc = 0;
-    char path[4096];
+    char path[PATH_MAX], job[PATH_MAX];
     struct stat st;
     DIR *d = opendir(dir);
     if (d == NULL) {
@@ -269,9 +290,14 @@ int io5_find_dir(const char *dir, const char *regex, int64_t size, int64_t newer
             *sublen += n;
             continue;
         }
+        if (regexec(&re, e->d_name, 0, NULL, 0) != 0) {
+            (*files)++;
+            continue;
+        }
+        /* enqueue_work names the job "dir/name"; find_do_lstat formats the path again */
+        snprintf(job, sizeof job, "%s/%s", dir, e->d_name);
+        snprintf(path, sizeof path, "%s", job);
         (*files)++;
-        if (regexec(&re, e->d_name, 0, NULL, 0) != 0) continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
         if (lstat(path, &st) != 0) {
             rc = fail(err, errlen, path);
             break;
