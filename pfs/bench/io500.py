@@ -767,7 +767,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
     workq = ctx.Queue()
-    pool = DirPool(workq, ctx.Value("q", 0))
+    pool = DirPool(workq, ctx.Value("q", 0), nprocs)
     errq = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
                                               cfg, target),
