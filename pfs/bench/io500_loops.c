@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <limits.h>
+#include <locale.h>
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <time.h>
@@ -232,9 +233,27 @@ int io5_md_unlink(const char *dir, int owner, int64_t count, int64_t *done, char
  * those whose name matches the pattern (pfind turns -name "*01*" into the basic regex
  * ".*01.*") are lstat'ed by path and matched with -size and -newer (whole seconds of
  * ctime), counted in `*found`. */
+static int find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
+                    int64_t *files, int64_t *found, char **subdirs, size_t *sublen,
+                    char *err, size_t errlen);
+
 int io5_find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
                  int64_t *files, int64_t *found, char **subdirs, size_t *sublen, char *err,
                  size_t errlen) {
+    /* pfind never calls setlocale: its regex runs in the "C" locale. Python's process
+     * is in the user's (UTF-8) one, where glibc's regexec takes the multibyte path */
+    locale_t c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+    if (c_locale == (locale_t)0) return fail(err, errlen, "newlocale");
+    locale_t old_locale = uselocale(c_locale);
+    int rc = find_dir(dir, regex, size, newer, files, found, subdirs, sublen, err, errlen);
+    uselocale(old_locale);
+    freelocale(c_locale);
+    return rc;
+}
+
+static int find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
+                    int64_t *files, int64_t *found, char **subdirs, size_t *sublen,
+                    char *err, size_t errlen) {
     regex_t re;
     if (regcomp(&re, regex, 0) != 0) {
         snprintf(err, errlen, "%s", regex);
