@@ -17,7 +17,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
-                      seconds of ctime
+                      seconds of ctime; timed as pfind times itself, from after the
+                      timestamp file's lstat and broadcast
   ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
                       node: each rank reads what it wrote); every byte compared
   mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
@@ -30,10 +31,12 @@ does, read from their sources, with the same files, order, rank shifts and timin
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
 too, untimed (``--mdtest-pause``): on a FUSE mount with 1 s entry and attribute timeouts it
-decides whether a stat is answered by the kernel or by the filesystem. What cannot be done
-as the harness does (the native client has no kernel caches and nothing for sync() to
-flush; Python's per-call cost where the kernel answers in a microsecond) is printed as
-``[NOTE  ]`` lines. ``--compare`` runs the harness itself beside this (pfs/bench/io500ref.py).
+decides whether a stat is answered by the kernel or by the filesystem. On a POSIX path the
+mdtest, find and IOR read loops run in C (io500_loops.c: the same system calls as mdtest,
+pfind and IOR), since Python's per-call cost decides where the kernel answers in a
+microsecond; the Python loops are the fallback. What cannot be done as the harness does
+(the native client has no kernel caches and nothing for sync() to flush; the Python
+loops) is printed as ``[NOTE  ]`` lines. ``--compare`` runs the harness itself beside this (pfs/bench/io500ref.py).
 
 Write phases run until the stonewall time, then every process keeps writing until it has
 done as much as the process that did most (IO500's stonewall wear-out), so every
@@ -78,7 +81,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pfs.bench import io500ref
+from pfs.bench import io500_loops, io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
 from pfs.bench.io500_comm import WIDTH, Comm, DirPool, MpiComm, ProcComm, SelfComm, under_mpi
 from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
@@ -222,10 +225,14 @@ class Rank:
         self.counts: dict[str, list[int]] = {}  # write phase -> items per rank
         self.deadline = math.inf
         self.ior_shift = 0
-        self._paths: list[str] = []  # the files of the mdtest phase about to run
+        self._paths: list[str] = []  # the files of the mdtest phase about to run (Python)
+        self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
+        self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
         rng = random.Random(cfg.seed)
         self.pattern = bytearray(rng.randbytes(max(cfg.easy_transfer, HARD_TRANSFER)))
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
+        # the mdtest and find loops in C on a POSIX path (io500_loops.py), else in Python
+        self.c = io500_loops.load()[0] if store.kind == "posix" else None
 
     # helpers
     def d(self, *parts: str) -> str:
@@ -244,11 +251,15 @@ class Rank:
         """Whether ``view`` holds what ``writer`` wrote at ``off`` (every byte compared,
         as IOR ``-R`` and mdtest ``-X`` compare every word)."""
         n = len(view)
-        if n not in self._body:
-            self._body[n] = bytes(self.pattern[HEADER.size:n])
         head = HEADER.pack(off, writer + 1, self.cfg.seed)
         # bytes(): a memoryview compares item by item, a bytes object with memcmp
-        return bytes(view[:HEADER.size]) == head[:n] and bytes(view[HEADER.size:]) == self._body[n]
+        return bytes(view[:HEADER.size]) == head[:n] and bytes(view[HEADER.size:]) == self.body(n)
+
+    def body(self, n: int) -> bytes:
+        """What follows the header in an item of ``n`` bytes."""
+        if n not in self._body:
+            self._body[n] = bytes(self.pattern[HEADER.size:n])
+        return self._body[n]
 
     def stonewall_passed(self) -> bool:
         return time.perf_counter() >= self.deadline
@@ -365,7 +376,13 @@ class Rank:
         self.comm.barrier()
         got = bad = 0
         try:
-            for i in range(count):
+            if self.c is not None:  # offsets are first + k * stride (IOR's -s/-b/-t walk)
+                first = offset(0)
+                stride = offset(1) - first
+                _, got, bad = self.c.ior_read(h, transfer, count, first, stride, writer,
+                                              self.body(transfer), self.cfg.seed,
+                                              self.cfg.verify)
+            for i in range(count if self.c is None else 0):
                 off = offset(i)
                 n = self.store.pread_into(h, buf, off)
                 got += n
@@ -424,6 +441,8 @@ class Rank:
         data = bytearray(self.pattern[:size])
         done = 0
 
+        c = self.c
+
         def one(i: int) -> None:
             p = f"{dirpath}/{self.file_name(self.r, i)}"
             if size:
@@ -431,11 +450,16 @@ class Rank:
             else:
                 s.create_empty(p)
 
-        while done < cap and not self.stonewall_passed():
-            one(done)
-            done += 1
+        if c is not None:
+            done = c.md_create(dirpath, self.r, 0, cap, self.deadline, data, self.cfg.seed)
+        else:
+            while done < cap and not self.stonewall_passed():
+                one(done)
+                done += 1
         at_stonewall = done
         target, hit = self.wear_out(done, cap)
+        if c is not None:
+            done = c.md_create(dirpath, self.r, done, target, math.inf, data, self.cfg.seed)
         while done < target:
             one(done)
             done += 1
@@ -444,6 +468,10 @@ class Rank:
                 "stonewall_hit": hit}
 
     def _md_stat(self, paths: list[str], size: int) -> dict[str, float]:
+        if self.c is not None:
+            d, owner, count = self._md_work
+            done, bad = self.c.md_stat(d, owner, count, size)
+            return {"items": done, "verify_errors": bad}
         bad = 0
         stat = self.store.stat
         for p in paths:
@@ -451,19 +479,27 @@ class Rank:
         return {"items": len(paths), "verify_errors": bad}
 
     def _md_delete(self, paths: list[str]) -> dict[str, float]:
+        if self.c is not None:
+            return {"items": self.c.md_unlink(*self._md_work)}
         unlink = self.store.unlink
         for p in paths:
             unlink(p)
         return {"items": len(paths)}
 
-    def md_paths(self, phase: str) -> list[str]:
-        """The files an mdtest read phase works on, named before its clock starts: mdtest
-        formats a name in C for nothing, in Python it would be most of a cached stat."""
+    def md_work(self, phase: str) -> tuple[str, int, int]:
+        """(directory, owner rank, count) of the files an mdtest read phase works on."""
         what = "stat" if phase.endswith("stat") else "read" if phase.endswith("read") \
             else "delete"
         w = md_owner(self.r, self.n, what)
         base = self.d(easy_tree(w, self.n) if "easy" in phase else HARD_DIR)
-        return [f"{base}/{self.file_name(w, i)}" for i in range(self.load_counts(phase)[w])]
+        return base, w, self.load_counts(phase)[w]
+
+    def md_paths(self, phase: str) -> list[str]:
+        """The files an mdtest read phase works on, named before its clock starts (for
+        the Python loops): mdtest formats a name in C for nothing, in Python it would be
+        most of a cached stat."""
+        base, w, count = self.md_work(phase)
+        return [f"{base}/{self.file_name(w, i)}" for i in range(count)]
 
     def mdtest_easy_write(self) -> dict[str, float]:
         return self._md_write(self.d(easy_tree(self.r, self.n)), self.cfg.easy_files, 0)
@@ -479,6 +515,12 @@ class Rank:
 
     def mdtest_hard_read(self) -> dict[str, float]:
         w = md_owner(self.r, self.n, "read")
+        if self.c is not None:
+            d, owner, count = self._md_work
+            done, got, bad = self.c.md_read(d, owner, count, HARD_FILE_SIZE,
+                                            self.body(HARD_FILE_SIZE), self.cfg.seed,
+                                            self.cfg.verify)
+            return {"items": done, "bytes": got, "verify_errors": bad}
         buf = memoryview(bytearray(HARD_FILE_SIZE))
         bad = got = 0
         for i, p in enumerate(self._paths):
@@ -528,14 +570,18 @@ class Rank:
         level has a directory for every rank; then each rank walks its directories'
         subtrees alone."""
         s = self.store
-        ts = None
-        if self.r == 0:
-            ts = s.stat(self.beside("timestampfile"))[1] // 1_000_000_000
-        newer = int(self.comm.allgather_obj(ts)[0])
+        newer = self._newer
         files = found = 0
+
+        c = self.c
 
         def listing(d: str, below: list[str]) -> None:
             nonlocal files, found
+            if c is not None:
+                nf, nfound, subdirs = c.find_dir(d, HARD_FILE_SIZE, newer)
+                files, found = files + nf, found + nfound
+                below.extend(subdirs)
+                return
             for name, is_dir, hint in s.scan_with_hints(d):
                 if is_dir:
                     below.append(f"{d}/{name}")
@@ -565,6 +611,14 @@ class Rank:
             listing(stack.pop(), stack)
         return {"items": files, "found": found}
 
+    def find_newer(self) -> int:
+        """The timestamp file's ctime in whole seconds, known to every rank: pfind lstats
+        it on rank 0 and broadcasts it before its clock starts."""
+        ts = None
+        if self.r == 0:
+            ts = self.store.stat(self.beside("timestampfile"))[1] // 1_000_000_000
+        return int(self.comm.allgather_obj(ts)[0])
+
     # -- the run -------------------------------------------------------------------
     FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit")
 
@@ -575,9 +629,15 @@ class Rank:
         if name in ("ior-easy-write", "ior-hard-write"):
             self._ior_remove(name)
         pool = self.comm.dir_pool()
-        if name == "find" and pool is not None and self.r == 0:
-            pool.start(self.data)  # before the barrier: no rank sees an empty pool early
-        self._paths = self.md_paths(name) if name in MD_READERS else []
+        if name == "find":
+            self._newer = self.find_newer()
+            if pool is not None and self.r == 0:
+                pool.start(self.data)  # before the barrier: no rank sees an empty pool early
+        self._paths, self._md_work = [], ("", 0, 0)
+        if name in MD_READERS:
+            self._md_work = self.md_work(name)
+            if self.c is None:
+                self._paths = self.md_paths(name)
         if self.cfg.drop_caches and self.r == 0 and name != "timestamp":
             drop_caches()
         if name.startswith("mdtest") and self.cfg.md_pause > 0:
@@ -707,7 +767,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
     workq = ctx.Queue()
-    pool = DirPool(workq, ctx.Value("q", 0))
+    pool = DirPool(workq, ctx.Value("q", 0), nprocs)
     errq = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
                                               cfg, target),
@@ -886,13 +946,28 @@ def config_from_args(args: argparse.Namespace, target: Target) -> Io500Config:
 
 def differences(cfg: Io500Config, target: Target) -> list[str]:
     """What this run does unlike the IO500 harness would on the same target."""
-    out = list(PfsStore.DIFFERENCES if target.kind == "pfs" else PosixStore.DIFFERENCES)
+    if target.kind == "pfs":
+        out = list(PfsStore.DIFFERENCES)
+    elif io500_loops.load()[0] is not None:
+        out = [PosixStore.IOR_IN_PYTHON]
+    else:
+        out = list(PosixStore.DIFFERENCES)
     if not cfg.verify:
         out.append("--no-verify: the read phases do not compare what they read "
                    "(IOR -R and mdtest -X do)")
     if cfg.md_pause != 1.0:
         out.append(f"--mdtest-pause {cfg.md_pause:g}: mdtest sleeps 1 s before each phase")
     return out
+
+
+def loops_note() -> str:
+    """Which loops the mdtest and find phases run on a POSIX path (built here, before
+    the ranks start, so that they find the library built)."""
+    lib, why = io500_loops.load()
+    if lib is None:
+        return (f"[NOTE  ] C loops unavailable: {why}; the mdtest, find and IOR read loops "
+                "run in Python")
+    return f"[NOTE  ] C loops: the mdtest, find and IOR read loops run in C ({lib.path.name})"
 
 
 def default_caps(cfg: Io500Config, target: Target, nprocs: int) -> Io500Config:
@@ -945,6 +1020,8 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
         f"stonewall {cfg.stonewall:g} s; caps per process: ior-easy {cfg.easy_size >> 20} MiB, "
         f"ior-hard {cfg.hard_segments} segments, mdtest {cfg.easy_files}/{cfg.hard_files} files")
     print(f"IO500 version {VERSION} (standard)", flush=True)
+    if target.kind == "posix":
+        print(loops_note(), flush=True)
     for why in differences(cfg, target):
         print(f"[NOTE  ] not as the harness: {why}", flush=True)
     if use_mpi:

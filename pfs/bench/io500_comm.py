@@ -41,10 +41,13 @@ class Comm(ABC):
 
 class DirPool:
     """Directories waiting to be listed, shared by the processes of this node: a queue
-    and the count of directories put in and not yet listed (zero: the walk is over)."""
+    and the count of directories put in and not yet listed (zero: the walk is over).
+    The rank that lists the last directory puts an end mark for every rank, so that the
+    waiting ones stop at once (pfind's ranks learn it within microseconds; a find phase
+    on a local disk lasts a few milliseconds)."""
 
-    def __init__(self, queue_: Any, pending: Any) -> None:
-        self._q, self._pending = queue_, pending
+    def __init__(self, queue_: Any, pending: Any, nprocs: int) -> None:
+        self._q, self._pending, self._n = queue_, pending, nprocs
 
     def start(self, root: str) -> None:
         with self._pending.get_lock():
@@ -53,12 +56,12 @@ class DirPool:
 
     def take(self) -> str | None:
         """A directory to list, or None once every directory has been listed."""
-        while True:
+        while True:  # each rank takes exactly one end mark, then stops taking
             try:
-                return str(self._q.get(timeout=0.002))
+                d = self._q.get(timeout=0.5)
             except queue.Empty:
-                if self._pending.value == 0:
-                    return None
+                continue
+            return None if d is None else str(d)
 
     def done(self, below: list[str]) -> None:
         """One directory listed; ``below`` are its subdirectories, still to list."""
@@ -66,6 +69,10 @@ class DirPool:
             self._q.put(d)
         with self._pending.get_lock():  # after the puts: never 0 while work is queued
             self._pending.value += len(below) - 1
+            last = self._pending.value == 0
+        if last:
+            for _ in range(self._n):
+                self._q.put(None)
 
 
 class SelfComm(Comm):

@@ -1,0 +1,198 @@
+"""The C loops of ``pfs bench io500`` (io500_loops.c beside this file): built with the
+system's C compiler at first use into the user's cache directory and loaded with ctypes.
+
+Python's cost per system call (a few microseconds) decides the rate of an mdtest or find
+phase on a local filesystem, where the kernel answers in about one; mdtest and pfind pay
+none. The C functions make the calls mdtest and pfind make, in the same order, one call
+per phase and rank; everything else stays in Python. Without a compiler (or with
+``PFS_IO500_NO_C=1``) :func:`load` returns None and says why, and the phases run their
+Python loops, which do the same work (tests/integration/test_io500_loops.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("io500_loops.c")
+ENV_OFF = "PFS_IO500_NO_C"  # set (non-empty): use the Python loops
+FIND_REGEX = ".*01.*"  # pfind's translation of -name "*01*" (pfind-options.c)
+_ERRLEN = 4096
+
+_i64 = ctypes.c_int64
+_p64 = ctypes.POINTER(ctypes.c_int64)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pfs"
+
+
+def _build(src: Path, out: Path) -> None:
+    """Compile ``src`` into ``out`` (written beside it, then renamed: ranks that build at
+    once each get a whole library)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc, gcc or $CC)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(src)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class CLoops:
+    """The loaded library: one method per loop, each raising OSError as os.* would."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.lib, self.path = lib, path
+        c, sz, vp = ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p
+        lib.io5_md_create.argtypes = [c, ctypes.c_int, _i64, ctypes.c_double, vp, sz,
+                                      ctypes.c_uint64, _p64, c, sz]
+        lib.io5_md_stat.argtypes = [c, ctypes.c_int, _i64, _i64, _p64, _p64, c, sz]
+        lib.io5_md_read.argtypes = [c, ctypes.c_int, _i64, vp, sz, c, ctypes.c_uint64,
+                                    ctypes.c_int, _p64, _p64, _p64, c, sz]
+        lib.io5_md_unlink.argtypes = [c, ctypes.c_int, _i64, _p64, c, sz]
+        lib.io5_find_dir.argtypes = [c, c, _i64, _i64, _p64, _p64,
+                                     ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_size_t), c, sz]
+        lib.io5_ior_read.argtypes = [ctypes.c_int, vp, sz, _i64, _i64, _i64, ctypes.c_int,
+                                     ctypes.c_uint64, c, ctypes.c_int, _p64, _p64, _p64, c, sz]
+        lib.io5_free.argtypes = [vp]
+        for f in ("io5_md_create", "io5_md_stat", "io5_md_read", "io5_md_unlink",
+                  "io5_find_dir", "io5_ior_read"):
+            getattr(lib, f).restype = ctypes.c_int
+        lib.io5_free.restype = None
+
+    @staticmethod
+    def _raise(rc: int, err: ctypes.Array[ctypes.c_char]) -> None:
+        if rc:
+            raise OSError(rc, os.strerror(rc), err.value.decode(errors="surrogateescape"))
+
+    @staticmethod
+    def mono_deadline(deadline: float) -> float:
+        """``deadline`` (a time.perf_counter() value) on CLOCK_MONOTONIC, the C clock."""
+        if math.isinf(deadline):
+            return 1e300
+        return deadline - time.perf_counter() + time.clock_gettime(time.CLOCK_MONOTONIC)
+
+    def md_create(self, d: str, rank: int, start: int, stop: int, deadline: float,
+                  data: bytearray, seed: int) -> int:
+        """Create files ``start`` .. ``stop - 1`` of ``rank`` in ``d`` until the deadline
+        (perf_counter seconds); returns the next item (the count done)."""
+        done = _i64(start)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        buf = (ctypes.c_char * max(1, len(data))).from_buffer(data) if data else None
+        rc = self.lib.io5_md_create(os.fsencode(d), rank, stop, self.mono_deadline(deadline),
+                                    buf, len(data), seed, ctypes.byref(done), err, _ERRLEN)
+        self._raise(rc, err)
+        return done.value
+
+    def md_stat(self, d: str, owner: int, count: int, size: int) -> tuple[int, int]:
+        """stat() each of ``owner``'s ``count`` files; (done, wrong sizes)."""
+        done, bad = _i64(0), _i64(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = self.lib.io5_md_stat(os.fsencode(d), owner, count, size, ctypes.byref(done),
+                                  ctypes.byref(bad), err, _ERRLEN)
+        self._raise(rc, err)
+        return done.value, bad.value
+
+    def md_read(self, d: str, owner: int, count: int, size: int, body: bytes, seed: int,
+                verify: bool) -> tuple[int, int, int]:
+        """open/read/compare/close each of ``owner``'s files; (done, bytes, bad)."""
+        done, got, bad = _i64(0), _i64(0), _i64(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        buf = ctypes.create_string_buffer(max(1, size))
+        rc = self.lib.io5_md_read(os.fsencode(d), owner, count, buf, size, body, seed,
+                                  int(verify), ctypes.byref(done), ctypes.byref(got),
+                                  ctypes.byref(bad), err, _ERRLEN)
+        self._raise(rc, err)
+        return done.value, got.value, bad.value
+
+    def md_unlink(self, d: str, owner: int, count: int) -> int:
+        done = _i64(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = self.lib.io5_md_unlink(os.fsencode(d), owner, count, ctypes.byref(done), err,
+                                    _ERRLEN)
+        self._raise(rc, err)
+        return done.value
+
+    def ior_read(self, fd: int, transfer: int, count: int, first: int, stride: int,
+                 writer: int, body: bytes, seed: int, verify: bool) -> tuple[int, int, int]:
+        """IOR's read loop on ``fd``: transfer k at ``first + k * stride``; (done, bytes,
+        bad)."""
+        done, got, bad = _i64(0), _i64(0), _i64(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        buf = ctypes.create_string_buffer(max(1, transfer))
+        rc = self.lib.io5_ior_read(fd, buf, transfer, count, first, stride, writer, seed, body,
+                                   int(verify), ctypes.byref(done), ctypes.byref(got),
+                                   ctypes.byref(bad), err, _ERRLEN)
+        self._raise(rc, err)
+        return done.value, got.value, bad.value
+
+    def find_dir(self, d: str, size: int, newer: int) -> tuple[int, int, list[str]]:
+        """pfind's work on one directory: (files counted, files found, subdirectories)."""
+        files, found = _i64(0), _i64(0)
+        sub, sublen = ctypes.c_void_p(), ctypes.c_size_t(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = self.lib.io5_find_dir(os.fsencode(d), FIND_REGEX.encode(), size, newer,
+                                   ctypes.byref(files), ctypes.byref(found),
+                                   ctypes.byref(sub), ctypes.byref(sublen), err, _ERRLEN)
+        try:
+            self._raise(rc, err)
+            raw = ctypes.string_at(sub.value, sublen.value) if sub.value else b""
+        finally:
+            self.lib.io5_free(sub)
+        names = [os.fsdecode(n) for n in raw.split(b"\0")[:-1]]
+        return files.value, found.value, [f"{d}/{n}" for n in names]
+
+
+_loaded: tuple[CLoops | None, str] | None = None
+
+
+def load() -> tuple[CLoops | None, str]:
+    """(the C loops, "") or (None, why not); built once per source version and cached."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> tuple[CLoops | None, str]:
+    if os.environ.get(ENV_OFF):
+        return None, f"${ENV_OFF} is set"
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"no source {SOURCE}: {exc.strerror}"
+    tag = hashlib.sha256(src).hexdigest()[:16]
+    lib_path = cache_dir() / f"io500_loops-{tag}.so"
+    try:
+        if not lib_path.exists():
+            logger.info("building %s", lib_path)
+            _build(SOURCE, lib_path)
+        return CLoops(ctypes.CDLL(str(lib_path)), lib_path), ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, str(exc)
+
+
+def reset() -> None:
+    """Forget what :func:`load` found (tests)."""
+    global _loaded
+    _loaded = None
