@@ -359,11 +359,10 @@ class HandleObjects:
                     i = next(nxt, None)
                 if i is None:
                     return
-                if i + ahead < len(chunks):
-                    self._prefetch(chunks[i + ahead])
-                elif i == 0:  # too few chunks to run ahead of: all of them now
-                    for c in chunks[1:]:
-                        self._prefetch(c)
+                # the first read asks for the window after it; each later one for the
+                # chunk that keeps the window ``ahead`` chunks long
+                for c in (chunks[1:ahead + 1] if i == 0 else chunks[i + ahead:i + ahead + 1]):
+                    self._prefetch(c)
                 out[i] = got = self._read_chunk(chunks[i])
                 if got is not None and done is not None:
                     done(chunks[i])
