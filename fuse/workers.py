@@ -6,8 +6,8 @@ to the next and serves the request it read. That lock is a ``trio.Lock``: each h
 goes through a ``ParkingLot`` with cancellation breakers and each uncontended acquire
 yields to the scheduler once more. :class:`HandoffLock` does only what this use needs
 (FIFO ownership handoff, cancellable waits, no extra checkpoint: the holder's next step
-is ``wait_readable``, itself a checkpoint), which measured ~15% less daemon CPU per request
-answered without the metaserver (docs/architecture.md, "Consistency").
+is ``wait_readable``, itself a checkpoint), which measured ~30% less daemon CPU per request
+answered without the metaserver (71 → 49 µs under load: docs/benchmarks.md, section 15).
 
 pyfuse3 looks its trio functions up in the module global ``pyfuse3.trio`` so that another
 event loop can be put in (``pyfuse3.asyncio.enable`` does the same); :func:`install` puts
