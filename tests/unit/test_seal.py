@@ -279,3 +279,61 @@ def test_wire_security_is_checked_and_none_is_loud(caplog: pytest.LogCaptureFixt
     auth.check_wire("none", "data server")
     assert "neither authenticated nor encrypted" in caplog.text
     assert caplog.records[0].levelname == "WARNING"
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_blocking_connection_receives_sealed_payloads_into_the_callers_buffer(
+        suite: str) -> None:
+    """The blocking transport receives a payload straight into the caller's buffer (its
+    tag and the next frame in the same receive) and checks it before returning; frames
+    back to back stay in step, and a payload altered on the way raises
+    ``FrameAuthError`` and closes the connection: what the buffer holds is not data."""
+    import socket
+    import threading
+
+    from pfs.core.wire.blocking import BlockingConnection
+
+    sizes = [10, 70_000, 3 * seal.CHUNK + 5, 0, seal.CHUNK]
+    payloads = [os.urandom(n) for n in sizes]
+    cli, srv = pair(suite)
+    wire = b"".join(sealed_frame(cli, i + 1, {"n": n}, p)
+                    for i, (n, p) in enumerate(zip(sizes, payloads, strict=True)))
+    flip = bytearray(sealed_frame(cli, 99, {"n": 1}, bytes(2 * seal.CHUNK)))
+    flip[len(flip) - seal.CHUNK] ^= 0x40  # a payload byte, far from the head
+
+    a, b = socket.socketpair()
+    rx = BlockingConnection(b, name="rx", timeout=10.0)
+    rx.install(srv)
+    assert rx.authenticated
+    writer = threading.Thread(target=a.sendall, args=(wire + bytes(flip),))
+    writer.start()
+    try:
+        for i, n in enumerate(sizes):
+            head = rx.recv_head()
+            assert head is not None and head.rid == i + 1 and head.payload_len == n
+            if n:
+                buf = bytearray(n)
+                rx.recv_payload_into(memoryview(buf))
+                assert bytes(buf) == payloads[i]
+        head = rx.recv_head()
+        assert head is not None and head.rid == 99
+        with pytest.raises(FrameAuthError):
+            rx.recv_payload_into(memoryview(bytearray(head.payload_len)))
+        assert rx.closed
+    finally:
+        writer.join()
+        a.close()
+        rx.close()
+
+
+def test_a_plain_blocking_connection_is_not_authenticated() -> None:
+    import socket
+
+    from pfs.core.wire.blocking import BlockingConnection
+
+    a, b = socket.socketpair()
+    try:
+        assert not BlockingConnection(b, name="rx").authenticated
+    finally:
+        a.close()
+        b.close()

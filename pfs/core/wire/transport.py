@@ -141,6 +141,12 @@ class Connection:
         self.decoder.seal(session.opener)
 
     @property
+    def authenticated(self) -> bool:
+        """Whether every frame's payload is authenticated on its way (a sealed session or
+        TLS): bytes received are the bytes the peer sent, or the call fails."""
+        return self.session is not None or isinstance(self.sock, TlsSocket)
+
+    @property
     def suite(self) -> str:
         """The sealing suite of this connection (``none``: not sealed)."""
         return "none" if self.session is None else self.session.suite
