@@ -1,10 +1,12 @@
-"""Checked reads off the event loop: large verifications on worker threads.
+"""Checked reads without long stalls of the event loop.
 
 CRC32C (the ``crc32c`` package) releases the GIL for each 64 KiB block, so a block hashed
 on a worker thread runs beside the trio thread, which meanwhile receives the next reply or
-submits the next read. Verifying a large reply inline instead stalls every other transfer
-of the client for as long as the hash takes (~100 µs per MiB): that was most of the
-checksum cost of large reads.
+submits the next read. Verifying a whole large reply inline after its receive instead
+stalls every other transfer of the client for as long as the hash takes (~100 µs per
+MiB, cold): that was most of the checksum cost of large reads. A network reply is now
+hashed piece by piece as it lands instead (each piece still in cache: a short stall per
+receive, and less CPU than either); a short-circuit read still verifies on threads.
 
 - :func:`streamed`: a large network reply's whole blocks checked as they land, while they
   are in cache (:class:`~pfs.core.checksums.StreamCheck`): one pass in the event loop's
