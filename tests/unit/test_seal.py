@@ -207,9 +207,9 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
 
     import trio
 
-    from pfs.core.wire.transport import Connection
+    from pfs.core.wire.transport import FILE_CHUNK, Connection
 
-    sizes = [0, 10, 70_000, seal.CHUNK + 12345, 3 * seal.CHUNK]
+    sizes = [0, 10, 70_000, seal.CHUNK + 12345, 3 * seal.CHUNK, 2 * FILE_CHUNK + 7]
     data = os.urandom(max(sizes))
     path = tmp_path / "obj"
     path.write_bytes(data)

@@ -51,6 +51,13 @@ SOCK_BUF = 4 << 20
 
 
 IOV_MAX = 1024
+# A sealed payload from a file larger than a CHUNK is read, sealed and sent this many
+# bytes at a time (a quarter of the reads, sends and calls of 256 KiB pieces: a few per
+# cent less CPU per GiB, sender and receiver), through buffers the process's connections
+# share: one is held only while a send is under way, so an idle connection keeps none.
+FILE_CHUNK = 1 << 20
+FILE_BUFS_KEPT = 8
+_file_bufs: list[bytearray] = []
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
 Payload = bytes | bytearray | memoryview | list[memoryview]
 # Handed each piece of a payload as it lands (in order), while the piece is in cache.
@@ -348,13 +355,13 @@ class Connection:
 
     async def _send_file_sealed(self, sealer: Sealer, head: bytes, fd: int, offset: int,
                                 count: int) -> None:
-        """The payload read from the file a chunk at a time into the scratch buffer,
-        sealed there and sent from there: the bytes tagged are the bytes sent (with
-        ``sendfile`` they could change in the page cache after the tag was computed:
-        a concurrent write would then look like an attack)."""
-        buf = self._scratch_view()
+        """The payload read from the file a piece at a time into a buffer (the scratch
+        buffer, or a shared FILE_CHUNK one), sealed there and sent from there: the bytes
+        tagged are the bytes sent (with ``sendfile`` they could change in the page cache
+        after the tag was computed: a concurrent write would then look like an attack)."""
         if count <= CHUNK:  # one read, then as from a buffer: one tag call, one send
-            piece = buf[:count]  # (encrypt mode: encrypted in place, its tag after it)
+            # (encrypt mode: encrypted in place, its tag after it)
+            piece = self._scratch_view()[:count]
             k = os.preadv(fd, [piece], offset)
             if k < count:  # the file shrank meanwhile: zeros keep the framing whole
                 piece[k:] = bytes(count - k)
@@ -364,18 +371,24 @@ class Connection:
         enc = sealer.encrypt_stream() if sealer.encrypt else None
         mac = None if enc is not None else sealer.mac_stream()
         sent = 0
-        while sent < count:
-            piece = buf[:min(CHUNK, count - sent)]
-            k = os.preadv(fd, [piece], offset + sent)
-            if k < len(piece):  # the file shrank meanwhile: zeros keep the framing whole
-                piece[k:] = bytes(len(piece) - k)
-            if enc is not None:
-                enc.update_into(piece, piece)
-            else:
-                assert mac is not None
-                mac.update(piece)
-            await self._sendall(piece)
-            sent += len(piece)
+        pooled = _file_bufs.pop() if _file_bufs else bytearray(FILE_CHUNK)
+        buf = memoryview(pooled)
+        try:
+            while sent < count:
+                piece = buf[:min(FILE_CHUNK, count - sent)]
+                k = os.preadv(fd, [piece], offset + sent)
+                if k < len(piece):  # the file shrank meanwhile: zeros keep the framing whole
+                    piece[k:] = bytes(len(piece) - k)
+                if enc is not None:
+                    enc.update_into(piece, piece)
+                else:
+                    assert mac is not None
+                    mac.update(piece)
+                await self._sendall(piece)
+                sent += len(piece)
+        finally:
+            if len(_file_bufs) < FILE_BUFS_KEPT:
+                _file_bufs.append(pooled)
         await self._sendall(enc.tag() if enc is not None else mac.tag())  # type: ignore[union-attr]
 
     async def _sendfile(self, head: bytes, fd: int, offset: int, count: int) -> None:
