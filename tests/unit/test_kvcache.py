@@ -449,3 +449,33 @@ def test_async_twin(world: FakeWorld, tmp_path: Path) -> None:
             await kv.aclose()
 
     trio.run(main)
+
+
+# -- the direct route's checks ----------------------------------------------------------
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_direct_get_checks_the_crc_only_where_the_connection_does_not(
+        authenticated: bool) -> None:
+    """The home checked the value's CRC as it read it; a MAC'd (or TLS) connection
+    proves the bytes received are the ones it checked, so only a plain connection's
+    are checked again (a mismatch there: EIO, never the bytes)."""
+    from pfs.kvcache.direct import DirectKv
+
+    value = os.urandom(1000)
+    wrong = crc32c.crc32c(value) ^ 1  # what a plain connection's damage looks like
+
+    class Data:
+        def exchange(self, sid: str, msg: Any, *, into: memoryview, **kw: Any
+                     ) -> tuple[dict[str, Any], int, bool]:
+            into[:len(value)] = value
+            return {"found": True, "n": len(value), "crc": wrong}, len(value), authenticated
+
+    kv = DirectKv.__new__(DirectKv)
+    kv.data = Data()  # type: ignore[assignment]
+    out = bytearray(2000)
+    if authenticated:
+        assert kv.get_into("s0", NS, b"k", memoryview(out)) == len(value)
+        assert out[:len(value)] == value
+    else:
+        with pytest.raises(OSError) as err:
+            kv.get_into("s0", NS, b"k", memoryview(out))
+        assert err.value.errno == errno.EIO
