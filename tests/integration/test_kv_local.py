@@ -203,6 +203,43 @@ def test_a_slab_evicted_between_lookup_and_read(tmp_path: Path) -> None:
     run(main)
 
 
+def test_blocks_read_only_by_short_circuit_stay_hot(tmp_path: Path) -> None:
+    """A block read again and again by short-circuit alone (no request reaches the
+    server) survives the evictions that take the cold blocks written beside it: the
+    reader sets the slot's reference byte, which the eviction reads. Readers may write
+    those bytes, never resize them under the server's map."""
+    async def main() -> None:
+        async with server(tmp_path, budget=1 << 20, slab_bytes=256 << 10) as srv, \
+                KvServerClient.connect("127.0.0.1", srv.port) as kv:
+            await kv.put(NS, b"hot", value_of(b"hot", 60_000))
+            for i in range(3):
+                await kv.put(NS, b"cold-%d" % i, value_of(b"cold-%d" % i, 60_000))
+            lk = await connect_local(srv.sid, auth.ClientAuth())
+            assert lk is not None and lk.refs is not None
+            first = srv.kvs.index[(NS, b"hot")].slab.sid
+            out = memoryview(bytearray(60_000))
+            hits = srv.kvs.counters.hits
+            for i in range(60):  # the budget turns over about three times
+                assert await local_get(lk, b"hot", out) == 60_000
+                assert out == value_of(b"hot", 60_000)
+                await kv.put(NS, b"fill-%d" % i, value_of(b"fill-%d" % i, 60_000))
+            assert first not in srv.kvs.slabs and srv.kvs.counters.evictions > 0
+            assert srv.kvs.counters.hits == hits  # every read was short-circuit
+            assert (NS, b"hot") in srv.kvs.index
+            assert not any((NS, b"cold-%d" % i) in srv.kvs.index for i in range(3))
+            pub = srv.kvs.published
+            assert pub is not None
+            fd = pub.refs_fd_for_reader()
+            try:
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+            lk.close()
+
+    run(main)
+
+
 def test_corrupt_slab_bytes_are_never_served(tmp_path: Path) -> None:
     async def main() -> None:
         async with server(tmp_path) as srv, \
