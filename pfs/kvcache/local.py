@@ -18,7 +18,8 @@ another key's bytes or a torn block.
 
 The index is trusted only while the server lives: its heartbeat must be under
 ``LIVE_FOR`` seconds old, its ``closed`` flag clear, and the local connection open (a
-``poll`` per get: a server killed is noticed at once). The server refuses ``kv_open``
+``poll``, at most every ``POLL_EVERY``: a server killed is noticed within a
+millisecond). The server refuses ``kv_open``
 over TCP and to a key that may not use every namespace (a slab mixes namespaces).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import mmap
 import os
 import select
+import struct
 import threading
 import time
 
@@ -49,6 +51,9 @@ _DEAD = select.POLLIN | select.POLLHUP | select.POLLERR | getattr(select, "POLLR
 _BUCKET = F.WAYS * F.SLOT.size
 MAX_FDS = 256  # slab descriptors held per server at most (the oldest go first)
 PREFETCH = 16  # slab descriptors taken at connect time (the newest: the likeliest read)
+POLL_EVERY = 0.001  # seconds: how stale "the connection is open" may be at a get
+# the header's heartbeat, unpublished entries, lowest live slab and closed flag
+_STATE = struct.Struct("<dQQI")
 Slot = tuple[int, int, int, int, int]  # slot number, seq, slab id, offset, value length
 
 
@@ -98,15 +103,21 @@ class LocalKv:
         self._oldest = 0  # the lowest slab id held (0: none)
         self.dead = False
         self._complete = False  # no key left out of the index: an absent key is a miss
+        self._poll_at = 0.0  # when the connection is polled next (monotonic seconds)
         self.counts = {"hits": 0, "misses": 0, "asks": 0, "slabs": 0}
 
     # -- liveness ------------------------------------------------------------------
     def _alive(self) -> bool:
-        (_m, _v, _b, _w, beat, unpublished, low, closed) = F.INDEX_HEAD.unpack_from(self.mm)
-        if closed or time.monotonic() - beat > F.LIVE_FOR or self.conn.closed:
+        beat, unpublished, low, closed = _STATE.unpack_from(self.mm, F.HEARTBEAT_AT)
+        now = time.monotonic()
+        if closed or now - beat > F.LIVE_FOR or self.conn.closed:
             self.dead = True
-        elif not self._asking and self._poller().poll(0):
-            self.dead = True  # the server closed the connection: it stopped or died
+        elif now >= self._poll_at and not self._asking:
+            # the connection, at most every POLL_EVERY (a system call per get cost more
+            # than the rest of a small get's bookkeeping)
+            self._poll_at = now + POLL_EVERY
+            if self._poller().poll(0):
+                self.dead = True  # the server closed the connection: it stopped or died
         if self.dead:
             return False
         if 0 < self._oldest < low:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -235,6 +236,30 @@ def test_blocks_read_only_by_short_circuit_stay_hot(tmp_path: Path) -> None:
                     os.ftruncate(fd, 0)
             finally:
                 os.close(fd)
+            lk.close()
+
+    run(main)
+
+
+def test_a_server_gone_is_noticed_within_a_poll_interval(tmp_path: Path) -> None:
+    """The local connection is polled at most every POLL_EVERY (not per get); once it
+    reports the server gone, every get asks (the request path decides)."""
+    async def main() -> None:
+        async with server(tmp_path) as srv, \
+                KvServerClient.connect("127.0.0.1", srv.port) as kv:
+            await kv.put(NS, b"a", value_of(b"a", 4096))
+            lk = await connect_local(srv.sid, auth.ClientAuth())
+            assert lk is not None
+            out = memoryview(bytearray(4096))
+            assert await local_get(lk, b"a", out) == 4096
+            assert lk._poll_at > 0  # polled, and not again until then
+            # the connection ends as a server's death ends it
+            peer = socket.socket(fileno=os.dup(lk._sock))
+            peer.shutdown(socket.SHUT_RDWR)
+            peer.close()
+            lk._poll_at = 0.0  # POLL_EVERY later
+            assert lk.get_into(NSB, b"a", out) == ASK and lk.dead
+            assert lk.get_into(NSB, b"a", out) == ASK
             lk.close()
 
     run(main)
