@@ -48,9 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import crc32c
 import trio
 
+from pfs.core import crcfast
 from pfs.dataserver import kvslab as fmt
 from pfs.dataserver.kvindex import PublishedIndex
 
@@ -97,7 +97,7 @@ def _pread_checked(fd: int, off: int, view: memoryview, crc: int) -> bool:
         if n == 0:
             return False  # cut short
         done += n
-    return bool(crc32c.crc32c(view) == crc)
+    return bool(crcfast.crc32c(view) == crc)
 
 
 def _pread_all(fd: int, off: int, buf: bytearray) -> None:
@@ -129,7 +129,7 @@ def _pwrite_all(fd: int, off: int, bufs: list[memoryview]) -> None:
 
 
 def _crc(view: memoryview) -> int:
-    return int(crc32c.crc32c(view))
+    return int(crcfast.crc32c(view))
 
 
 def _close(slab: Slab) -> None:

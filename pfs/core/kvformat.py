@@ -27,6 +27,8 @@ import struct
 
 import crc32c
 
+from pfs.core import crcfast
+
 MAGIC = b"PKV1"
 HEAD = struct.Struct("<4sBBHIQII")
 HEAD_CRC_AT = HEAD.size - 4  # the head's own checksum covers the bytes before it
@@ -68,7 +70,7 @@ def read_record(fd: int, off: int, ns: bytes, key: bytes, vlen: int, seq: int,
             or klen != len(key) or head[HEAD.size:] != nk
             or crc32c.crc32c(nk, crc32c.crc32c(memoryview(head)[:HEAD_CRC_AT])) != hcrc):
         return False
-    return bool(crc32c.crc32c(view) == vcrc)
+    return bool(crcfast.crc32c(view) == vcrc)
 
 
 # -- the published index --------------------------------------------------------------

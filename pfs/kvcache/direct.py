@@ -13,9 +13,8 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 
-import crc32c
-
 from pfs.client.direct import DirectData
+from pfs.core import crcfast
 from pfs.core.auth import ClientAuth
 from pfs.core.messages import kv as K
 from pfs.core.messages.base import parse_reply
@@ -37,7 +36,7 @@ class DirectKv:
         if got != reply.n:
             raise OSError(errno.EPROTO, f"kv get from {sid}: {got} bytes received for a "
                                         f"{reply.n}-byte value")
-        if crc32c.crc32c(out[:reply.n]) != reply.crc:
+        if crcfast.crc32c(out[:reply.n]) != reply.crc:
             raise OSError(errno.EIO, f"kv get from {sid}: the bytes received do not match "
                                      "their CRC32C")
         return reply.n

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import crc32c
+from pfs.core import crcfast
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class NodeTier:
         """Store a block (``crc``: crc32c of ``value`` when the caller has it). False
         when tmpfs is full (the block is not held; nothing else changes)."""
         if crc is None:
-            crc = crc32c.crc32c(value)
+            crc = crcfast.crc32c(value)
         path = self.path(ns, key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         head = self.header(ns, key, len(value), crc)
@@ -156,7 +156,7 @@ class NodeTier:
                 self.misses += 1
                 return None
             n, crc = found
-            if crc32c.crc32c(out[:n]) != crc:
+            if crcfast.crc32c(out[:n]) != crc:
                 self._drop(fd, path, "crc mismatch")
                 self.misses += 1
                 return None
