@@ -18,15 +18,15 @@ import importlib.util
 import logging
 import os
 import random
-import shutil
 import stat
 import subprocess
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
 import crc32c as _pkg
+
+from pfs.core.cbuild import build, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,36 +40,10 @@ class Crc(Protocol):
     def __call__(self, data: Any, value: int = 0, /) -> int: ...
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pfs"
-
-
 def _target() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     return cache_dir() / f"_pfs_crcfold-{digest}{suffix}"
-
-
-def _build(out: Path) -> None:
-    """Compile the extension into ``out`` (beside it, then renamed: processes that build
-    at once each get a whole file)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc, gcc or $CC)")
-    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I",
-                               sysconfig.get_paths()["include"], "-o", tmp, str(SOURCE)],
-                              capture_output=True, text=True, timeout=120, check=False)
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _owned(path: Path) -> bool:
@@ -100,7 +74,7 @@ def load() -> tuple[Crc | None, str]:
     try:
         path = _target()
         if not path.exists():
-            _build(path)
+            build(SOURCE, path, ("-I", sysconfig.get_paths()["include"]))
         if not _owned(path):
             return None, f"{path} is not private to this user"
         spec = importlib.util.spec_from_file_location("_pfs_crcfold", path)
