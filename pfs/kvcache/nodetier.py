@@ -54,6 +54,7 @@ MAGIC = b"PKV1"
 _HEAD = struct.Struct("<4sBHQI")
 TOUCH_EVERY = 1.0  # seconds: a hit refreshes a block's mtime at most this often
 TOUCHED_KEPT = 1 << 16  # blocks whose last touch a process remembers (then it starts over)
+PATHS_KEPT = 1 << 14  # blocks whose file name a process remembers (a hash each, ~0.7 us)
 STALE_TMP = 60.0  # seconds: a temporary file older than this was left by a dead writer
 LOW_WATER = 0.9  # a trim removes blocks down to this fraction of the budget
 
@@ -87,6 +88,7 @@ class NodeTier:
         self.slack = slack if slack is not None else max(1 << 20, min(budget // 8, 64 << 20))
         self._written = 0  # bytes this process wrote since its last scan
         self._touched: dict[str, float] = {}  # path -> when this process last touched it
+        self._paths: dict[tuple[str, bytes], str] = {}  # (namespace, key) -> its file
         self._lock = threading.Lock()  # the sync API is called from many threads
         self.hits = self.misses = self.puts = self.evictions = self.corrupt = 0
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -100,8 +102,14 @@ class NodeTier:
 
     # -- names ------------------------------------------------------------------
     def path(self, ns: str, key: bytes) -> str:
-        h = hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=16).hexdigest()
-        return f"{self.root}/{h[:2]}/{h}"
+        got = self._paths.get((ns, key))
+        if got is None:
+            h = hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=16).hexdigest()
+            got = f"{self.root}/{h[:2]}/{h}"
+            if len(self._paths) >= PATHS_KEPT:
+                self._paths.clear()  # (from any thread: each step is one atomic dict op)
+            self._paths[ns, key] = got
+        return got
 
     @staticmethod
     def header(ns: str, key: bytes, length: int, crc: int) -> bytes:
