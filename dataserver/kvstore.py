@@ -17,8 +17,8 @@ write that still meets ENOSPC calls :meth:`KvStore.reclaim`, which drops whole s
 Eviction takes the oldest slab (FIFO over slabs, the log-structured cache's order) and
 gives its records a second chance, CLOCK-like: a record read since it was written (or
 since its last move: by a request, or by a short-circuit reader, which sets the
-record's reference byte in the published index) and a pinned one are copied forward to the current slab with the
-reference bit cleared; the rest are dropped with the slab. A pinned record goes only
+record's reference byte in the published index) and a pinned one are copied forward to
+the current slab with the reference bit cleared; the rest are dropped with the slab. A pinned record goes only
 when nothing unpinned is left to evict. A removal appends a tombstone so that a restart
 does not bring the key back.
 

@@ -7,20 +7,20 @@ reads, the same authentication) a client obtains, once, a read-only descriptor o
 index, and then of each slab as it first meets one (``kv_open``, SCM_RIGHTS). A get
 hashes its key to a bucket of the index, and reads the record its slot names straight
 into the caller's buffer (``preadv``), checking the record's head (magic, namespace, key,
-length, sequence, the head's CRC) and the value's CRC32C in steps while they are in
-cache. A hit sets the slot's byte in a second shared map, the server's reference bits
-(its eviction keeps a record read since it was written a round more, as it does for
-one read by request). Whatever does not check out - a slot being rewritten, a slab evicted since (its
-descriptor still reads the old, intact record, or is gone), a damaged record - asks the
-server (``ASK``), which answers with the truth; a key absent from a complete index is a
-miss (``MISS``). So a reader gets the key's bytes, a miss, or a round trip: never
+length, sequence, the head's CRC) and the value's CRC32C. A hit sets the slot's byte
+in a second shared map, the server's reference bits (its eviction keeps a record read
+since it was written a round more, as it does for one read by request). Whatever does
+not check out - a slot being rewritten, a slab evicted since (its descriptor still
+reads the old, intact record, or is gone), a damaged record - asks the server
+(``ASK``), which answers with the truth; a key absent from a complete index is a miss
+(``MISS``). So a reader gets the key's bytes, a miss, or a round trip: never
 another key's bytes or a torn block.
 
 The index is trusted only while the server lives: its heartbeat must be under
 ``LIVE_FOR`` seconds old, its ``closed`` flag clear, and the local connection open (a
 ``poll``, at most every ``POLL_EVERY``: a server killed is noticed within a
-millisecond). The server refuses ``kv_open``
-over TCP and to a key that may not use every namespace (a slab mixes namespaces).
+millisecond). The server refuses ``kv_open`` over TCP and to a key that may not use
+every namespace (a slab mixes namespaces).
 """
 from __future__ import annotations
 
