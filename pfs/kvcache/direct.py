@@ -13,9 +13,8 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 
-import crc32c
-
 from pfs.client.direct import DirectData
+from pfs.core import crcfast
 from pfs.core.auth import ClientAuth
 from pfs.core.messages import kv as K
 from pfs.core.messages.base import parse_reply
@@ -39,7 +38,7 @@ class DirectKv:
                                         f"{reply.n}-byte value")
         # the server checked the value's CRC as it read it; a MAC'd (or TLS) connection
         # then proves these are the bytes it checked: a second CRC here adds nothing
-        if not authenticated and crc32c.crc32c(out[:reply.n]) != reply.crc:
+        if not authenticated and crcfast.crc32c(out[:reply.n]) != reply.crc:
             raise OSError(errno.EIO, f"kv get from {sid}: the bytes received do not match "
                                      "their CRC32C")
         return reply.n

@@ -157,8 +157,10 @@ class KvStats(DataRequest, method="kv_stats", reply=KvStatsReply):
 
 
 class KvOpenReply(ReplyMessage):
-    payload_doc = ("as SCM_RIGHTS ancillary data, a read-only descriptor: of the published "
-                   "index (`slab` 0) or of the slab asked for")
+    payload_doc = ("as SCM_RIGHTS ancillary data: for `slab` 0, a read-only descriptor of "
+                   "the published index and a read-write one of its reference bytes (one "
+                   "per slot, set by a reader that got the slot's record); else a "
+                   "read-only descriptor of the slab asked for")
     size: int = Int(doc="the index's bytes, or the slab's")
     slabs: list[int] = List(Int(), default=[], max_len=1 << 16,
                             doc="with the index: the ids of the live slabs, oldest first")
