@@ -187,7 +187,11 @@ class CommitQueue:
                 # The batch runs and commits in the event loop's own thread: handing it
                 # to a worker thread costs more (~300 us here) than the loop loses by
                 # waiting for the flush, and requests arriving meanwhile simply join the
-                # next batch.
+                # next batch. (Also tried: a dedicated thread that begins and commits
+                # the transaction, the operations running here in between, and flushes
+                # while the loop goes on: ~30 us of CPU per hand-over, 8-25% more
+                # metaserver CPU per create with 8 clients on 2 cores, and creates/s
+                # within the noise; the cores, not the waits, are the limit here.)
                 flushed = self._run_batch(batch)
                 again = [op for op in batch if op.frees and _is_full(op.error)]
                 if again:
