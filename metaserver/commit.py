@@ -16,11 +16,12 @@ reach the queue a pass or two later (the reader's, then the handler's), and one 
 them makes the flush of its own unnecessary (8 clients creating or unlinking, 2 loaded
 cores: 0.05-0.1 lone flushes per batch instead of 0.5-0.75; metaserver CPU per create
 -6%, median of 5 A/B pairs; creates/s +23%, unlinks/s +70%). Under load each batch
-costs one flush instead of two; a lone operation costs two, as before. Between its commit and its
-flush a batch is visible to reads (stat, lookup) but not acknowledged: what reads may
-see, a crash may undo, as with a local filesystem's page cache; an acknowledged change
-never is. Actions outside the store that must not outrun durability (deleting objects
-on data servers) wait for :meth:`CommitQueue.durable` first.
+costs one flush instead of two; a lone operation costs two, as before. Between its
+commit and its flush a batch is visible to reads (stat, lookup) but not acknowledged:
+what reads may see, a crash may undo, as with a local filesystem's page cache; an
+acknowledged change never is. Actions outside the store that must not outrun
+durability (deleting objects on data servers) wait for :meth:`CommitQueue.durable`
+first.
 """
 from __future__ import annotations
 
