@@ -579,6 +579,27 @@ async def test_a_mutation_just_behind_a_batch_saves_its_flush() -> None:
 
 
 @trio_test
+async def test_busy_tasks_do_not_hold_back_a_lone_flush() -> None:
+    """The passes the writer lets run before flushing a batch alone are bounded: tasks
+    that never block (but keep yielding) do not delay the acknowledgement."""
+    store = FlushingStore()
+    queue = CommitQueue(store)
+
+    async def busy() -> None:
+        while True:
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        for _ in range(3):
+            nursery.start_soon(busy)
+        with trio.fail_after(5):
+            assert await queue.mutate(put(b"a", 1)) == 1
+        nursery.cancel_scope.cancel()
+    assert store.syncs == 1
+
+
+@trio_test
 async def test_durable_waits_for_the_flush() -> None:
     """``durable`` called once a batch is committed returns only after its flush."""
     store = FlushingStore()
