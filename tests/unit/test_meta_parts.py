@@ -555,6 +555,51 @@ async def test_one_flush_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @trio_test
+async def test_a_mutation_just_behind_a_batch_saves_its_flush() -> None:
+    """A mutation queued a scheduler pass or two after a batch commits (a request the
+    server had already received) joins the next batch, whose commit makes the first
+    durable: no flush for the first batch alone."""
+    store = FlushingStore()
+    woken: list[tuple[int, int]] = []
+    queue = CommitQueue(store, lambda: woken.append((store.flushes, store.syncs)))
+
+    async def behind() -> None:
+        await store.committed.wait()  # the first batch committed, not yet flushed
+        for _ in range(commit.SETTLE_PASSES - 1):
+            await trio.lowlevel.checkpoint()
+        await queue.mutate(put(b"b"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        nursery.start_soon(behind)
+        await queue.mutate(put(b"a"))
+        await queue.durable()
+        nursery.cancel_scope.cancel()
+    assert woken == [(2, 0), (2, 1)]  # "a" after the commit of "b"; "b" flushed alone
+
+
+@trio_test
+async def test_busy_tasks_do_not_hold_back_a_lone_flush() -> None:
+    """The passes the writer lets run before flushing a batch alone are bounded: tasks
+    that never block (but keep yielding) do not delay the acknowledgement."""
+    store = FlushingStore()
+    queue = CommitQueue(store)
+
+    async def busy() -> None:
+        while True:
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run)
+        for _ in range(3):
+            nursery.start_soon(busy)
+        with trio.fail_after(5):
+            assert await queue.mutate(put(b"a", 1)) == 1
+        nursery.cancel_scope.cancel()
+    assert store.syncs == 1
+
+
+@trio_test
 async def test_durable_waits_for_the_flush() -> None:
     """``durable`` called once a batch is committed returns only after its flush."""
     store = FlushingStore()
