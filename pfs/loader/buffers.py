@@ -9,8 +9,8 @@ to hold from a previous load. Here each buffer is its own ``mmap``, populated wi
 ``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 64 MiB piece, the GIL dropped, the
 last piece first) so most reads copy into memory that is already there. Huge
 pages (``MADV_HUGEPAGE``) would cut the faults 512x but are off by default: see
-:data:`HUGE_PAGES`. The mapping is unmapped when the last tensor over it is freed (the
-array holds the ``mmap`` object).
+:data:`HUGE_PAGES`. When the last tensor over a mapping is freed, it goes back to the
+process's pool for the next load (:mod:`pfs.loader.pool`), which unmaps it later.
 """
 from __future__ import annotations
 

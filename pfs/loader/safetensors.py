@@ -20,9 +20,11 @@ How it reads:
    read by object, in 4 MiB preadv's on a pool of threads, each verified right after
    its read; everything else striped across the data servers; a pfs shard's
    short-circuit descriptors are all asked for when it is opened, beside its header);
-5. each buffer is a fresh mapping of its own that a thread faults in from its far end
-   while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
-   are there before a copy reaches them instead of faulting in one by one inside it.
+5. each buffer is a mapping of its own: one an earlier load of the process handed back
+   when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
+   a fresh one that a thread faults in from its far end while the reads fill it from
+   the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
+   reaches them instead of faulting in one by one inside it.
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
@@ -55,8 +57,9 @@ import trio
 
 from pfs.client.shortcircuit import BULK_THREADS
 from pfs.core.config import ProfileSettings, profile_settings
+from pfs.loader import pool
 from pfs.loader.arrivals import Arrivals
-from pfs.loader.buffers import address, anon_buffer, populate
+from pfs.loader.buffers import address, populate
 
 log = logging.getLogger(__name__)
 
@@ -605,10 +608,12 @@ class _Numpy:
             ml_dtypes = None
         self.ml = ml_dtypes
 
-    def alloc(self, n: int) -> tuple[Any, memoryview]:
-        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
-        a = self.np.frombuffer(mm, dtype=self.np.uint8, count=n)
-        return a, memoryview(mm)[:n]
+    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
+        if n == 0:
+            return self.np.empty(0, dtype=self.np.uint8), memoryview(b""), False
+        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        a = self.np.frombuffer(lease.array, dtype=self.np.uint8, count=n)
+        return a, lease.view, lease.fresh
 
     def dtype(self, st: str) -> Any:
         size, npname, _ = DTYPES[st]
@@ -636,12 +641,15 @@ class _Torch:
         self.device = device
         self.pin = device.startswith("cuda")
 
-    def alloc(self, n: int) -> tuple[Any, memoryview]:
+    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
+        """A uint8 buffer of ``n`` bytes, a writable view of it, and whether it is fresh
+        memory to fault in (pinned pages are faulted in by their allocator)."""
         if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
             t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
-            return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
-        return self.torch.frombuffer(mm, dtype=self.torch.uint8, count=n), memoryview(mm)[:n]
+            return t, memoryview(t.numpy()).cast("B"), False  # type: ignore[arg-type]
+        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        return (self.torch.frombuffer(lease.array, dtype=self.torch.uint8, count=n),
+                lease.view, lease.fresh)
 
     def dtype(self, st: str) -> Any:
         attr = DTYPES[st][2]
@@ -775,20 +783,22 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
-        views: list[memoryview] = []  # host buffers to fault in (pinned ones are: a no-op)
+        views: list[memoryview] = []  # fresh host buffers to fault in (pool.py)
         if gds:  # local files straight into device memory (kvikio), no host copy
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
             regions_on_device = True
         for r in regions if not gds else []:
-            r.buf, view = fw.alloc(r.end - r.start)
-            views.append(view)
+            r.buf, view, fresh = fw.alloc(r.end - r.start)
+            if fresh:
+                views.append(view)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
                 owners.append((r.shard.name, len(view)))
         for s in sliced if not gds else []:
-            s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
-            views.append(view)
+            s.buf, view, fresh = fw.alloc(math.prod(s.shape) * s.info.itemsize)
+            if fresh:
+                views.append(view)
             pos = 0
             for off, length in s.ranges:
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
@@ -941,17 +951,24 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
         kwargs = dict(device=device, tp_rank=tp_rank, tp_size=tp_size, split=split,
                       names=names, framework=framework, profile=profile, merge_gap=merge_gap,
                       stats=stats, on_tensor=on_tensor)
-        if client is None:
-            return trio.run(lambda: aload_safetensors(src, **kwargs))  # type: ignore[arg-type]
-        aio = getattr(client, "aio", None)
-        if aio is None:
+        aio = getattr(client, "aio", None) if client is not None else None
+        if client is not None and aio is None:
             raise TypeError("client must be a pfs.connect() client; inside trio use "
                             "aload_safetensors with an async client")
+        # the result goes back through a box, not as the call's return value: trio
+        # keeps a run's return value in a reference cycle (its runner's outcome), so
+        # the tensors, once the caller frees them, would wait for the garbage collector
+        # instead of handing their buffers back to the next load (pool.py)
+        box: dict[str, dict[str, Any]] = {}
 
-        async def go() -> dict[str, Any]:
-            return await aload_safetensors(src, client=aio, **kwargs)  # type: ignore[arg-type]
+        async def go() -> None:
+            box["out"] = await aload_safetensors(src, client=aio, **kwargs)  # type: ignore[arg-type]
 
-        return client._run(go)
+        if client is None:
+            trio.run(go)
+        else:
+            client._run(go)
+        return box.pop("out")
     finally:
         if own_client is not None:
             own_client.close()
