@@ -404,9 +404,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = run_fresh(argv(name, repeat=args.stability))
                 if res.get("skipped"):
                     continue
-                rates = [load_record(res, i)["GBps"] for i in range(len(res["loads"]))]
+                loads = [load_record(res, i) for i in range(len(res["loads"]))]
+                rates = [x["GBps"] for x in loads]
                 stability[name] = {"GBps": [round(x, 3) for x in rates],
-                                   "spread": round(spread(rates), 3)}
+                                   "spread": round(spread(rates), 3),
+                                   # what makes a load steady: its CPU and its faults
+                                   # (a load into reused buffers takes next to none)
+                                   "cpu_s": [round(x["cpu_self_s"], 3) for x in loads],
+                                   "faults": [x.get("minflt", 0) for x in loads]}
                 log(f"stability {name}: {stability[name]['GBps']} GB/s "
                     f"(spread {stability[name]['spread']:.0%})")
             result["verified_bit_exact"] = verified
@@ -491,6 +496,14 @@ def aims(med: dict[str, Any], stability: dict[str, Any]) -> list[dict[str, Any]]
     return res
 
 
+def stability_detail(s: dict[str, Any]) -> str:
+    """CPU seconds and page faults of each consecutive load (older results lack them)."""
+    if "cpu_s" not in s:
+        return ""
+    return (f"; CPU {', '.join(f'{x:.2f}' for x in s['cpu_s'])} s"
+            f"; faults {', '.join(f'{x / 1000:.0f}k' for x in s['faults'])}")
+
+
 def report(res: dict[str, Any]) -> str:
     cfg, ck, med = res["config"], res["checkpoint"], res["median"]
     lines = [f"pfs bench loader: {ck['tensors']} bf16 tensors, {ck['tensor_bytes'] / 2**30:.2f} "
@@ -520,7 +533,7 @@ def report(res: dict[str, Any]) -> str:
     for name, s in res.get("stability", {}).items():
         lines.append(f"consecutive warm loads in one process, {name}: "
                      f"{', '.join(f'{x:.2f}' for x in s['GBps'])} GB/s "
-                     f"(spread {s['spread']:.0%})")
+                     f"(spread {s['spread']:.0%})" + stability_detail(s))
     for temp in ("warm", "cold"):
         m = med.get(f"pfs_sc_on_{temp}")
         if m and m.get("bytes"):  # the rest went over TCP (no local descriptor given)

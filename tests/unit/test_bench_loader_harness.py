@@ -65,6 +65,12 @@ def test_spread_and_aims() -> None:
     assert "not measured in this run" in text and "NOT met" in text
 
 
+def test_stability_shows_cpu_and_faults_per_load() -> None:
+    s = {"GBps": [1.0, 2.0], "spread": 1.0, "cpu_s": [0.31, 0.05], "faults": [139000, 20]}
+    assert loader.stability_detail(s) == "; CPU 0.31, 0.05 s; faults 139k, 0k"
+    assert loader.stability_detail({"GBps": [1.0], "spread": 0.0}) == ""
+
+
 def test_a_missing_reference_is_skipped(monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(loader_run.NEEDS, "runai",
