@@ -411,7 +411,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    # what makes a load steady: its CPU and its faults
                                    # (a load into reused buffers takes next to none)
                                    "cpu_s": [round(x["cpu_self_s"], 3) for x in loads],
-                                   "faults": [x.get("minflt", 0) for x in loads]}
+                                   "faults": [x.get("minflt", 0) for x in loads],
+                                   "reused": [round(x.get("reused_bytes", 0) / x["bytes"], 3)
+                                              if x["bytes"] else 0.0 for x in loads]}
                 log(f"stability {name}: {stability[name]['GBps']} GB/s "
                     f"(spread {stability[name]['spread']:.0%})")
             result["verified_bit_exact"] = verified
@@ -497,11 +499,15 @@ def aims(med: dict[str, Any], stability: dict[str, Any]) -> list[dict[str, Any]]
 
 
 def stability_detail(s: dict[str, Any]) -> str:
-    """CPU seconds and page faults of each consecutive load (older results lack them)."""
+    """CPU seconds, page faults and the share of bytes read into reused buffers of each
+    consecutive load (older results lack them)."""
     if "cpu_s" not in s:
         return ""
-    return (f"; CPU {', '.join(f'{x:.2f}' for x in s['cpu_s'])} s"
-            f"; faults {', '.join(f'{x / 1000:.0f}k' for x in s['faults'])}")
+    out = (f"; CPU {', '.join(f'{x:.2f}' for x in s['cpu_s'])} s"
+           f"; faults {', '.join(f'{x / 1000:.0f}k' for x in s['faults'])}")
+    if any(s.get("reused", ())):  # pfs.load_safetensors: buffers of the previous load
+        out += f"; buffers reused {', '.join(f'{x:.0%}' for x in s['reused'])}"
+    return out
 
 
 def report(res: dict[str, Any]) -> str:

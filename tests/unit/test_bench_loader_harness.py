@@ -4,6 +4,7 @@ is not installed is skipped with a clear note instead of failing the run."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -66,8 +67,11 @@ def test_spread_and_aims() -> None:
 
 
 def test_stability_shows_cpu_and_faults_per_load() -> None:
-    s = {"GBps": [1.0, 2.0], "spread": 1.0, "cpu_s": [0.31, 0.05], "faults": [139000, 20]}
+    s: dict[str, Any] = {"GBps": [1.0, 2.0], "spread": 1.0, "cpu_s": [0.31, 0.05],
+                         "faults": [139000, 20], "reused": [0.0, 0.0]}
     assert loader.stability_detail(s) == "; CPU 0.31, 0.05 s; faults 139k, 0k"
+    s["reused"] = [0.0, 1.0]
+    assert loader.stability_detail(s).endswith("; buffers reused 0%, 100%")
     assert loader.stability_detail({"GBps": [1.0], "spread": 0.0}) == ""
 
 
