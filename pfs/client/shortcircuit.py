@@ -40,15 +40,17 @@ log = logging.getLogger(__name__)
 # Bulk reads (:meth:`HandleObjects.read_chunks`, the loader's): threads that each read a
 # chunk with one preadv and verify it at once, while its bytes are still in the cache.
 BULK_THREADS = 4  # 2 would keep 2 cores busy warm; more give a cold drive a deeper queue
-# Bytes of a file's chunks asked of the kernel (WILLNEED) ahead of its readers, by a
-# thread of its own: WILLNEED blocks while it allocates pages and queues the reads
-# (measured 2-3.5 s of a cold 1.4 GB load, summed over threads, when the readers asked
-# themselves), so the readers never wait in it.
+# Bytes of a file's chunks the kernel is asked to read ahead of its readers, by a thread
+# of its own (:meth:`HandleObjects._prefetch`): the readers never wait in those calls
+# (WILLNEED, the readers' own before, blocked 2-3.5 s of a cold 1.4 GB load, summed
+# over threads, while it allocated pages and queued the reads).
 BULK_WINDOW = 64 << 20
 _STATS_LOCK = threading.Lock()
 
 
 _PROBE = bytearray(1)  # the cache probe's destination (its byte is never used)
+SCRATCH = 4 << 20  # what a prefetching read asks for at most (its bytes are never used)
+_scratch: memoryview | None = None
 _nowait_ok = True  # preadv RWF_NOWAIT works here (asked once per process)
 
 
@@ -328,24 +330,36 @@ class HandleObjects:
         return list(counts)
 
     def _prefetch(self, c: LocalChunk) -> None:
-        """Ask the kernel to start reading a chunk ahead of the readers, unless its last
-        page is already cached (a warm object: WILLNEED would walk its cached pages for
-        nothing, ~10 µs per MiB). The probe is a 1-byte ``RWF_NOWAIT`` read: it returns
-        at once, with the byte only if it was in the cache."""
+        """Start the kernel reading a chunk ahead of the readers, unless its last page
+        is cached already (a warm object: nothing to do). Both without waiting, with
+        ``RWF_NOWAIT`` reads: a 1-byte probe of the last page returns it only if
+        cached; a read of the chunk into scratch starts the file's own readahead and
+        returns at once (EAGAIN). Readahead fills the cache with large folios, where
+        ``POSIX_FADV_WILLNEED`` of 4 MiB pieces left 4 KiB pages behind, and later
+        warm reads of those cost 2-3x the CPU (the kernel walks every page); WILLNEED
+        is the fallback where RWF_NOWAIT is refused."""
         fd = self._fds.get(c.stripe)
-        if fd is None:
+        if fd is None or not c.length:
             return
-        global _nowait_ok
-        if _nowait_ok and c.length:
+        global _nowait_ok, _scratch
+        if _nowait_ok:
             try:
                 if os.preadv(fd, [_PROBE], c.obj_off + c.length - 1, os.RWF_NOWAIT) == 1:
                     return
             except BlockingIOError:  # not cached
                 pass
-            except OSError as exc:  # no RWF_NOWAIT here (kernel, filesystem): ask always
+            except OSError as exc:  # no RWF_NOWAIT here (kernel, filesystem)
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 _nowait_ok = False
+        if _nowait_ok:
+            if _scratch is None:  # bytes nobody reads: shared by every prefetcher
+                _scratch = memoryview(bytearray(SCRATCH))
+            try:
+                os.preadv(fd, [_scratch[:min(c.length, SCRATCH)]], c.obj_off, os.RWF_NOWAIT)
+            except BlockingIOError:  # the usual answer: the readahead is under way
+                pass
+            return
         os.posix_fadvise(fd, c.obj_off, c.length, os.POSIX_FADV_WILLNEED)
 
     def _prefetcher(self, chunks: Sequence[LocalChunk], progress: _Progress) -> None:

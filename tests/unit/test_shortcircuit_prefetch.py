@@ -1,6 +1,7 @@
 """Bulk short-circuit reads ask the kernel for their chunks ahead of the readers, from a
 thread of their own: never more than ``BULK_WINDOW`` bytes past the chunks the readers
-took, never for a chunk already cached, and not past the moment the readers are done."""
+took, never for a chunk already cached, without waiting, and not past the moment the
+readers are done."""
 from __future__ import annotations
 
 import os
@@ -50,16 +51,14 @@ def test_the_prefetcher_keeps_a_window_ahead_of_the_readers(
     fd = _file(tmp_path, 8 * MIB, cached=False)
     monkeypatch.setattr(sc, "BULK_WINDOW", 3 * MIB)
     asked: list[int] = []
-    step = threading.Semaphore(0)  # one per WILLNEED: the test follows the thread
-    real = os.posix_fadvise
+    step = threading.Semaphore(0)  # one per chunk asked for: the test follows the thread
+    h = _handle(fd)
 
-    def fadvise(f: int, off: int, n: int, advice: int) -> None:
-        real(f, off, n, advice)
-        asked.append(off // MIB)
+    def prefetch(c: LocalChunk) -> None:
+        asked.append(c.obj_off // MIB)
         step.release()
 
-    monkeypatch.setattr(sc.os, "posix_fadvise", fadvise)
-    h = _handle(fd)
+    monkeypatch.setattr(h, "_prefetch", prefetch)
     chunks = _chunks(8, MIB, bytearray(8 * MIB))
     progress = sc._Progress()
     t = threading.Thread(target=h._prefetcher, args=(chunks, progress))
@@ -83,16 +82,56 @@ def test_the_prefetcher_keeps_a_window_ahead_of_the_readers(
     os.close(fd)
 
 
-def test_cached_chunks_are_not_asked_for(tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    fd = _file(tmp_path, 4 * MIB, cached=True)
-    os.pread(fd, 4 * MIB, 0)  # every page in the cache
-    calls: list[int] = []
-    monkeypatch.setattr(sc.os, "posix_fadvise", lambda *a: calls.append(a[1]))
+class _Calls:
+    """What ``_prefetch`` asks of the kernel (the calls still made)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[int, int, int]] = []  # (offset, length, flags)
+        self.fadvise: list[int] = []
+        real_preadv, real_fadvise = os.preadv, os.posix_fadvise
+
+        def preadv(fd: int, bufs: Any, off: int, flags: int = 0) -> int:
+            self.reads.append((off, sum(len(b) for b in bufs), flags))
+            return real_preadv(fd, bufs, off, flags)
+
+        def fadvise(fd: int, off: int, n: int, advice: int) -> None:
+            self.fadvise.append(off)
+            real_fadvise(fd, off, n, advice)
+
+        monkeypatch.setattr(sc.os, "preadv", preadv)
+        monkeypatch.setattr(sc.os, "posix_fadvise", fadvise)
+
+
+def test_a_cold_chunk_starts_readahead_without_waiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold chunk: a 1-byte probe of its last page, then a read of the chunk that
+    returns at once (EAGAIN) having started the file's readahead; no WILLNEED (it
+    leaves 4 KiB pages behind). A cached chunk: the probe alone."""
+    if not sc._nowait_ok:
+        pytest.skip("this kernel refuses RWF_NOWAIT")
+    fd = _file(tmp_path, 4 * MIB, cached=False)
+    calls = _Calls(monkeypatch)
     h = _handle(fd)
-    progress = sc._Progress()
-    h._prefetcher(_chunks(4, MIB, bytearray(4 * MIB)), progress)  # returns when done
-    assert calls == [] or not sc._nowait_ok  # (a kernel without RWF_NOWAIT asks always)
+    chunk = _chunks(1, 4 * MIB, bytearray(4 * MIB))[0]
+    h._prefetch(chunk)
+    assert calls.reads == [(4 * MIB - 1, 1, os.RWF_NOWAIT), (0, 4 * MIB, os.RWF_NOWAIT)]
+    assert calls.fadvise == []
+    os.pread(fd, 4 * MIB, 0)  # now every page is cached
+    calls.reads.clear()
+    h._prefetch(chunk)
+    assert calls.reads == [(4 * MIB - 1, 1, os.RWF_NOWAIT)] and calls.fadvise == []
+    os.close(fd)
+
+
+def test_without_rwf_nowait_it_asks_willneed(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = _file(tmp_path, 2 * MIB, cached=True)
+    monkeypatch.setattr(sc, "_nowait_ok", False)
+    calls = _Calls(monkeypatch)
+    h = _handle(fd)
+    for c in _chunks(2, MIB, bytearray(2 * MIB)):
+        h._prefetch(c)
+    assert calls.fadvise == [0, MIB] and calls.reads == []
     os.close(fd)
 
 
