@@ -289,7 +289,8 @@ class _Reader:
 
     engine_name = ""
 
-    async def open(self, path: str) -> tuple[Any, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[Any, int]:
+        """A handle of ``path`` and its size; ``bulk``: it will be read whole."""
         raise NotImplementedError
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
@@ -335,7 +336,7 @@ class _LocalReader(_Reader):
         self.engine_name = name
         self.chunk = settings.chunk
 
-    async def open(self, path: str) -> tuple[int, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[int, int]:
         return await trio.to_thread.run_sync(_open_local, path)
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
@@ -389,8 +390,10 @@ class _PfsReader(_Reader):
     def __init__(self, aclient: Any) -> None:
         self.client = aclient
 
-    async def open(self, path: str) -> tuple[Any, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
+        if not bulk:  # the index: one small read, no descriptors to ask for first
+            return f, f.size
         try:
             # every stripe's local descriptor now, while the header is read: the bulk
             # reads then find them held instead of each asking within a 1 s deadline
@@ -474,7 +477,7 @@ async def _shard_paths(reader: _Reader, source: str) -> tuple[list[str], str | N
 
 
 async def _from_index(reader: _Reader, index: str) -> list[str]:
-    h, size = await reader.open(index)
+    h, size = await reader.open(index, bulk=False)
     try:
         buf = bytearray(size)
         n = (await reader.read_many([(h, 0, memoryview(buf))]))[0]
@@ -492,20 +495,8 @@ async def _from_index(reader: _Reader, index: str) -> list[str]:
     for fname in names:
         if os.path.isabs(fname) or ".." in fname.split("/"):
             raise CheckpointError(index, f"shard {fname!r} is not a plain file name")
-    shards = [reader.join(base, fname) for fname in names]
-    found = [False] * len(shards)
-
-    async def check(i: int) -> None:
-        found[i] = await reader.exists(shards[i])
-
-    async with trio.open_nursery() as nursery:  # one round of lookups, not one per shard
-        for i in range(len(shards)):
-            nursery.start_soon(check, i)
-    for fname, path, ok in zip(names, shards, found, strict=True):
-        if not ok:
-            raise FileNotFoundError(errno.ENOENT, f"shard {fname!r} named by {index} is "
-                                                  "missing", path)
-    return shards
+    # not looked up here: opening them (all at once, beside their headers) tells
+    return [reader.join(base, fname) for fname in names]
 
 
 async def _read_header(reader: _Reader, path: str) -> Shard:
@@ -767,7 +758,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
                 merge_gap: int, stats: LoadStats, gds_ok: bool = False,
                 on_tensor: OnTensor | None = None) -> dict[str, Any]:
-    paths, _index = await _shard_paths(reader, source)
+    paths, index = await _shard_paths(reader, source)
     gds = gds_ok and isinstance(reader, _LocalReader) and isinstance(fw, _Torch)
     regions_on_device = False
     arrivals: Arrivals | None = None
@@ -775,7 +766,13 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
     shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
     try:
         async def head(i: int, p: str) -> None:
-            shards[i] = await _read_header(reader, p)
+            try:
+                shards[i] = await _read_header(reader, p)
+            except FileNotFoundError:
+                if index is None:
+                    raise
+                raise FileNotFoundError(errno.ENOENT, f"shard {p.rsplit('/', 1)[-1]!r} "
+                                                      f"named by {index} is missing", p) from None
 
         async with trio.open_nursery() as n:
             for i, p in enumerate(paths):
