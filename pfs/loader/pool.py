@@ -66,6 +66,7 @@ class BufferPool:
         self._free: list[tuple[float, int, mmap.mmap]] = []  # (freed at, capacity, map)
         self._timer: threading.Timer | None = None
         self._dying: list[mmap.mmap] = []  # to unmap once their last export is gone
+        self._taking = False  # take() is choosing from the free list (the lock held)
         self.stats = {"taken": 0, "reused": 0, "reused_bytes": 0, "returned": 0,
                       "unmapped": 0}
 
@@ -88,16 +89,21 @@ class BufferPool:
         if self._dying:
             self._unmap([])
         with self._lock:
-            self.stats["taken"] += 1
-            best = -1
-            for i, (_t, have, _m) in enumerate(self._free):
-                if cap <= have <= cap + cap // SLACK and (
-                        best < 0 or have < self._free[best][1]):
-                    best = i
-            if best >= 0:
-                _t, cap, mm = self._free.pop(best)
-                self.stats["reused"] += 1
-                self.stats["reused_bytes"] += n
+            # a tensor freed by the collector in here (this thread) only appends
+            self._taking = True
+            try:
+                self.stats["taken"] += 1
+                best = -1
+                for i, (_t, have, _m) in enumerate(self._free):
+                    if cap <= have <= cap + cap // SLACK and (
+                            best < 0 or have < self._free[best][1]):
+                        best = i
+                if best >= 0:
+                    _t, cap, mm = self._free.pop(best)
+                    self.stats["reused"] += 1
+                    self.stats["reused_bytes"] += n
+            finally:
+                self._taking = False
         fresh = mm is None
         if mm is None:
             mm = anon_buffer(cap)
@@ -114,7 +120,7 @@ class BufferPool:
         with self._lock:
             self.stats["returned"] += 1
             self._free.append((time.monotonic(), cap, mm))
-            over = self._over_budget()
+            over = [] if self._taking else self._over_budget()  # (else: the next return)
             if self._timer is None:
                 self._timer = threading.Timer(self.keep_seconds, self._expire)
                 self._timer.daemon = True

@@ -178,3 +178,19 @@ def test_consecutive_loads_take_no_faults(tmp_path: Path,
     again = _faults() - before
     assert _bytes(out["w"]) == b"\x05" * n
     assert first >= n // 4096 // 2 and again < first // 10
+
+
+def test_a_return_while_take_chooses_only_appends() -> None:
+    """A tensor the collector frees inside ``take`` (same thread, the lock held) must
+    not reorder the list ``take`` is choosing from: the budget waits for the next
+    return."""
+    p = BufferPool(keep_seconds=60, keep_bytes=1 << 20)
+    a, b = p.take(1 << 20), p.take(1 << 20)
+    del a
+    p._taking = True
+    del b
+    assert p.free_bytes() == 2 << 20 and p.stats["unmapped"] == 0
+    p._taking = False
+    c = p.take(1 << 20)
+    del c
+    assert p.free_bytes() == 1 << 20
