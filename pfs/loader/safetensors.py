@@ -934,6 +934,11 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     their reads are done). The tensor is the one the result holds. If the load then
     fails, what was handed out is right, but the load raises.
 
+    Memory: CPU tensors are views of buffers that go back to a per-process pool when
+    the last tensor over each is freed; the process's next load reads into them
+    without faulting pages in again (:mod:`pfs.loader.pool`; unused ones are unmapped
+    after 30 s, or at once by ``pfs.loader.pool.release()``).
+
     Errors: :class:`CheckpointError` (a ValueError naming the file) for corrupt headers
     and truncated files, FileNotFoundError naming a missing shard."""
     src = os.fspath(source)
