@@ -73,6 +73,12 @@ def test_stability_shows_cpu_and_faults_per_load() -> None:
     s["reused"] = [0.0, 1.0]
     assert loader.stability_detail(s).endswith("; buffers reused 0%, 100%")
     assert loader.stability_detail({"GBps": [1.0], "spread": 0.0}) == ""
+    s.update(GBps=[1.0, 4.0, 5.0], spread=4.0, spread_after_first=0.25,
+             cpu_s=[0.3, 0.05, 0.05], faults=[139000, 0, 0], reused=[0.0, 1.0, 1.0])
+    assert loader.stability_line("pfs_local", s) == (
+        "consecutive warm loads in one process, pfs_local: 1.00, 4.00, 5.00 GB/s "
+        "(spread 400%, 25% after the first); CPU 0.30, 0.05, 0.05 s; faults 139k, 0k, 0k; "
+        "buffers reused 0%, 100%, 100%")
 
 
 def test_a_missing_reference_is_skipped(monkeypatch: pytest.MonkeyPatch,
