@@ -10,9 +10,17 @@ instead of answering a miss). A slot is written whole with its own CRC, and only
 the record it names has landed. Every second of the server's life the header's
 heartbeat is stamped, and ``closed`` is set at a clean stop: a reader trusts neither
 a closed index nor one whose heartbeat is older than ``LIVE_FOR``.
+
+Beside it, a second memory file of one byte per slot, handed to the same readers
+read-write: a reader that got a block through a slot sets its byte (a reference bit),
+and the store's eviction reads it as it reads its own "read since written" mark, so a
+block read only by short-circuit stays as hot as one read by request. A byte is cleared
+whenever its slot is (re)written: it refers to the record the slot names now. A stray
+write there (a reader racing a slot's reuse) can only keep a record one more round.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -35,6 +43,12 @@ class PublishedIndex:
         self.fd = os.memfd_create("pfs-kv-index", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
         self.mm = mmap.mmap(self.fd, self.size)
+        self.refs_fd = os.memfd_create("pfs-kv-refs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.refs_fd, self.buckets * F.WAYS)
+        # readers may write the bytes, never resize the file under this map (SIGBUS)
+        fcntl.fcntl(self.refs_fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self.refs = mmap.mmap(self.refs_fd, self.buckets * F.WAYS)
         self._used = bytearray(self.buckets * F.WAYS)  # 1: the slot holds a key
         self.unpublished = 0
         self.low = 0
@@ -75,11 +89,17 @@ class PublishedIndex:
             return
         at = F.INDEX_HEAD_SIZE + slot * F.SLOT.size
         self.mm[at:at + F.SLOT.size] = F.pack_slot(tag, seq, slab, off, vlen)
+        self.refs[slot] = 0
 
     def clear(self, slot: int) -> None:
         at = F.INDEX_HEAD_SIZE + slot * F.SLOT.size
         self.mm[at:at + F.SLOT.size] = bytes(F.SLOT.size)
         self._used[slot] = 0
+        self.refs[slot] = 0
+
+    def referenced(self, slot: int | None) -> bool:
+        """Whether a local reader got the record of ``slot`` since it was written."""
+        return slot is not None and slot >= 0 and self.refs[slot] != 0
 
     def forget_unpublished(self) -> None:
         """An entry that had no slot is gone."""
@@ -97,10 +117,16 @@ class PublishedIndex:
         write through it)."""
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
+    def refs_fd_for_reader(self) -> int:
+        """A new read-write descriptor of the reference bytes, to hand to a client."""
+        return os.open(f"/proc/self/fd/{self.refs_fd}", os.O_RDWR | os.O_CLOEXEC)
+
     def close(self) -> None:
         if self.fd < 0:
             return
         self._head(closed=True)
         self.mm.close()
+        self.refs.close()
         os.close(self.fd)
+        os.close(self.refs_fd)
         self.fd = -1

@@ -27,8 +27,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-import crc32c
-
+from pfs.core import crcfast
 from pfs.core.kvformat import (  # noqa: F401 (the record format, re-exported)
     HEAD,
     HEAD_CRC_AT,
@@ -99,7 +98,7 @@ def parse_head(buf: bytes | memoryview, off: int, file_size: int) -> Scanned | N
 def value_ok(fd: int, rec: Scanned) -> bool:
     """Whether ``rec``'s value reads back with its checksum."""
     data = os.pread(fd, rec.vlen, rec.off + rec.head_len)
-    return len(data) == rec.vlen and crc32c.crc32c(data) == rec.vcrc
+    return len(data) == rec.vlen and crcfast.crc32c(data) == rec.vcrc
 
 
 def scan(fd: int, path: str) -> tuple[list[Scanned], int]:

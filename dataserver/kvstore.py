@@ -16,8 +16,9 @@ write that still meets ENOSPC calls :meth:`KvStore.reclaim`, which drops whole s
 
 Eviction takes the oldest slab (FIFO over slabs, the log-structured cache's order) and
 gives its records a second chance, CLOCK-like: a record read since it was written (or
-since its last move) and a pinned one are copied forward to the current slab with the
-reference bit cleared; the rest are dropped with the slab. A pinned record goes only
+since its last move: by a request, or by a short-circuit reader, which sets the
+record's reference byte in the published index) and a pinned one are copied forward to
+the current slab with the reference bit cleared; the rest are dropped with the slab. A pinned record goes only
 when nothing unpinned is left to evict. A removal appends a tombstone so that a restart
 does not bring the key back.
 
@@ -47,9 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import crc32c
 import trio
 
+from pfs.core import crcfast
 from pfs.dataserver import kvslab as fmt
 from pfs.dataserver.kvindex import PublishedIndex
 
@@ -64,7 +65,10 @@ HEARTBEAT = 1.0  # seconds between two stamps of the published index's heartbeat
 INLINE_MAX = 64 << 10  # I/O below this runs in the event loop; get buffers from it pooled
 WRITE_INLINE_MAX = 256 << 10  # appends below this are written in the event loop
 CRC_INLINE_MAX = 1 << 20  # values up to this are checksummed in the event loop
-NOWAIT_MAX = 1 << 20  # gets up to this try the page cache from the event loop first
+# gets up to this try the page cache from the event loop first: the read and CRC of a
+# cached 4 MiB value stall the loop ~0.25 ms, a worker-thread hop costs ~0.1 ms of CPU
+# more per get (a 2 MiB get: ~10 % of the server's CPU for it)
+NOWAIT_MAX = 4 << 20
 QUEUE_DEPTH = 32  # reads and writes in worker threads at once
 POOL_BYTES = 256 << 20  # get buffers kept for reuse, at most
 STATFS_EVERY = 1.0  # seconds a filesystem's free space is trusted
@@ -96,7 +100,7 @@ def _pread_checked(fd: int, off: int, view: memoryview, crc: int) -> bool:
         if n == 0:
             return False  # cut short
         done += n
-    return bool(crc32c.crc32c(view) == crc)
+    return bool(crcfast.crc32c(view) == crc)
 
 
 def _pread_all(fd: int, off: int, buf: bytearray) -> None:
@@ -128,7 +132,7 @@ def _pwrite_all(fd: int, off: int, bufs: list[memoryview]) -> None:
 
 
 def _crc(view: memoryview) -> int:
-    return int(crc32c.crc32c(view))
+    return int(crcfast.crc32c(view))
 
 
 def _close(slab: Slab) -> None:
@@ -272,6 +276,11 @@ class KvStore:
             elif e.slot is not None:
                 pub.forget_unpublished()
             e.slot = None
+
+    def _read_locally(self, e: Entry) -> bool:
+        """Whether a short-circuit reader got ``e`` since it was written or moved (its
+        reference byte in the published index: kvindex.py)."""
+        return self.published is not None and self.published.referenced(e.slot)
 
     def _low(self) -> None:
         if self.published is not None:
@@ -557,7 +566,7 @@ class KvStore:
             keep: list[tuple[Key, Entry]] = []
             for key in list(victim.keys):
                 e = self.index[key]
-                if e.ref or (e.pinned and not take_pinned):
+                if e.ref or self._read_locally(e) or (e.pinned and not take_pinned):
                     keep.append((key, e))
                 else:
                     self._drop(key, e)
@@ -625,17 +634,23 @@ class KvStore:
         return freed
 
     # -- operations ----------------------------------------------------------------
-    def open_for_reader(self, slab: int) -> int:
-        """A new read-only descriptor of the published index (``slab`` 0) or of a live
-        slab, for a local client (short-circuit gets); ENOENT: gone or not published."""
+    def open_for_reader(self, slab: int) -> list[int]:
+        """New descriptors for a local client (short-circuit gets): of the published
+        index (read-only) and its reference bytes (read-write), for ``slab`` 0; else
+        of a live slab (read-only). ENOENT: gone or not published."""
         if slab == 0:
             if self.published is None:
                 raise OSError(errno.ENOENT, "kv: no index published (no local socket)")
-            return self.published.reader_fd()
+            fd = self.published.reader_fd()
+            try:
+                return [fd, self.published.refs_fd_for_reader()]
+            except OSError:
+                os.close(fd)
+                raise
         s = self.slabs.get(slab)
         if s is None or s.dead or self.published is None:
             raise OSError(errno.ENOENT, f"kv slab {slab} is gone")
-        return os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return [os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY | os.O_CLOEXEC)]
 
     def check_enabled(self) -> None:
         if not self.enabled:

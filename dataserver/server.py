@@ -521,11 +521,20 @@ class DataService(RpcService):
         self.kv.check_enabled()
         for ns in self.kv_namespaces:
             self._kv_allowed(ctx, ns, "kv_open")
-        fd = self.kv.open_for_reader(req.slab)
-        size = os.fstat(fd).st_size
+        fds = self.kv.open_for_reader(req.slab)
+        try:
+            size = os.fstat(fds[0]).st_size
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         live = list(self.kv.slabs) if req.slab == 0 else []
-        return Reply(K.KvOpenReply(size=size, slabs=live), fds=[fd],
-                     release=lambda: os.close(fd))
+
+        def release() -> None:
+            for fd in fds:
+                os.close(fd)
+
+        return Reply(K.KvOpenReply(size=size, slabs=live), fds=fds, release=release)
 
     async def rpc_kv_stats(self, ctx: ConnContext, req: K.KvStats) -> K.KvStatsReply:
         st = self.kv.stats()

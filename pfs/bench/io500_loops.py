@@ -15,11 +15,11 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from pfs.core.cbuild import build, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -30,31 +30,6 @@ _ERRLEN = 4096
 
 _i64 = ctypes.c_int64
 _p64 = ctypes.POINTER(ctypes.c_int64)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pfs"
-
-
-def _build(src: Path, out: Path) -> None:
-    """Compile ``src`` into ``out`` (written beside it, then renamed: ranks that build at
-    once each get a whole library)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc, gcc or $CC)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(src)],
-                              capture_output=True, text=True, timeout=120, check=False)
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class CLoops:
@@ -186,7 +161,7 @@ def _load() -> tuple[CLoops | None, str]:
     try:
         if not lib_path.exists():
             logger.info("building %s", lib_path)
-            _build(SOURCE, lib_path)
+            build(SOURCE, lib_path)
         return CLoops(ctypes.CDLL(str(lib_path)), lib_path), ""
     except (OSError, subprocess.SubprocessError) as exc:
         return None, str(exc)

@@ -85,17 +85,25 @@ class DirectData:
         """Request ``msg`` to server ``sid``: (reply fields, payload bytes received).
         ``timeout``: this call's, instead of the connection's (a hedge deadline; when it
         passes the connection is closed and the call is ``ETIMEDOUT``)."""
+        fields, n, _ = self.exchange(sid, msg, payload=payload, into=into, timeout=timeout)
+        return fields, n
+
+    def exchange(self, sid: str, msg: RequestMessage, *, payload: Any = None,
+                 into: Any = None, timeout: float | None = None
+                 ) -> tuple[dict[str, Any], int, bool]:
+        """As :meth:`send`, and whether the connection authenticates what it carries
+        (``BlockingConnection.authenticated``): the reply's bytes are the server's."""
         rpc = self._take(sid)
         try:
             if timeout is None:
-                reply = rpc.send(msg, payload=payload, into=into)
+                fields, n = rpc.send(msg, payload=payload, into=into)
             else:
                 rpc.conn.set_timeout(timeout)
-                reply = rpc.send(msg, payload=payload, into=into)
+                fields, n = rpc.send(msg, payload=payload, into=into)
                 rpc.conn.set_timeout(self.timeout)
+            return fields, n, rpc.conn.authenticated
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
-        return reply
 
     def close(self) -> None:
         with self._cond:

@@ -39,7 +39,7 @@ from pfs.client.plan import (
     Sleep,
     ToDevice,
 )
-from pfs.client.verify import verify_read
+from pfs.client.verify import streamed, verify_read
 from pfs.core import metrics
 from pfs.core.checksums import ChecksumError, copied
 from pfs.core.messages import meta as M
@@ -111,16 +111,21 @@ class TrioDriver:
         timed = self.health is not None and msg.method == "read"
         t0 = time.monotonic() if timed else 0.0
         while True:
+            stream = streamed(msg, effect.into)
             r = await self.data.send(effect.sid, msg, payload=effect.payload,
-                                     into=effect.into)
+                                     into=effect.into,
+                                     on_reply=None if stream is None else stream.on_reply)
             parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
             if effect.reply:
                 return r.fields
             crcs = r.fields.get("crcs")
             if crcs is not None:
                 try:  # a read of a checked object: verify what came
-                    await verify_read(msg, r.nbytes, effect.into if effect.into is not None
-                                      else r.payload, crcs)
+                    if stream is not None and stream.started:  # as it was received
+                        stream.finish()
+                    else:
+                        await verify_read(msg, r.nbytes, effect.into if effect.into is not None
+                                          else r.payload, crcs)
                 except ChecksumError:
                     metrics.checksum_failure("network")
                     msg = copied(msg)  # a write raced the sendfile? re-read once, copied

@@ -363,6 +363,78 @@ def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
         pos += BLOCK
 
 
+class StreamCheck:
+    """:func:`verify_reply` over a read reply fed in order as it is received, each block
+    hashed while it is still in the cache (no second pass over the buffer, no worker
+    thread). :meth:`update` never raises (it runs inside the transport's receive, where
+    an exception would leave the connection half-way through a frame): a mismatch is
+    remembered, and :meth:`finish` raises it once the payload is all in (and, on a
+    sealed connection, its tag checked)."""
+
+    __slots__ = ("obj", "off", "crcs", "started", "_blocks", "_pos", "_i", "_crc", "_have",
+                 "bad")
+
+    def __init__(self, obj: tuple[int, int], off: int) -> None:
+        self.obj = obj
+        self.off = off
+        self.crcs: list[int] = []
+        self.started = False  # :meth:`start` took a reply's checksums: :meth:`finish` it
+        self._blocks = range(0)
+        self._pos = 0  # payload bytes fed so far
+        self._i = 0  # the next whole block to complete (index into ``crcs``)
+        self._crc = 0  # ... its CRC so far
+        self._have = 0  # ... and how many of its bytes were fed
+        self.bad: int | None = None  # the first block found not to match
+
+    def start(self, crcs: Any, n: int) -> bool:
+        """Check a reply of ``n`` bytes against ``crcs`` (as the reply's map carries
+        them, unchecked): False when they do not fit (not a list of ints, one per whole
+        block): the caller verifies after the receive (:func:`verify_reply` says why)."""
+        bl = whole_blocks(self.off, n)
+        if type(crcs) is not list or len(crcs) != len(bl) \
+                or not all(type(c) is int for c in crcs):
+            return False
+        self.crcs, self._blocks = crcs, bl
+        self.started = True
+        return True
+
+    def on_reply(self, fields: dict[str, Any], n: int) -> Any:
+        """An RPC call's ``on_reply``: :meth:`update` as the sink of a reply whose map
+        carries fitting checksums, else None."""
+        crcs = fields.get("crcs")
+        return self.update if crcs is not None and self.start(crcs, n) else None
+
+    def update(self, view: memoryview) -> None:
+        """The next ``len(view)`` bytes of the payload."""
+        pos, k = self._pos, len(view)
+        self._pos = pos + k
+        if self.bad is not None or self._i >= len(self.crcs):
+            return
+        first = self._blocks.start * BLOCK - self.off  # the first whole block's place
+        at = max(0, first - pos)  # bytes of ``view`` before it
+        crcs = self.crcs
+        while at < k and self._i < len(crcs):
+            take = min(BLOCK - self._have, k - at)
+            self._crc = crc32c.crc32c(view[at:at + take], self._crc)
+            self._have += take
+            at += take
+            if self._have == BLOCK:
+                if self._crc != crcs[self._i]:
+                    self.bad = self._i
+                    return
+                self._i += 1
+                self._crc = self._have = 0
+
+    def finish(self) -> None:
+        """ChecksumError (EIO) unless every whole block was fed and matched."""
+        if self.bad is not None:
+            raise ChecksumError(self.obj, (self._blocks.start + self.bad) * BLOCK,
+                                "checksum mismatch in the bytes received")
+        if self._i != len(self.crcs):
+            raise ChecksumError(self.obj, (self._blocks.start + self._i) * BLOCK,
+                                "the reply ended before the blocks it has checksums for")
+
+
 def copied(msg: Any) -> Any:
     """The re-read of read request ``msg`` whose reply did not match its checksums:
     copied under the blocks' lock by the server (a block it sent from the file with

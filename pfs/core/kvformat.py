@@ -27,6 +27,8 @@ import struct
 
 import crc32c
 
+from pfs.core import crcfast
+
 MAGIC = b"PKV1"
 HEAD = struct.Struct("<4sBBHIQII")
 HEAD_CRC_AT = HEAD.size - 4  # the head's own checksum covers the bytes before it
@@ -57,17 +59,18 @@ def read_record(fd: int, off: int, ns: bytes, key: bytes, vlen: int, seq: int,
     One read and one CRC over the whole value: reading and checking in steps, to check
     each while in cache, measured slower (a system call per step costs more than the
     CRC gains from a warm cache)."""
-    hlen = HEAD.size + len(ns) + len(key)
+    nk = ns + key
+    hlen = HEAD.size + len(nk)
     head = bytearray(hlen)
     view = out[:vlen]
     if os.preadv(fd, [head, view], off) != hlen + vlen:
         return False
     magic, flags, nlen, klen, n, s, vcrc, hcrc = HEAD.unpack_from(head)
     if (magic != MAGIC or flags & TOMBSTONE or n != vlen or s != seq or nlen != len(ns)
-            or klen != len(key) or head[HEAD.size:] != ns + key
-            or head_crc(memoryview(head)[:HEAD_CRC_AT], ns, key) != hcrc):
+            or klen != len(key) or head[HEAD.size:] != nk
+            or crc32c.crc32c(nk, crc32c.crc32c(memoryview(head)[:HEAD_CRC_AT])) != hcrc):
         return False
-    return bool(crc32c.crc32c(view) == vcrc)
+    return bool(crcfast.crc32c(view) == vcrc)
 
 
 # -- the published index --------------------------------------------------------------

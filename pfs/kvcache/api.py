@@ -28,14 +28,13 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-import crc32c
 import trio
 
 from pfs.client import device
 from pfs.client.aio import AsyncClient
 from pfs.client.data import run_all
 from pfs.client.sync import _Loop
-from pfs.core import metrics
+from pfs.core import crcfast, metrics
 from pfs.core.auth import ClientAuth
 from pfs.core.config import client_config
 from pfs.kvcache.direct import DirectKv
@@ -682,7 +681,7 @@ class KVCache:
         aio = self.aio
         k, view = aio._put_args(key, buf)
         pinned = aio.pin if pin is None else pin
-        crc = crc32c.crc32c(view)
+        crc = crcfast.crc32c(view)
         if self.node is not None:
             self.node.put(self.ns, k, view, crc)
         if sync and aio.direct is not None and self._put_direct(k, view, crc, pinned):

@@ -7,17 +7,20 @@ reads, the same authentication) a client obtains, once, a read-only descriptor o
 index, and then of each slab as it first meets one (``kv_open``, SCM_RIGHTS). A get
 hashes its key to a bucket of the index, and reads the record its slot names straight
 into the caller's buffer (``preadv``), checking the record's head (magic, namespace, key,
-length, sequence, the head's CRC) and the value's CRC32C in steps while they are in
-cache. Whatever does not check out - a slot being rewritten, a slab evicted since (its
-descriptor still reads the old, intact record, or is gone), a damaged record - asks the
-server (``ASK``), which answers with the truth; a key absent from a complete index is a
-miss (``MISS``). So a reader gets the key's bytes, a miss, or a round trip: never
+length, sequence, the head's CRC) and the value's CRC32C. A hit sets the slot's byte
+in a second shared map, the server's reference bits (its eviction keeps a record read
+since it was written a round more, as it does for one read by request). Whatever does
+not check out - a slot being rewritten, a slab evicted since (its descriptor still
+reads the old, intact record, or is gone), a damaged record - asks the server
+(``ASK``), which answers with the truth; a key absent from a complete index is a miss
+(``MISS``). So a reader gets the key's bytes, a miss, or a round trip: never
 another key's bytes or a torn block.
 
 The index is trusted only while the server lives: its heartbeat must be under
 ``LIVE_FOR`` seconds old, its ``closed`` flag clear, and the local connection open (a
-``poll`` per get: a server killed is noticed at once). The server refuses ``kv_open``
-over TCP and to a key that may not use every namespace (a slab mixes namespaces).
+``poll``, at most every ``POLL_EVERY``: a server killed is noticed within a
+millisecond). The server refuses ``kv_open`` over TCP and to a key that may not use
+every namespace (a slab mixes namespaces).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import logging
 import mmap
 import os
 import select
+import struct
 import threading
 import time
 
@@ -47,7 +51,10 @@ _DEAD = select.POLLIN | select.POLLHUP | select.POLLERR | getattr(select, "POLLR
 _BUCKET = F.WAYS * F.SLOT.size
 MAX_FDS = 256  # slab descriptors held per server at most (the oldest go first)
 PREFETCH = 16  # slab descriptors taken at connect time (the newest: the likeliest read)
-Slot = tuple[int, int, int, int, int]  # tag, seq, slab id, offset, value length
+POLL_EVERY = 0.001  # seconds: how stale "the connection is open" may be at a get
+# the header's heartbeat, unpublished entries, lowest live slab and closed flag
+_STATE = struct.Struct("<dQQI")
+Slot = tuple[int, int, int, int, int]  # slot number, seq, slab id, offset, value length
 
 
 class NeedSlab:
@@ -64,20 +71,26 @@ class LocalKv:
     from any thread, ``open_slab`` and ``close`` from the event loop's."""
 
     def __init__(self, sid: str, conn: Connection, index_fd: int,
-                 live: list[int] | None = None) -> None:
+                 live: list[int] | None = None, refs_fd: int = -1) -> None:
         self.sid = sid
         self.live = list(live or [])  # the server's slabs when the index was handed out
         self.conn = conn
+        self.refs: mmap.mmap | None = None  # a byte per slot: set on a hit (kvindex.py)
         try:
             size = os.fstat(index_fd).st_size
             self.mm = mmap.mmap(index_fd, size, prot=mmap.PROT_READ)
+            magic, version, buckets, ways, *_ = F.INDEX_HEAD.unpack_from(self.mm)
+            if (magic != F.INDEX_MAGIC or version != F.INDEX_VERSION or ways != F.WAYS
+                    or buckets & (buckets - 1) or F.index_size(buckets) > size):
+                self.mm.close()
+                raise OSError(errno.EPROTO, f"data server {sid}: a KV index of another "
+                                            "format")
+            if refs_fd >= 0:
+                self.refs = _map_refs(refs_fd, buckets * F.WAYS)
         finally:
             os.close(index_fd)
-        magic, version, buckets, ways, *_ = F.INDEX_HEAD.unpack_from(self.mm)
-        if (magic != F.INDEX_MAGIC or version != F.INDEX_VERSION or ways != F.WAYS
-                or buckets & (buckets - 1) or F.index_size(buckets) > size):
-            self.mm.close()
-            raise OSError(errno.EPROTO, f"data server {sid}: a KV index of another format")
+            if refs_fd >= 0:
+                os.close(refs_fd)
         self.mask = buckets - 1
         self.fds: dict[int, int] = {}  # slab id -> descriptor
         self._lock = threading.Lock()  # fds and _busy, from the callers' threads
@@ -90,15 +103,21 @@ class LocalKv:
         self._oldest = 0  # the lowest slab id held (0: none)
         self.dead = False
         self._complete = False  # no key left out of the index: an absent key is a miss
+        self._poll_at = 0.0  # when the connection is polled next (monotonic seconds)
         self.counts = {"hits": 0, "misses": 0, "asks": 0, "slabs": 0}
 
     # -- liveness ------------------------------------------------------------------
     def _alive(self) -> bool:
-        (_m, _v, _b, _w, beat, unpublished, low, closed) = F.INDEX_HEAD.unpack_from(self.mm)
-        if closed or time.monotonic() - beat > F.LIVE_FOR or self.conn.closed:
+        beat, unpublished, low, closed = _STATE.unpack_from(self.mm, F.HEARTBEAT_AT)
+        now = time.monotonic()
+        if closed or now - beat > F.LIVE_FOR or self.conn.closed:
             self.dead = True
-        elif not self._asking and self._poller().poll(0):
-            self.dead = True  # the server closed the connection: it stopped or died
+        elif now >= self._poll_at and not self._asking:
+            # the connection, at most every POLL_EVERY (a system call per get cost more
+            # than the rest of a small get's bookkeeping)
+            self._poll_at = now + POLL_EVERY
+            if self._poller().poll(0):
+                self.dead = True  # the server closed the connection: it stopped or died
         if self.dead:
             return False
         if 0 < self._oldest < low:
@@ -146,7 +165,8 @@ class LocalKv:
         if self.dead or not self._alive():
             return ASK
         tag = F.tag_of(ns, key)
-        base = F.INDEX_HEAD_SIZE + (tag & self.mask) * _BUCKET
+        bucket = tag & self.mask
+        base = F.INDEX_HEAD_SIZE + bucket * _BUCKET
         want = tag.to_bytes(8, "little")
         for _attempt in range(3):
             raw = self.mm[base:base + _BUCKET]
@@ -155,7 +175,8 @@ class LocalKv:
             while at >= 0:
                 if at % F.SLOT.size == 0:
                     if F.slot_ok(raw, at):
-                        return F.SLOT.unpack_from(raw, at)[:5]  # type: ignore[no-any-return]
+                        _tag, seq, slab, off, vlen, _crc = F.SLOT.unpack_from(raw, at)
+                        return bucket * F.WAYS + at // F.SLOT.size, seq, slab, off, vlen
                     torn = True  # being rewritten: read the bucket again
                 at = raw.find(want, at + 1)
             if not torn:
@@ -168,7 +189,7 @@ class LocalKv:
     def read(self, slot: Slot, ns: bytes, key: bytes, out: memoryview) -> int | NeedSlab:
         """Read the record ``slot`` names into ``out`` and check it: its length, or
         ASK (it did not check out), or NeedSlab."""
-        _tag, seq, slab, off, vlen = slot
+        slotno, seq, slab, off, vlen = slot
         with self._lock:
             fd = self.fds.get(slab)
             if fd is None:
@@ -184,6 +205,9 @@ class LocalKv:
                 self._busy -= 1
         if not ok:
             return self._ask()
+        refs = self.refs
+        if refs is not None and not refs[slotno]:
+            refs[slotno] = 1  # referenced: the server's eviction keeps it a round more
         self.counts["hits"] += 1
         return vlen
 
@@ -247,12 +271,34 @@ class LocalKv:
         for fd in fds:
             os.close(fd)
         self.mm.close()
+        if self.refs is not None:
+            self.refs.close()
         self.conn.close()
+
+
+def _map_refs(fd: int, size: int) -> mmap.mmap | None:
+    """The server's reference bytes, mapped read-write (None: of another size)."""
+    try:
+        if os.fstat(fd).st_size == size:
+            return mmap.mmap(fd, size)
+    except OSError as exc:
+        log.info("KV reference bytes not mapped: %s", exc)
+    return None
 
 
 async def kv_open(conn: Connection, rid: int, slab: int) -> tuple[int, K.KvOpenReply]:
     """One ``kv_open`` over a local connection: the descriptor it hands out, and the
     reply."""
+    fds, reply = await kv_open_all(conn, rid, slab)
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0], reply
+
+
+async def kv_open_all(conn: Connection, rid: int, slab: int) -> tuple[list[int],
+                                                                       K.KvOpenReply]:
+    """One ``kv_open``: every descriptor it hands out (for the index: the index, and
+    its reference bytes where the server has them), and the reply."""
     msg = K.KvOpen(slab=slab)
     await conn.send_frame(Kind.REQUEST, rid, msg.to_wire())
     head, fds = await conn.recv_frame_with_fds()
@@ -260,14 +306,13 @@ async def kv_open(conn: Connection, rid: int, slab: int) -> tuple[int, K.KvOpenR
         for fd in fds:
             os.close(fd)
         raise from_wire(head.fields.get("errno"), head.fields.get("msg"))
-    for extra in fds[1:]:
-        os.close(extra)
     try:
         reply: K.KvOpenReply = parse_reply(msg, head.fields)
     except OSError:
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
         raise
-    return fds[0], reply
+    return fds, reply
 
 
 async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
@@ -279,7 +324,7 @@ async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
         return None
     try:
         await auth.hello(conn)
-        fd, reply = await kv_open(conn, 1, 0)
+        fds, reply = await kv_open_all(conn, 1, 0)
     except (OSError, ProtocolError, trio.TooSlowError) as exc:
         conn.close()
         log.info("data server %s: no short-circuit KV gets (%s)", sid, exc)
@@ -288,7 +333,9 @@ async def connect_local(sid: str, auth: ClientAuth) -> LocalKv | None:
         conn.close()
         raise
     try:
-        local = LocalKv(sid, conn, fd, reply.slabs)
+        for extra in fds[2:]:
+            os.close(extra)
+        local = LocalKv(sid, conn, fds[0], reply.slabs, fds[1] if len(fds) > 1 else -1)
     except OSError as exc:
         conn.close()
         log.info("data server %s: no short-circuit KV gets (%s)", sid, exc)

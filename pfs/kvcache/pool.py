@@ -129,6 +129,8 @@ class Pool:
 
     def expire_down(self) -> None:
         """Let servers whose time out is over back into the homes."""
+        if not self._down:  # (every get asks: no lock while no server is down)
+            return
         with self._lock:
             due = bool(self._down) and min(self._down.values()) <= self._clock()
         if due:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -198,6 +199,67 @@ def test_a_slab_evicted_between_lookup_and_read(tmp_path: Path) -> None:
                     assert out == value_of(k, 60_000)
             lk._reap(srv.kvs.published.low if srv.kvs.published else 0)
             assert all(s >= min(srv.kvs.slabs) for s in lk.fds)  # old descriptors closed
+            lk.close()
+
+    run(main)
+
+
+def test_blocks_read_only_by_short_circuit_stay_hot(tmp_path: Path) -> None:
+    """A block read again and again by short-circuit alone (no request reaches the
+    server) survives the evictions that take the cold blocks written beside it: the
+    reader sets the slot's reference byte, which the eviction reads. Readers may write
+    those bytes, never resize them under the server's map."""
+    async def main() -> None:
+        async with server(tmp_path, budget=1 << 20, slab_bytes=256 << 10) as srv, \
+                KvServerClient.connect("127.0.0.1", srv.port) as kv:
+            await kv.put(NS, b"hot", value_of(b"hot", 60_000))
+            for i in range(3):
+                await kv.put(NS, b"cold-%d" % i, value_of(b"cold-%d" % i, 60_000))
+            lk = await connect_local(srv.sid, auth.ClientAuth())
+            assert lk is not None and lk.refs is not None
+            first = srv.kvs.index[(NS, b"hot")].slab.sid
+            out = memoryview(bytearray(60_000))
+            hits = srv.kvs.counters.hits
+            for i in range(60):  # the budget turns over about three times
+                assert await local_get(lk, b"hot", out) == 60_000
+                assert out == value_of(b"hot", 60_000)
+                await kv.put(NS, b"fill-%d" % i, value_of(b"fill-%d" % i, 60_000))
+            assert first not in srv.kvs.slabs and srv.kvs.counters.evictions > 0
+            assert srv.kvs.counters.hits == hits  # every read was short-circuit
+            assert (NS, b"hot") in srv.kvs.index
+            assert not any((NS, b"cold-%d" % i) in srv.kvs.index for i in range(3))
+            pub = srv.kvs.published
+            assert pub is not None
+            fd = pub.refs_fd_for_reader()
+            try:
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
+            lk.close()
+
+    run(main)
+
+
+def test_a_server_gone_is_noticed_within_a_poll_interval(tmp_path: Path) -> None:
+    """The local connection is polled at most every POLL_EVERY (not per get); once it
+    reports the server gone, every get asks (the request path decides)."""
+    async def main() -> None:
+        async with server(tmp_path) as srv, \
+                KvServerClient.connect("127.0.0.1", srv.port) as kv:
+            await kv.put(NS, b"a", value_of(b"a", 4096))
+            lk = await connect_local(srv.sid, auth.ClientAuth())
+            assert lk is not None
+            out = memoryview(bytearray(4096))
+            assert await local_get(lk, b"a", out) == 4096
+            assert lk._poll_at > 0  # polled, and not again until then
+            # the connection ends as a server's death ends it
+            peer = socket.socket(fileno=os.dup(lk._sock))
+            peer.shutdown(socket.SHUT_RDWR)
+            peer.close()
+            lk._poll_at = 0.0  # POLL_EVERY later
+            assert lk.get_into(NSB, b"a", out) == ASK and lk.dead
+            assert lk.get_into(NSB, b"a", out) == ASK
             lk.close()
 
     run(main)

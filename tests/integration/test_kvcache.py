@@ -210,7 +210,7 @@ def test_bench_kvcache_runs(cluster_dir: Path, tmp_path: Path,
                        "--procs", "1,2", "--bytes", "1m", "--local-dir", str(tmp_path),
                        "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for word in ("node", "local", "server", "file", "get GB/s/core"):
+    for word in ("node", "local", "server", "file", "get GB/s/core", "get client CPU us"):
         assert word in text
     res = json.loads(out.read_text())
     assert {c["backend"] for c in res["cells"]} >= {"node", "local", "server", "file"}
@@ -218,6 +218,7 @@ def test_bench_kvcache_runs(cluster_dir: Path, tmp_path: Path,
     for c in res["cells"]:
         assert c["errors"] == 0, c
         assert c["get"]["ops"] >= 4 and c["get"]["GBps"] > 0
+        assert c["get"]["client_cpu_us_per_op"] > 0
     assert any("node tier / local file" in a for a in res["aims"])
 
 

@@ -254,3 +254,48 @@ def test_a_verified_read_in_steps_checks_each_once(tmp_path: Path) -> None:
     with pytest.raises(ck.ChecksumError) as ei:
         vr.finish()
     assert ei.value.off == 7 * BLOCK
+
+
+def _stream(off: int, reply: bytes | bytearray, crcs: Any, pieces: list[int]) -> ck.StreamCheck:
+    """A StreamCheck fed ``reply`` cut at ``pieces`` (sizes, the rest last)."""
+    sc = ck.StreamCheck((3, 1), off)
+    assert sc.on_reply({"n": len(reply), "crcs": crcs}, len(reply)) == sc.update
+    view, at = memoryview(bytes(reply)), 0
+    for k in pieces + [len(reply)]:
+        sc.update(view[at:at + k])
+        at = min(len(reply), at + k)
+    return sc
+
+
+@pytest.mark.parametrize("pieces", [[], [1], [7, BLOCK, BLOCK + 3000], [BLOCK - 100] * 5,
+                                    [3] * 50])
+def test_a_reply_checked_as_it_lands_matches_verify_reply(pieces: list[int]) -> None:
+    """A reply fed in any pieces (the receive's) is checked block by block as the
+    verification after the receive would: the leading partial block skipped, a changed
+    byte EIO at its block, raised only by ``finish`` (never while receiving)."""
+    data = bytearray(os.urandom(5 * BLOCK + 700))
+    off = 100  # the reply starts inside block 0: blocks 1..4 lie wholly inside
+    reply = data[off:]
+    crcs = [ck.crc_padded(bytes(data[b * BLOCK:(b + 1) * BLOCK])) for b in range(1, 5)]
+    assert list(ck.whole_blocks(off, len(reply))) == [1, 2, 3, 4]
+    _stream(off, reply, crcs, pieces).finish()
+    reply[3 * BLOCK - off + 9] ^= 1  # a byte of block 3 changed on the way
+    sc = _stream(off, reply, crcs, pieces)  # fed whole: no exception on the way
+    with pytest.raises(ck.ChecksumError) as ei:
+        sc.finish()
+    assert ei.value.errno == errno.EIO and ei.value.off == 3 * BLOCK
+
+
+def test_a_reply_check_refuses_what_does_not_fit() -> None:
+    """Checksums that do not fit the reply are not taken (the caller verifies after the
+    receive, which says why); a reply fed short of its blocks fails ``finish``."""
+    reply = os.urandom(2 * BLOCK)
+    crcs = [ck.crc_padded(reply[:BLOCK]), ck.crc_padded(reply[BLOCK:])]
+    for bad in (crcs[:1], "x", [1, "2"], None):
+        sc = ck.StreamCheck((3, 1), 0)
+        assert sc.on_reply({"crcs": bad}, len(reply)) is None and not sc.started
+    sc = ck.StreamCheck((3, 1), 0)
+    assert sc.start(crcs, len(reply)) and sc.started
+    sc.update(memoryview(reply)[:BLOCK + 5])
+    with pytest.raises(ck.ChecksumError, match="ended before"):
+        sc.finish()

@@ -310,7 +310,8 @@ class SlowServers:
         self.sent: list[str] = []
         self.cancelled: list[str] = []
 
-    async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None) -> Any:
+    async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None,
+                   on_reply: Any = None) -> Any:
         from pfs.core.wire.rpc import Result
 
         self.sent.append(sid)

@@ -16,7 +16,7 @@ import pfs.client.device as device
 from pfs.kvcache import api
 from pfs.kvcache.api import AsyncKVCache, KVCache
 from pfs.kvcache.homes import Homes
-from pfs.kvcache.nodetier import NodeTier
+from pfs.kvcache.nodetier import TOUCH_EVERY, NodeTier, tmpfs_page_mode
 
 NS = "model-a:tp8"
 
@@ -121,6 +121,35 @@ def test_node_tier_evicts_least_recently_used(tier: NodeTier) -> None:
     assert tier.exists(NS, b"k0")  # hot: survived
     assert not tier.exists(NS, b"k1")  # oldest: gone
     assert tier.exists(NS, b"k39")
+
+
+def test_node_tier_hits_refresh_the_lru_clock_once_a_second(tier: NodeTier) -> None:
+    """A hit on a block not touched lately refreshes its mtime (the LRU's clock); a hit
+    again within TOUCH_EVERY does not (no system call for it)."""
+    tier.put(NS, b"k", memoryview(os.urandom(4096)))
+    path = tier.path(NS, b"k")
+    os.utime(path, (1000, 1000))
+    out = memoryview(bytearray(4096))
+    assert tier.get_into(NS, b"k", out) == 4096
+    assert os.stat(path).st_mtime > 1000  # touched
+    os.utime(path, (2000, 2000))
+    assert tier.get_into(NS, b"k", out) == 4096
+    assert os.stat(path).st_mtime == 2000  # touched within the second: left alone
+    tier._touched[path] -= 2 * TOUCH_EVERY  # as if a second had passed
+    assert tier.get_into(NS, b"k", out) == 4096
+    assert os.stat(path).st_mtime > 2000
+
+
+def test_node_tier_knows_a_tmpfs_without_huge_pages(tmp_path: Path) -> None:
+    info = "\n".join([
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw",
+        "23 22 0:5 / /dev/shm rw,relatime shared:2 - tmpfs tmpfs rw,size=1024k",
+        "24 22 0:6 / /mnt/kv\\040tier rw shared:3 - tmpfs tmpfs rw,huge=within_size",
+    ])
+    assert tmpfs_page_mode("/dev/shm/pfs-kv-0/ab", info) == "never"
+    assert tmpfs_page_mode("/mnt/kv tier/x", info) == "within_size"
+    assert tmpfs_page_mode("/home/u", info) is None
+    assert tmpfs_page_mode("/dev/shmx", info) is None  # a prefix is not a parent
 
 
 def test_node_tier_folder_must_be_private(tmp_path: Path) -> None:
@@ -449,3 +478,33 @@ def test_async_twin(world: FakeWorld, tmp_path: Path) -> None:
             await kv.aclose()
 
     trio.run(main)
+
+
+# -- the direct route's checks ----------------------------------------------------------
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_direct_get_checks_the_crc_only_where_the_connection_does_not(
+        authenticated: bool) -> None:
+    """The home checked the value's CRC as it read it; a MAC'd (or TLS) connection
+    proves the bytes received are the ones it checked, so only a plain connection's
+    are checked again (a mismatch there: EIO, never the bytes)."""
+    from pfs.kvcache.direct import DirectKv
+
+    value = os.urandom(1000)
+    wrong = crc32c.crc32c(value) ^ 1  # what a plain connection's damage looks like
+
+    class Data:
+        def exchange(self, sid: str, msg: Any, *, into: memoryview, **kw: Any
+                     ) -> tuple[dict[str, Any], int, bool]:
+            into[:len(value)] = value
+            return {"found": True, "n": len(value), "crc": wrong}, len(value), authenticated
+
+    kv = DirectKv.__new__(DirectKv)
+    kv.data = Data()  # type: ignore[assignment]
+    out = bytearray(2000)
+    if authenticated:
+        assert kv.get_into("s0", NS, b"k", memoryview(out)) == len(value)
+        assert out[:len(value)] == value
+    else:
+        with pytest.raises(OSError) as err:
+            kv.get_into("s0", NS, b"k", memoryview(out))
+        assert err.value.errno == errno.EIO

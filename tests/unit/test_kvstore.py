@@ -422,8 +422,10 @@ def test_the_published_index_follows_puts_removals_evictions_and_restarts(
         async with store([tmp_path], budget=1 << 20, slab=64 << 10) as kv:
             kv.publish()  # after a restart: the rebuilt index, published whole
             _published_matches_the_index(kv)
-            fd = kv.open_for_reader(0)
-            os.close(fd)
+            fds = kv.open_for_reader(0)  # the index, and its reference bytes
+            assert len(fds) == 2
+            for fd in fds:
+                os.close(fd)
             with pytest.raises(OSError) as e:
                 kv.open_for_reader(10 ** 9)
             assert e.value.errno == errno.ENOENT

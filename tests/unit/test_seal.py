@@ -207,9 +207,9 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
 
     import trio
 
-    from pfs.core.wire.transport import Connection
+    from pfs.core.wire.transport import FILE_CHUNK, Connection
 
-    sizes = [0, 10, 70_000, seal.CHUNK + 12345, 3 * seal.CHUNK]
+    sizes = [0, 10, 70_000, seal.CHUNK + 12345, 3 * seal.CHUNK, 2 * FILE_CHUNK + 7]
     data = os.urandom(max(sizes))
     path = tmp_path / "obj"
     path.write_bytes(data)
@@ -279,3 +279,134 @@ def test_wire_security_is_checked_and_none_is_loud(caplog: pytest.LogCaptureFixt
     auth.check_wire("none", "data server")
     assert "neither authenticated nor encrypted" in caplog.text
     assert caplog.records[0].levelname == "WARNING"
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_blocking_connection_receives_sealed_payloads_into_the_callers_buffer(
+        suite: str) -> None:
+    """The blocking transport receives a payload straight into the caller's buffer (its
+    tag and the next frame in the same receive) and checks it before returning; frames
+    back to back stay in step, and a payload altered on the way raises
+    ``FrameAuthError`` and closes the connection: what the buffer holds is not data."""
+    import socket
+    import threading
+
+    from pfs.core.wire.blocking import BlockingConnection
+
+    sizes = [10, 70_000, 3 * seal.CHUNK + 5, 0, seal.CHUNK]
+    payloads = [os.urandom(n) for n in sizes]
+    cli, srv = pair(suite)
+    wire = b"".join(sealed_frame(cli, i + 1, {"n": n}, p)
+                    for i, (n, p) in enumerate(zip(sizes, payloads, strict=True)))
+    flip = bytearray(sealed_frame(cli, 99, {"n": 1}, bytes(2 * seal.CHUNK)))
+    flip[len(flip) - seal.CHUNK] ^= 0x40  # a payload byte, far from the head
+
+    a, b = socket.socketpair()
+    rx = BlockingConnection(b, name="rx", timeout=10.0)
+    rx.install(srv)
+    assert rx.authenticated
+    writer = threading.Thread(target=a.sendall, args=(wire + bytes(flip),))
+    writer.start()
+    try:
+        for i, n in enumerate(sizes):
+            head = rx.recv_head()
+            assert head is not None and head.rid == i + 1 and head.payload_len == n
+            if n:
+                buf = bytearray(n)
+                rx.recv_payload_into(memoryview(buf))
+                assert bytes(buf) == payloads[i]
+        head = rx.recv_head()
+        assert head is not None and head.rid == 99
+        with pytest.raises(FrameAuthError):
+            rx.recv_payload_into(memoryview(bytearray(head.payload_len)))
+        assert rx.closed
+    finally:
+        writer.join()
+        a.close()
+        rx.close()
+
+
+def test_a_plain_blocking_connection_is_not_authenticated() -> None:
+    import socket
+
+    from pfs.core.wire.blocking import BlockingConnection
+
+    a, b = socket.socketpair()
+    try:
+        assert not BlockingConnection(b, name="rx").authenticated
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("suite", SUITES + ["none"])
+def test_payload_pieces_are_handed_out_as_they_land(suite: str) -> None:
+    """The trio transport's streamed receive (a reply's checksums checked while in
+    cache): the sink sees every payload byte once, in order, as the peer sent it (encrypt
+    mode: decrypted), into one buffer or scattered; frames back to back stay in step; an
+    altered payload raises ``FrameAuthError`` from the receive (whatever the sink saw
+    is not data) and closes the connection."""
+    import socket
+
+    import trio
+
+    from pfs.core.wire.transport import Connection
+
+    sizes = [10, 70_000, 3 * seal.CHUNK + 5, seal.CHUNK]
+    payloads = [os.urandom(n) for n in sizes]
+
+    async def main() -> None:
+        a, b = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        rx = Connection(b, name="rx")
+        cli = None
+        if suite != "none":
+            cli, srv = pair(suite)
+            rx.install(srv)
+        wire = b"".join(
+            sealed_frame(cli, i + 1, {"n": n}, p) if cli is not None
+            else encode_head(Kind.REQUEST, i + 1, {"n": n}, n) + p
+            for i, (n, p) in enumerate(zip(sizes, payloads, strict=True)))
+        bad = b""
+        if cli is not None:
+            flip = bytearray(sealed_frame(cli, 99, {"n": 1}, bytes(2 * seal.CHUNK)))
+            flip[len(flip) - seal.CHUNK] ^= 0x40  # a payload byte, far from the head
+            bad = bytes(flip)
+
+        async def send() -> None:
+            view = memoryview(wire + bad)
+            while view:
+                view = view[await a.send(view):]
+
+        async def recv() -> None:
+            for i, n in enumerate(sizes):
+                head = await rx.recv_head()
+                assert head is not None and head.rid == i + 1 and head.payload_len == n
+                got: list[bytes] = []
+                buf = bytearray(n + 3)
+                mv = memoryview(buf)
+
+                def sink(v: memoryview, got: list[bytes] = got) -> None:
+                    got.append(bytes(v))
+
+                if i % 2:
+                    await rx.recv_payload_into(mv[:n], sink)
+                else:
+                    await rx.recv_payload_into_vec([mv[:5], mv[5:n // 2], mv[n // 2:]], n, sink)
+                assert b"".join(got) == payloads[i] == bytes(buf[:n])
+            if bad:
+                head = await rx.recv_head()
+                assert head is not None and head.rid == 99
+                with pytest.raises(FrameAuthError):
+                    await rx.recv_payload_into(memoryview(bytearray(head.payload_len)),
+                                               lambda v: None)
+                assert rx.closed
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            try:
+                await recv()
+            finally:
+                a.close()
+                rx.close()
+
+    trio.run(main)

@@ -90,7 +90,8 @@ class KvGetReply(ReplyMessage):
     payload_doc = "the value (`n` bytes) when found"
     found: bool = Bool()
     n: int = Int(doc="the value's length (0: not found)")
-    crc: int = Int(doc="CRC32C of the value (0: not found): the reader checks it")
+    crc: int = Int(doc="CRC32C of the value (0: not found): a reader on a plain "
+                       "connection checks it")
 
 
 class KvExistsReply(ReplyMessage):
@@ -132,8 +133,9 @@ class KvPut(DataRequest, method="kv_put", reply=KvPutReply):
 
 class KvGet(DataRequest, method="kv_get", reply=KvGetReply):
     note = ("a block, its CRC checked by the server as read (a corrupt record is dropped "
-            "and answered as a miss) and again by the reader; `ERANGE` when the value is "
-            "longer than `len`")
+            "and answered as a miss), and again by the reader where the connection does "
+            "not authenticate its frames (no MAC, no TLS: the tag proves the bytes are "
+            "the ones the server checked); `ERANGE` when the value is longer than `len`")
     ns: str = Ns()
     key: bytes = Key()
     len: int = Int(lo=1, hi=MAX_VALUE, doc=f"the most bytes the caller's buffer takes, 1 "
@@ -155,8 +157,10 @@ class KvStats(DataRequest, method="kv_stats", reply=KvStatsReply):
 
 
 class KvOpenReply(ReplyMessage):
-    payload_doc = ("as SCM_RIGHTS ancillary data, a read-only descriptor: of the published "
-                   "index (`slab` 0) or of the slab asked for")
+    payload_doc = ("as SCM_RIGHTS ancillary data: for `slab` 0, a read-only descriptor of "
+                   "the published index and a read-write one of its reference bytes (one "
+                   "per slot, set by a reader that got the slot's record); else a "
+                   "read-only descriptor of the slab asked for")
     size: int = Int(doc="the index's bytes, or the slab's")
     slabs: list[int] = List(Int(), default=[], max_len=1 << 16,
                             doc="with the index: the ids of the live slabs, oldest first")

@@ -41,6 +41,7 @@ from pfs.core.wire.transport import (
     Connection,
     ConnectionClosed,
     Payload,
+    Sink,
     TlsConnection,
     open_connection,
     tls_connection,
@@ -60,6 +61,9 @@ ACCEPT_BACKOFF_MAX = 1.0
 # seconds a caller that gives up waits for the rest of a reply already arriving into its
 # buffer, before dropping the connection (and the other calls on it) instead
 ABANDON_GRACE = 1.0
+# Called with a reply's map and payload length before its payload is received: a sink for
+# its pieces as they land (``Connection._recv_streamed``), or None.
+OnReply = Callable[[dict[str, Any], int], Sink | None]
 
 
 # ---------------------------------------------------------------------------
@@ -68,10 +72,12 @@ ABANDON_GRACE = 1.0
 class _Call:
     """One call in flight: where its reply goes, and how it ended."""
 
-    __slots__ = ("into", "done", "waiter", "fields", "payload", "nbytes", "error")
+    __slots__ = ("into", "on_reply", "done", "waiter", "fields", "payload", "nbytes", "error")
 
-    def __init__(self, into: memoryview | list[memoryview] | None) -> None:
+    def __init__(self, into: memoryview | list[memoryview] | None,
+                 on_reply: OnReply | None = None) -> None:
         self.into = into
+        self.on_reply = on_reply
         self.done = False
         self.waiter: trio.Event | None = None  # made only when someone waits for it
         self.fields: dict[str, Any] | None = None
@@ -251,13 +257,14 @@ class RpcClient:
         elif head.kind != Kind.REPLY:
             raise ProtocolError(f"{conn.name} sent a frame of kind {head.kind} as a reply")
         else:
+            sink = call.on_reply(head.fields, n) if n and call.on_reply is not None else None
             if n and isinstance(call.into, list):
-                await conn.recv_payload_into_vec(call.into, n)
+                await conn.recv_payload_into_vec(call.into, n, sink)
             elif n and isinstance(call.into, memoryview):
                 if n > len(call.into):
                     raise ProtocolError(
                         f"{conn.name} replied with {n} bytes into a {len(call.into)}-byte buffer")
-                await conn.recv_payload_into(call.into[:n])
+                await conn.recv_payload_into(call.into[:n], sink)
             elif n:
                 call.payload = await conn.recv_payload(n)
             call.nbytes = n
@@ -276,14 +283,18 @@ class RpcClient:
 
     async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
-                   timeout: float | None = None, closes: list[int] | None = None) -> Result:
+                   timeout: float | None = None, closes: list[int] | None = None,
+                   on_reply: OnReply | None = None) -> Result:
         """One typed request (with handles to release first, ``closes``: a metaserver
         request); the reply's map unparsed (see :meth:`request`), its payload in
-        ``into`` (a buffer, or a list of buffers filled in order) when given."""
+        ``into`` (a buffer, or a list of buffers filled in order) when given.
+        ``on_reply(fields, n)``, called with the reply's map before its ``n`` payload
+        bytes are received into ``into``, may return a sink to hand each piece to as it
+        lands (it must not raise; the payload's tag is checked only after it)."""
         wire = msg.to_wire()
         if closes:
             wire["closes"] = closes
-        return await self._exchange(msg.method, wire, payload, into, timeout)
+        return await self._exchange(msg.method, wire, payload, into, timeout, on_reply)
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
                    payload: Payload | None = None,
@@ -299,7 +310,7 @@ class RpcClient:
 
     async def _exchange(self, method: str, wire: dict[str, Any], payload: Payload | None,
                         into: memoryview | list[memoryview] | None,
-                        timeout: float | None) -> Result:
+                        timeout: float | None, on_reply: OnReply | None = None) -> Result:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         self._unyielded += 1
@@ -310,7 +321,7 @@ class RpcClient:
                 raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         rid = next(self._ids)
         started = time.perf_counter()
-        call = _Call(into)
+        call = _Call(into, on_reply)
         self._pending[rid] = call
         limit = self.timeout if timeout is None else timeout
         try:

@@ -56,7 +56,8 @@ ENCRYPT = "aes128-gcm"
 SUITES = {MAC: "mac", ENCRYPT: "encrypt"}
 PLAIN = "none"
 # Larger payloads are sealed and opened in pieces of this size (encrypt mode: the size
-# of the scratch buffer a connection keeps; mac mode: the data server's file chunks).
+# of the scratch buffer a connection keeps; a file's payload up to this size is read
+# into it whole; larger ones go in pieces of ``transport.FILE_CHUNK``).
 CHUNK = 256 << 10
 
 _NONCE = struct.Struct("!QI")
