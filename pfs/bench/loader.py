@@ -39,7 +39,10 @@ seconds of the loading process, all its threads, + the data servers and metaserv
 pfs paths), seconds to the first tensor a caller can use (``pfs.load_safetensors``: its
 first ``on_tensor`` call; short-circuit pfs reads hand tensors out as their bytes land,
 other sources when all reads are done), page faults. ``--stability N``: N
-consecutive warm loads in one process per path; the spread (max/min - 1) is reported.
+consecutive warm loads in one process per path; the spread (max/min - 1) is reported,
+over all of them and over those after the first (which read into memory an earlier
+load of the process had: ``pfs.load_safetensors`` reuses the buffers of freed
+tensors), with each load's CPU seconds, page faults and share of reused buffers.
 Each path's tensors are compared bit for bit with safetensors' once (first repetition),
 outside the timed span.
 """
@@ -404,9 +407,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res = run_fresh(argv(name, repeat=args.stability))
                 if res.get("skipped"):
                     continue
-                rates = [load_record(res, i)["GBps"] for i in range(len(res["loads"]))]
+                loads = [load_record(res, i) for i in range(len(res["loads"]))]
+                rates = [x["GBps"] for x in loads]
                 stability[name] = {"GBps": [round(x, 3) for x in rates],
-                                   "spread": round(spread(rates), 3)}
+                                   "spread": round(spread(rates), 3),
+                                   # the loads after the first: those into memory an
+                                   # earlier load of the process had (pfs: its pool)
+                                   "spread_after_first": round(spread(rates[1:]), 3),
+                                   # what makes a load steady: its CPU and its faults
+                                   # (a load into reused buffers takes next to none)
+                                   "cpu_s": [round(x["cpu_self_s"], 3) for x in loads],
+                                   "faults": [x.get("minflt", 0) for x in loads],
+                                   "reused": [round(x.get("reused_bytes", 0) / x["bytes"], 3)
+                                              if x["bytes"] else 0.0 for x in loads]}
                 log(f"stability {name}: {stability[name]['GBps']} GB/s "
                     f"(spread {stability[name]['spread']:.0%})")
             result["verified_bit_exact"] = verified
@@ -491,6 +504,26 @@ def aims(med: dict[str, Any], stability: dict[str, Any]) -> list[dict[str, Any]]
     return res
 
 
+def stability_line(name: str, s: dict[str, Any]) -> str:
+    after = (f", {s['spread_after_first']:.0%} after the first"
+             if len(s["GBps"]) > 2 and "spread_after_first" in s else "")
+    return (f"consecutive warm loads in one process, {name}: "
+            f"{', '.join(f'{x:.2f}' for x in s['GBps'])} GB/s "
+            f"(spread {s['spread']:.0%}{after})" + stability_detail(s))
+
+
+def stability_detail(s: dict[str, Any]) -> str:
+    """CPU seconds, page faults and the share of bytes read into reused buffers of each
+    consecutive load (older results lack them)."""
+    if "cpu_s" not in s:
+        return ""
+    out = (f"; CPU {', '.join(f'{x:.2f}' for x in s['cpu_s'])} s"
+           f"; faults {', '.join(f'{x / 1000:.0f}k' for x in s['faults'])}")
+    if any(s.get("reused", ())):  # pfs.load_safetensors: buffers of the previous load
+        out += f"; buffers reused {', '.join(f'{x:.0%}' for x in s['reused'])}"
+    return out
+
+
 def report(res: dict[str, Any]) -> str:
     cfg, ck, med = res["config"], res["checkpoint"], res["median"]
     lines = [f"pfs bench loader: {ck['tensors']} bf16 tensors, {ck['tensor_bytes'] / 2**30:.2f} "
@@ -518,9 +551,7 @@ def report(res: dict[str, Any]) -> str:
                               "GB/s/core", "faults", *(f"vs {r}" for r in REFERENCES)]))
     lines.append("")
     for name, s in res.get("stability", {}).items():
-        lines.append(f"consecutive warm loads in one process, {name}: "
-                     f"{', '.join(f'{x:.2f}' for x in s['GBps'])} GB/s "
-                     f"(spread {s['spread']:.0%})")
+        lines.append(stability_line(name, s))
     for temp in ("warm", "cold"):
         m = med.get(f"pfs_sc_on_{temp}")
         if m and m.get("bytes"):  # the rest went over TCP (no local descriptor given)

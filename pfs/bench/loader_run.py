@@ -10,7 +10,8 @@ next) and one JSON line goes to stdout: per load the wall seconds, the seconds t
 first tensor a caller could use, this process's CPU seconds (every thread: io_uring
 workers and the loaders' own thread pools are threads of it), the CPU seconds of the
 ``--pids`` processes (data servers, a FUSE daemon) over the same span, page faults and
-context switches (``getrusage``). ``--verify`` then compares every tensor bit for bit
+context switches (``getrusage``), and the bytes read into buffers an earlier load
+handed back (``pfs.load_safetensors``'s pool). ``--verify`` then compares every tensor bit for bit
 with ``safetensors.torch.load_file`` of the files in ``REFDIR``, outside the timed span.
 
 A path whose loader is not installed prints ``{"skipped": "why"}`` and exits 0.
@@ -129,6 +130,7 @@ def measure(load: Callable[[Mark], dict[str, Any]], pids: list[int]
             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One timed load: (its record, its tensors)."""
     first: list[float] = []
+    r0 = _reused()
     u0, s0 = _usage(), sum(proc_cpu(p) for p in pids)
     t0 = time.perf_counter()
 
@@ -145,8 +147,16 @@ def measure(load: Callable[[Mark], dict[str, Any]], pids: list[int]
         "cpu_self_s": u1["cpu"] - u0["cpu"], "cpu_servers_s": s1 - s0,
         "bytes": nbytes, "tensors": len(tensors),
         **{k: int(u1[k] - u0[k]) for k in ("minflt", "majflt", "vcsw", "ivcsw")},
+        # bytes read into buffers an earlier load of this process handed back
+        "reused_bytes": _reused() - r0,
     }
     return rec, tensors
+
+
+def _reused() -> int:
+    """Bytes the pfs loader's buffer pool handed out again so far (0: not loaded)."""
+    pool = sys.modules.get("pfs.loader.pool")
+    return int(pool.POOL.stats["reused_bytes"]) if pool is not None else 0
 
 
 def bit_exact(ref_dir: str, files: list[str], got: dict[str, Any]) -> str | None:

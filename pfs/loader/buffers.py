@@ -6,11 +6,11 @@ kernel faults each 4 KiB page in the first time a read writes it: 1.6 GiB is ~42
 faults taken one by one inside the copies of the reads (in the io_uring workers, or the
 threads of the pread path), and what they cost varied with what the allocator happened
 to hold from a previous load. Here each buffer is its own ``mmap``, populated with
-``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 64 MiB piece, the GIL dropped, the
+``MADV_POPULATE_WRITE`` (Linux 5.14+; one call per 4 MiB piece, the GIL dropped, the
 last piece first) so most reads copy into memory that is already there. Huge
 pages (``MADV_HUGEPAGE``) would cut the faults 512x but are off by default: see
-:data:`HUGE_PAGES`. The mapping is unmapped when the last tensor over it is freed (the
-array holds the ``mmap`` object).
+:data:`HUGE_PAGES`. When the last tensor over a mapping is freed, it goes back to the
+process's pool for the next load (:mod:`pfs.loader.pool`), which unmaps it later.
 """
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python's mmap module lacks the name
 HUGE = 2 << 20
 POPULATE_MIN = 64 << 20  # smaller buffers are populated in the calling thread
-POPULATE_STEP = 64 << 20  # the piece one thread populates at a time
+# The piece one thread populates at a time. Small: the kernel holds the process's mmap
+# lock for a whole call, and every mmap/munmap meanwhile (a reader thread's stack, an
+# allocator arena) waits for it, and every page fault queues behind that waiter: with
+# 64 MiB pieces a fresh load's reads did not start for 120-200 ms (a piece took 70 ms
+# on the loaded machine), with 4 MiB they start at once.
+POPULATE_STEP = 4 << 20
 # Huge pages: 512x fewer faults, but measured 0.17-1.50 CPU s to populate 1.6 GiB against
 # a steady 0.69-0.77 s with 4 KiB pages on the (Firecracker) VM here: likely because its
 # balloon reports free 2 MiB blocks to the host, which must fault them back in

@@ -20,9 +20,11 @@ How it reads:
    read by object, in 4 MiB preadv's on a pool of threads, each verified right after
    its read; everything else striped across the data servers; a pfs shard's
    short-circuit descriptors are all asked for when it is opened, beside its header);
-5. each buffer is a fresh mapping of its own that a thread faults in from its far end
-   while the reads fill it from the front (:mod:`pfs.loader.buffers`), so most pages
-   are there before a copy reaches them instead of faulting in one by one inside it.
+5. each buffer is a mapping of its own: one an earlier load of the process handed back
+   when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
+   a fresh one that a thread faults in from its far end while the reads fill it from
+   the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
+   reaches them instead of faulting in one by one inside it.
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
@@ -55,8 +57,9 @@ import trio
 
 from pfs.client.shortcircuit import BULK_THREADS
 from pfs.core.config import ProfileSettings, profile_settings
+from pfs.loader import pool
 from pfs.loader.arrivals import Arrivals
-from pfs.loader.buffers import address, anon_buffer, populate
+from pfs.loader.buffers import address, populate
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +289,8 @@ class _Reader:
 
     engine_name = ""
 
-    async def open(self, path: str) -> tuple[Any, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[Any, int]:
+        """A handle of ``path`` and its size; ``bulk``: it will be read whole."""
         raise NotImplementedError
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
@@ -332,7 +336,7 @@ class _LocalReader(_Reader):
         self.engine_name = name
         self.chunk = settings.chunk
 
-    async def open(self, path: str) -> tuple[int, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[int, int]:
         return await trio.to_thread.run_sync(_open_local, path)
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
@@ -386,8 +390,10 @@ class _PfsReader(_Reader):
     def __init__(self, aclient: Any) -> None:
         self.client = aclient
 
-    async def open(self, path: str) -> tuple[Any, int]:
+    async def open(self, path: str, bulk: bool = True) -> tuple[Any, int]:
         f = await self.client.open(path, "rb")
+        if not bulk:  # the index: one small read, no descriptors to ask for first
+            return f, f.size
         try:
             # every stripe's local descriptor now, while the header is read: the bulk
             # reads then find them held instead of each asking within a 1 s deadline
@@ -456,8 +462,10 @@ async def _shard_paths(reader: _Reader, source: str) -> tuple[list[str], str | N
     """The shard files of ``source`` (a file, an index, or a directory) and the index."""
     if await reader.is_dir(source):
         index = reader.join(source, INDEX_NAME)
-        if await reader.exists(index):
+        try:  # opened, not looked up first: one round trip fewer on pfs
             return await _from_index(reader, index), index
+        except FileNotFoundError:  # (its shards are not opened here: only the index)
+            pass
         names = sorted(n for n in await reader.listdir(source) if n.endswith(".safetensors"))
         if not names:
             raise FileNotFoundError(errno.ENOENT, f"no {INDEX_NAME} and no *.safetensors "
@@ -471,7 +479,7 @@ async def _shard_paths(reader: _Reader, source: str) -> tuple[list[str], str | N
 
 
 async def _from_index(reader: _Reader, index: str) -> list[str]:
-    h, size = await reader.open(index)
+    h, size = await reader.open(index, bulk=False)
     try:
         buf = bytearray(size)
         n = (await reader.read_many([(h, 0, memoryview(buf))]))[0]
@@ -489,20 +497,8 @@ async def _from_index(reader: _Reader, index: str) -> list[str]:
     for fname in names:
         if os.path.isabs(fname) or ".." in fname.split("/"):
             raise CheckpointError(index, f"shard {fname!r} is not a plain file name")
-    shards = [reader.join(base, fname) for fname in names]
-    found = [False] * len(shards)
-
-    async def check(i: int) -> None:
-        found[i] = await reader.exists(shards[i])
-
-    async with trio.open_nursery() as nursery:  # one round of lookups, not one per shard
-        for i in range(len(shards)):
-            nursery.start_soon(check, i)
-    for fname, path, ok in zip(names, shards, found, strict=True):
-        if not ok:
-            raise FileNotFoundError(errno.ENOENT, f"shard {fname!r} named by {index} is "
-                                                  "missing", path)
-    return shards
+    # not looked up here: opening them (all at once, beside their headers) tells
+    return [reader.join(base, fname) for fname in names]
 
 
 async def _read_header(reader: _Reader, path: str) -> Shard:
@@ -605,10 +601,12 @@ class _Numpy:
             ml_dtypes = None
         self.ml = ml_dtypes
 
-    def alloc(self, n: int) -> tuple[Any, memoryview]:
-        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
-        a = self.np.frombuffer(mm, dtype=self.np.uint8, count=n)
-        return a, memoryview(mm)[:n]
+    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
+        if n == 0:
+            return self.np.empty(0, dtype=self.np.uint8), memoryview(b""), False
+        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        a = self.np.frombuffer(lease.array, dtype=self.np.uint8, count=n)
+        return a, lease.view, lease.fresh
 
     def dtype(self, st: str) -> Any:
         size, npname, _ = DTYPES[st]
@@ -636,12 +634,15 @@ class _Torch:
         self.device = device
         self.pin = device.startswith("cuda")
 
-    def alloc(self, n: int) -> tuple[Any, memoryview]:
+    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
+        """A uint8 buffer of ``n`` bytes, a writable view of it, and whether it is fresh
+        memory to fault in (pinned pages are faulted in by their allocator)."""
         if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
             t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
-            return t, memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-        mm = anon_buffer(n)  # a mapping of its own, faulted in beside the reads (buffers.py)
-        return self.torch.frombuffer(mm, dtype=self.torch.uint8, count=n), memoryview(mm)[:n]
+            return t, memoryview(t.numpy()).cast("B"), False  # type: ignore[arg-type]
+        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        return (self.torch.frombuffer(lease.array, dtype=self.torch.uint8, count=n),
+                lease.view, lease.fresh)
 
     def dtype(self, st: str) -> Any:
         attr = DTYPES[st][2]
@@ -759,7 +760,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
                 merge_gap: int, stats: LoadStats, gds_ok: bool = False,
                 on_tensor: OnTensor | None = None) -> dict[str, Any]:
-    paths, _index = await _shard_paths(reader, source)
+    paths, index = await _shard_paths(reader, source)
     gds = gds_ok and isinstance(reader, _LocalReader) and isinstance(fw, _Torch)
     regions_on_device = False
     arrivals: Arrivals | None = None
@@ -767,7 +768,13 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
     shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
     try:
         async def head(i: int, p: str) -> None:
-            shards[i] = await _read_header(reader, p)
+            try:
+                shards[i] = await _read_header(reader, p)
+            except FileNotFoundError:
+                if index is None:
+                    raise
+                raise FileNotFoundError(errno.ENOENT, f"shard {p.rsplit('/', 1)[-1]!r} "
+                                                      f"named by {index} is missing", p) from None
 
         async with trio.open_nursery() as n:
             for i, p in enumerate(paths):
@@ -775,20 +782,22 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         regions, sliced = _plan(shards, names, split, rank, size, merge_gap)
         ops: list[tuple[Any, int, memoryview]] = []
         owners: list[tuple[str, int]] = []  # (file, bytes it should give)
-        views: list[memoryview] = []  # host buffers to fault in (pinned ones are: a no-op)
+        views: list[memoryview] = []  # fresh host buffers to fault in (pool.py)
         if gds:  # local files straight into device memory (kvikio), no host copy
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
             regions_on_device = True
         for r in regions if not gds else []:
-            r.buf, view = fw.alloc(r.end - r.start)
-            views.append(view)
+            r.buf, view, fresh = fw.alloc(r.end - r.start)
+            if fresh:
+                views.append(view)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
                 owners.append((r.shard.name, len(view)))
         for s in sliced if not gds else []:
-            s.buf, view = fw.alloc(math.prod(s.shape) * s.info.itemsize)
-            views.append(view)
+            s.buf, view, fresh = fw.alloc(math.prod(s.shape) * s.info.itemsize)
+            if fresh:
+                views.append(view)
             pos = 0
             for off, length in s.ranges:
                 ops.append((s.shard.handle, off, view[pos:pos + length]))
@@ -927,6 +936,11 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     their reads are done). The tensor is the one the result holds. If the load then
     fails, what was handed out is right, but the load raises.
 
+    Memory: CPU tensors are views of buffers that go back to a per-process pool when
+    the last tensor over each is freed; the process's next load reads into them
+    without faulting pages in again (:mod:`pfs.loader.pool`; unused ones are unmapped
+    after 30 s, or at once by ``pfs.loader.pool.release()``).
+
     Errors: :class:`CheckpointError` (a ValueError naming the file) for corrupt headers
     and truncated files, FileNotFoundError naming a missing shard."""
     src = os.fspath(source)
@@ -941,17 +955,24 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
         kwargs = dict(device=device, tp_rank=tp_rank, tp_size=tp_size, split=split,
                       names=names, framework=framework, profile=profile, merge_gap=merge_gap,
                       stats=stats, on_tensor=on_tensor)
-        if client is None:
-            return trio.run(lambda: aload_safetensors(src, **kwargs))  # type: ignore[arg-type]
-        aio = getattr(client, "aio", None)
-        if aio is None:
+        aio = getattr(client, "aio", None) if client is not None else None
+        if client is not None and aio is None:
             raise TypeError("client must be a pfs.connect() client; inside trio use "
                             "aload_safetensors with an async client")
+        # the result goes back through a box, not as the call's return value: trio
+        # keeps a run's return value in a reference cycle (its runner's outcome), so
+        # the tensors, once the caller frees them, would wait for the garbage collector
+        # instead of handing their buffers back to the next load (pool.py)
+        box: dict[str, dict[str, Any]] = {}
 
-        async def go() -> dict[str, Any]:
-            return await aload_safetensors(src, client=aio, **kwargs)  # type: ignore[arg-type]
+        async def go() -> None:
+            box["out"] = await aload_safetensors(src, client=aio, **kwargs)  # type: ignore[arg-type]
 
-        return client._run(go)
+        if client is None:
+            trio.run(go)
+        else:
+            client._run(go)
+        return box.pop("out")
     finally:
         if own_client is not None:
             own_client.close()

@@ -53,7 +53,11 @@ def test_loader_quick(cluster_dir: Path, tmp_path: Path,
     assert med["pfs_sc_on_warm"]["cpu_servers_s"] >= 0
     assert not any(k.endswith("_cold") or k.startswith("fuse") for k in med)
     assert _positive(res["ratios"]["pfs_sc_on/st_clone warm"])
-    assert len(res["stability"]["pfs_local"]["GBps"]) == 2
+    st = res["stability"]["pfs_local"]
+    assert len(st["GBps"]) == 2 and len(st["cpu_s"]) == 2
+    # the second load reads into the buffers the first handed back
+    assert st["reused"] == [0.0, 1.0], st
+    assert "; faults " in text and "buffers reused 0%, 100%" in text
     assert {a["aim"].split(" ")[0] for a in res["aims"]} >= {"pfs_sc_on", "pfs_sc_off"}
 
 

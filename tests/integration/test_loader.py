@@ -520,3 +520,46 @@ def test_on_tensor_hands_out_each_tensor_once(client_toml: Path, pfs_ckpt: str,
             if source == pfs_ckpt and short_circuit and "tp_rank" not in kw:
                 assert c.aio.local is not None and c.aio.local.stats["local_bytes"] > 0
                 assert any(th != "pfs-trio" for *_x, th in got)  # handed out by a reader
+
+
+def test_pfs_reused_buffers_never_hold_wrong_bytes(client_toml: Path, cluster_dir: Path,
+                                                   pfs_ckpt: str, ckpt: tuple[Path, Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consecutive short-circuit loads from pfs read into the buffers the previous load
+    handed back (the client's trio thread keeps no reference to a result); a block that
+    does not verify is read from the other replica, and with both replicas bad the load
+    fails with EIO: never wrong bytes, nor bytes a reused buffer held before."""
+    from pfs.core.config import ClientConfig, load
+    from pfs.loader import pool as poolmod
+
+    p = poolmod.BufferPool(keep_seconds=60)
+    monkeypatch.setattr(poolmod, "POOL", p)
+    _, truth = ckpt
+    cfg = load(ClientConfig, client_toml)
+    cfg.short_circuit = True
+    shard = f"{pfs_ckpt}/model-00003-of-00004.safetensors"
+    with pfs.connect(config=cfg) as c:
+        out = load_safetensors(pfs_ckpt, client=c, framework="numpy")
+        check_full(out, truth, "numpy")
+        del out
+        assert p.free_bytes() > 0  # handed back at once
+        size = c.stat(shard).st_size
+        objs = sorted((cluster_dir / "data").glob(f"ds*/objects/*/{c.stat(shard).st_ino}.0"))
+        assert len(objs) == 2  # the shard is smaller than a unit: stripe 0, 2 replicas
+        for k, obj in enumerate(objs):
+            with open(obj, "r+b") as fo:  # a byte of the last tensor's data
+                fo.seek(size - 5)
+                b = fo.read(1)
+                fo.seek(size - 5)
+                fo.write(bytes([b[0] ^ 0x10]))
+            reused = p.stats["reused"]
+            if k == 0:  # the other replica has it
+                out = load_safetensors(pfs_ckpt, client=c, framework="numpy")
+                check_full(out, truth, "numpy")
+                assert p.stats["reused"] > reused
+                assert c.aio.local is not None and c.aio.local.stats["local_bytes"] > 0
+                del out
+            else:
+                with pytest.raises(OSError) as ei:
+                    load_safetensors(pfs_ckpt, client=c, framework="numpy")
+                assert ei.value.errno == errno.EIO

@@ -4,6 +4,7 @@ is not installed is skipped with a clear note instead of failing the run."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -63,6 +64,21 @@ def test_spread_and_aims() -> None:
     text = "\n".join(loader.aim(a["aim"], a["value"], a["target"])
                      for a in loader.aims(med, {}))
     assert "not measured in this run" in text and "NOT met" in text
+
+
+def test_stability_shows_cpu_and_faults_per_load() -> None:
+    s: dict[str, Any] = {"GBps": [1.0, 2.0], "spread": 1.0, "cpu_s": [0.31, 0.05],
+                         "faults": [139000, 20], "reused": [0.0, 0.0]}
+    assert loader.stability_detail(s) == "; CPU 0.31, 0.05 s; faults 139k, 0k"
+    s["reused"] = [0.0, 1.0]
+    assert loader.stability_detail(s).endswith("; buffers reused 0%, 100%")
+    assert loader.stability_detail({"GBps": [1.0], "spread": 0.0}) == ""
+    s.update(GBps=[1.0, 4.0, 5.0], spread=4.0, spread_after_first=0.25,
+             cpu_s=[0.3, 0.05, 0.05], faults=[139000, 0, 0], reused=[0.0, 1.0, 1.0])
+    assert loader.stability_line("pfs_local", s) == (
+        "consecutive warm loads in one process, pfs_local: 1.00, 4.00, 5.00 GB/s "
+        "(spread 400%, 25% after the first); CPU 0.30, 0.05, 0.05 s; faults 139k, 0k, 0k; "
+        "buffers reused 0%, 100%, 100%")
 
 
 def test_a_missing_reference_is_skipped(monkeypatch: pytest.MonkeyPatch,

@@ -163,6 +163,38 @@ def test_an_aligned_read_of_a_flipped_byte_never_leaves_it(tmp_path: Path) -> No
     assert b"\x07" not in buf  # the bad block was read in place, then wiped
 
 
+def test_views_of_whole_blocks_take_the_fast_path_with_the_same_checks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Destinations cut at block edges (the bulk reads' stripe units) are verified a
+    block per slice: holes still read as zeros, a block written only in part (then
+    the object grew past it) still verifies, a flipped byte still fails and is wiped."""
+    data = bytearray(os.urandom(5 * BLOCK))
+    data[2 * BLOCK + 100:3 * BLOCK] = bytes(BLOCK - 100)  # block 2 written up to 100
+    fd, cfd = _object(tmp_path, bytes(data), holes=(1,))
+    recs = ck.read_records(cfd, 0, 5)
+    recs[2] = (ck.crc_padded(bytes(data[2 * BLOCK:2 * BLOCK + 100])), 100)
+    ck.write_records(cfd, 0, recs)
+    fast = []
+    real = ck.VerifiedRead._verify_whole
+
+    def spy(self: ck.VerifiedRead, *a: Any) -> None:
+        fast.append(a[0])
+        real(self, *a)
+
+    monkeypatch.setattr(ck.VerifiedRead, "_verify_whole", spy)
+    want = bytes(data[:BLOCK]) + bytes(BLOCK) + bytes(data[2 * BLOCK:])
+    buf = bytearray(b"\xee" * 5 * BLOCK)
+    assert ck.read_verified((1, 0), fd, cfd, 0, _views(buf, [BLOCK, 3 * BLOCK])) == \
+        [BLOCK, 2 * BLOCK, 2 * BLOCK]
+    assert bytes(buf) == want and fast
+    os.pwrite(fd, bytes([data[3 * BLOCK + 7] ^ 1]), 3 * BLOCK + 7)
+    buf = bytearray(5 * BLOCK)
+    with pytest.raises(ck.ChecksumError) as ei:
+        ck.read_verified((1, 0), fd, cfd, 0, _views(buf, [BLOCK, 3 * BLOCK]))
+    assert ei.value.off == 3 * BLOCK and buf[3 * BLOCK:4 * BLOCK] == bytes(BLOCK)
+    assert len(fast) == 2
+
+
 def test_an_object_shrinking_under_an_aligned_read_is_eio(tmp_path: Path) -> None:
     data = os.urandom(4 * BLOCK)
     fd, cfd = _object(tmp_path, data)
