@@ -694,8 +694,8 @@ class DataService(RpcService):
         if cap is not None and cap.ino != 0:
             raise OSError(errno.EACCES, "capability refused: remove_orphans needs one for "
                                         "every object")
-        # an older metadata backup may still name them: tombstoned as an unlink's are
-        deleted = await self._delete(req.objs, True)
+        # no file has their inode: another metadata backup may still name them
+        deleted = await self._delete(req.objs, req.tomb)
         log.warning("removed %d orphan objects (pfs fsck --remove-orphans)", deleted)
         return D.DeletedReply(deleted=deleted)
 

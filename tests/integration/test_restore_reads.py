@@ -53,3 +53,36 @@ def test_a_file_deleted_after_the_backup_reads_eio_not_zeros(private_cluster: Pa
         c.truncate("/B", 3 * UNIT)  # truncated up: a genuine hole now
         assert c.read_file("/B") == b"overwritten whole" + bytes(3 * UNIT - 17)
         assert c.read_file("/C") == got.c
+
+
+def restore(d: Path, backup: Path) -> Path:
+    cluster.down(d)
+    r = cli("admin", "restore", str(backup), "--cluster", str(d))
+    assert r.returncode == 0, r.stderr
+    return cluster.up(d)
+
+
+def test_an_orphan_fsck_removed_reads_eio_when_a_newer_backup_names_it(
+        private_cluster: Path, tmp_path: Path) -> None:
+    """Backup 1, file X, backup 2; backup 1 restored: X's objects are orphans, which
+    fsck removes; backup 2 restored (the newer one after all): X is EIO, not zeros."""
+    d = private_cluster
+    toml = cluster.up(d, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.set_layout("/", count=2, unit=UNIT)
+        c.write_file("/early", b"e" * 1000)
+    assert cli("admin", "backup", str(tmp_path / "b1"), "--cluster", str(d)).returncode == 0
+    with pfs.connect(config=toml) as c:
+        c.write_file("/X", b"x" * (3 * UNIT))
+        x_ino = c.stat("/X").st_ino
+    assert cli("admin", "backup", str(tmp_path / "b2"), "--cluster", str(d)).returncode == 0
+    toml = restore(d, tmp_path / "b1")
+    r = cli("fsck", "--config", str(toml), "--json", "--no-verify", "--repair",
+            "--remove-orphans")
+    assert not list((d / "data").rglob(f"{x_ino}.*")), r.stdout
+    toml = restore(d, tmp_path / "b2")
+    with pfs.connect(config=toml) as c:
+        assert c.read_file("/early") == b"e" * 1000
+        with pytest.raises(OSError) as ei:
+            c.read_file("/X")
+        assert ei.value.errno == errno.EIO and "/X" in str(ei.value)
