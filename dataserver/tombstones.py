@@ -24,7 +24,8 @@ the file is read into a set (an int per object); records older than ``keep`` sec
 (``tombstone_days`` in the data server's config, default 365: the oldest backup one
 would still restore), cleared ones and a torn last record are dropped, and the file is
 rewritten when that removed anything. Cost: 24 bytes on disk and about 80 bytes of
-memory per deleted object within ``keep``.
+memory per deleted object within ``keep``. Catch-up does not copy tombstones: a replica
+that joined the chain after the deletion has none (docs: "Not covered").
 """
 from __future__ import annotations
 
