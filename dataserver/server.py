@@ -825,8 +825,6 @@ def _first(group: BaseExceptionGroup[OSError]) -> BaseException:
     return exc
 
 
-
-
 def fd_cache_size(nofile: int) -> int:
     """Objects the descriptor cache keeps open, from the open-file limit: a quarter of
     what is left after the reserve (each holds two), at most the store's default."""
