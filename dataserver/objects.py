@@ -11,7 +11,8 @@ A descriptor handed out with :meth:`ObjectStore.acquire` is pinned until its ``r
 is called (a reply may still be sending from it with ``sendfile``); one evicted or deleted
 meanwhile is closed on release.
 
-An absent object reads as empty (size 0): no error. Each data directory also holds
+An absent object reads as empty (size 0): no error (unless it has a tombstone, tombstones.py:
+its file was unlinked). Each data directory also holds
 ``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
 and ``FORMAT``, the directory's format (``pfs.core.versions.OBJECT_FORMAT``, as text), written
 when the directory is first used. A directory in a format this pfs does not know, or in
@@ -39,9 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pfs.core import checksums as ck
+from pfs.core.durable import fsync_dir
 from pfs.core.messages.records import ObjId  # checked off the wire by its message
 from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
 from pfs.dataserver import checksums as dck
+from pfs.dataserver.tombstones import DEFAULT_KEEP, Tombstones
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,7 @@ def _write_file(d: str, name: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(d)
 
 
 def _write_format(d: str, fmt: int) -> None:
@@ -212,7 +211,7 @@ class ObjectStore:
     """Objects under ``dirs`` (one per drive); synchronous, owned by one event loop."""
 
     def __init__(self, dirs: list[str], max_open: int = DEFAULT_MAX_OPEN,
-                 checksums: bool = True) -> None:
+                 checksums: bool = True, tomb_keep: float = DEFAULT_KEEP) -> None:
         if not dirs:
             raise OSError(errno.EINVAL, "a data server needs at least one data directory")
         if max_open < 1:
@@ -241,6 +240,8 @@ class ObjectStore:
             open_dir_format(d)
             os.makedirs(os.path.join(d, _OBJ_DIR), exist_ok=True)
         self.objects = self._count()
+        # objects deleted because their file was unlinked (tombstones.py): never a hole
+        self.tombs = Tombstones(self.dirs, self._dir, tomb_keep)
         log.info("object store on %s: %d objects", ", ".join(self.dirs), self.objects)
 
     # -- placement -----------------------------------------------------------
@@ -302,6 +303,7 @@ class ObjectStore:
                 sid = self.load_sid()
                 if sid is not None:
                     _write_file(d, SID_FILE, sid + "\n")
+                self.tombs.rewrite_dir(d)
             except OSError as exc:
                 log.error("data directory %s cannot be made again: %s", d, exc)
         return found
@@ -522,6 +524,11 @@ class ObjectStore:
         self._unsynced.add(os.path.dirname(path))
         if rec is not None:
             self.set_chain_record(obj, rec)
+
+    def exists(self, obj: ObjId) -> bool:
+        """Whether ``obj`` has a file here (or the checksum map of a lost one)."""
+        path = self.path(obj)
+        return obj in self._open or os.path.lexists(path) or os.path.lexists(path + ck.SUFFIX)
 
     def delete(self, obj: ObjId) -> bool:
         """Remove ``obj``; False when it was absent."""

@@ -22,6 +22,7 @@ from pfs.core.auth import ClientAuth, ServerAuth
 from pfs.core.caps import Capability, CapCache, CapVerifier
 from pfs.core.config import DataConfig, parse_addr
 from pfs.core.daemon import FD_RESERVE, nofile_limit
+from pfs.core.durable import fsync_dir as _fsync_dir
 from pfs.core.engine import Engine, get_engine
 from pfs.core.messages import data as D
 from pfs.core.messages import kv as K
@@ -40,6 +41,7 @@ from pfs.dataserver.kvstore import KvStore, default_budget
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.repair import ObjectRepair, read_verified
 from pfs.dataserver.scrub import Scrubber
+from pfs.dataserver.tombstones import deleted_error
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,8 @@ class DataService(RpcService):
         got = self.store.acquire_checked(obj)
         if got is None:
             self.store.check_absent(obj)
+            if obj in self.store.tombs:  # deleted, not a hole (tombstones.py)
+                raise deleted_error(obj)
             if self.store.checksums:
                 self._check_missing(obj, off, length)
             return Reply(D.ReadReply(n=0))
@@ -377,6 +381,8 @@ class DataService(RpcService):
         self.store.check_readable(obj)
         got = self.store.acquire_checked(obj)
         if got is None:
+            if obj in self.store.tombs:  # the client reads it over TCP: EIO there
+                raise deleted_error(obj)
             if self.store.checksums:
                 self._check_missing(obj, 0, MAX_ID - 1)
             raise OSError(errno.ENOENT, f"object {list(obj)} holds no data here")
@@ -419,6 +425,8 @@ class DataService(RpcService):
             # (a write forwarded down a chain was checked by its head, against a
             # placement the chain may have grown past since)
             self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
+        if obj in self.store.tombs:  # it would be new bytes among zeros: truncate to 0 first
+            raise deleted_error(obj)
         if not data:
             return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
@@ -565,6 +573,12 @@ class DataService(RpcService):
         if cap is not None:
             self._fence(obj[0], cap.gen)
         async with self.locks.hold(obj, 0, MAX_ID, exclusive=True):
+            if obj in self.store.tombs:
+                if size == 0:  # all of it defined again (nothing): no longer deleted data
+                    await trio.to_thread.run_sync(self.store.tombs.write, [obj], True)
+                    self.store.tombs.discard(obj)
+                elif not self.store.exists(obj):
+                    return Empty()  # what stays below ``size`` is still deleted data
             self.store.truncate(obj, size)
         self.unsynced.add(obj)
         return Empty()
@@ -575,9 +589,18 @@ class DataService(RpcService):
             cap = self._cap(ctx, req, caps.ADMIN, o, writes=True)
             if cap is not None:
                 self._fence(o[0], cap.gen)
+        return D.DeletedReply(deleted=await self._delete(objs, req.tomb))
+
+    async def _delete(self, objs: list[tuple[int, int]], tomb: bool) -> int:
+        """Delete ``objs``; with ``tomb`` (their file is gone from the namespace), each
+        that exists gets a durable tombstone first (tombstones.py); how many existed."""
+        if tomb:
+            kept = [o for o in objs if o not in self.store.tombs and self.store.exists(o)]
+            if kept:
+                await trio.to_thread.run_sync(self.store.tombs.write, kept)
+                self.store.tombs.add(kept)
         self.unsynced.difference_update(objs)
-        deleted = sum(1 for o in objs if self.store.delete(o))
-        return D.DeletedReply(deleted=deleted)
+        return sum(1 for o in objs if self.store.delete(o))
 
     async def rpc_fsync(self, ctx: ConnContext, req: D.Fsync) -> Empty:
         obj = req.obj
@@ -680,8 +703,8 @@ class DataService(RpcService):
         if cap is not None and cap.ino != 0:
             raise OSError(errno.EACCES, "capability refused: remove_orphans needs one for "
                                         "every object")
-        self.unsynced.difference_update(req.objs)
-        deleted = sum(1 for o in req.objs if self.store.delete(o))
+        # no file has their inode: another metadata backup may still name them
+        deleted = await self._delete(req.objs, req.tomb)
         log.warning("removed %d orphan objects (pfs fsck --remove-orphans)", deleted)
         return D.DeletedReply(deleted=deleted)
 
@@ -811,14 +834,6 @@ def _first(group: BaseExceptionGroup[OSError]) -> BaseException:
     return exc
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fd_cache_size(nofile: int) -> int:
     """Objects the descriptor cache keeps open, from the open-file limit: a quarter of
     what is left after the reserve (each holds two), at most the store's default."""
@@ -857,7 +872,8 @@ async def serve_data(config: DataConfig, *, verify_caps: bool | None = None,
         log.warning("data server: capability checks are OFF (a test-only switch)")
     nofile = nofile_limit()
     max_open = fd_cache_size(nofile)
-    store = ObjectStore(config.dirs, max_open=max_open, checksums=config.checksums)
+    store = ObjectStore(config.dirs, max_open=max_open, checksums=config.checksums,
+                        tomb_keep=config.tombstone_days * 86400.0)
     try:
         engine = get_engine(config.engine)
     except BaseException:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import lmdb
 
+from pfs.core.durable import fsync_dir as _fsync_dir
 from pfs.core.versions import METADATA_FORMAT, package_version
 from pfs.metaserver import keys as K
 from pfs.metaserver.chains import ChainTable
@@ -140,11 +141,3 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -126,9 +126,17 @@ class DataPlane:
             sid, exc = next(iter(errors.items()))
             raise OSError(errno.EIO, f"cannot truncate inode {ino} on data server {sid}: {exc}")
 
-    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
-        """Delete objects (``{sid: [[ino, stripe], ...]}``); errors by server."""
-        return await self.call_servers(
-            {sid: [(0, partial(D.Delete, objs=[(o[0], o[1]) for o in lst[i:i + DELETE_CHUNK]]))
-                   for i in range(0, len(lst), DELETE_CHUNK)]
-             for sid, lst in objs.items()})
+    async def delete_objects(self, objs: dict[str, list[list[int]]],
+                             live: set[int] | frozenset[int] = frozenset()
+                             ) -> dict[str, OSError]:
+        """Delete objects (``{sid: [[ino, stripe], ...]}``); errors by server. Those of
+        inodes not in ``live`` (unlinked files) are tombstoned on the data servers; an
+        old layout's objects of a live file are not (a new layout may own them again)."""
+        calls: Calls = {}
+        for sid, lst in objs.items():
+            for tomb in (True, False):
+                part = [(o[0], o[1]) for o in lst if (o[0] not in live) == tomb]
+                calls.setdefault(sid, []).extend(
+                    (0, partial(D.Delete, objs=part[i:i + DELETE_CHUNK], tomb=tomb))
+                    for i in range(0, len(part), DELETE_CHUNK))
+        return await self.call_servers(calls)

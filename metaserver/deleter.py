@@ -27,8 +27,10 @@ IDLE_CHECK = 30.0  # seconds between rounds when nothing wakes the deleter
 class ObjectDeletion(Protocol):
     """What the deleter needs of the data plane (:class:`pfs.metaserver.dataplane.DataPlane`)."""
 
-    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
-        """Delete ``{sid: [[ino, stripe], ...]}``; the servers that failed, with why."""
+    async def delete_objects(self, objs: dict[str, list[list[int]]],
+                             live: set[int]) -> dict[str, OSError]:
+        """Delete ``{sid: [[ino, stripe], ...]}``; the servers that failed, with why.
+        Objects of inodes not in ``live`` (unlinked) are tombstoned there."""
         ...
 
 
@@ -95,7 +97,7 @@ class Deleter:
         with self._lock:
             self._deleting |= live
         try:
-            errors = await self._objects.delete_objects(objs)
+            errors = await self._objects.delete_objects(objs, live)
         finally:
             with self._lock:
                 self._deleting -= live

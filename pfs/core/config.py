@@ -263,6 +263,9 @@ class DataConfig:
     free_override: int = -1  # TEST ONLY: report this many bytes free per directory
     checksums: bool = True  # block checksums (off only to measure what they cost)
     scrub_rate: int = 4 << 20  # bytes/s the scrubber re-reads and verifies (0: off)
+    # days a tombstone of an unlinked file's deleted object is kept: a metadata backup
+    # older than that restored reads such files as holes again (dataserver/tombstones.py)
+    tombstone_days: float = 365.0
     # failure domain (a rack label): a chain's replicas go to distinct ones; "": the host
     domain: str = ""
     # seconds a chain member waits for the next one to take a forwarded write before

@@ -297,14 +297,17 @@ class Fsck:
                 continue
             done.append(f"{what}: {r.n} bytes copied from another replica")
         if remove_orphans:
-            by_sid: dict[str, list[tuple[int, int]]] = {}
+            # those of no file tombstoned on their server (dataserver/tombstones.py: a
+            # metadata backup restored later may name them again); those of a live file
+            # not (a later layout may place that stripe there again)
+            by_sid: dict[tuple[str, bool], list[tuple[int, int]]] = {}
             for p in self.report.problems:
                 if p.kind == "orphan":
-                    by_sid.setdefault(p.sid, []).append((p.ino, p.stripe))
-            for sid, objs in sorted(by_sid.items()):
+                    by_sid.setdefault((p.sid, p.no_file), []).append((p.ino, p.stripe))
+            for (sid, tomb), objs in sorted(by_sid.items()):
                 try:
                     dr: D.DeletedReply = await self.data(sid, D.RemoveOrphans(
-                        objs=objs, cap=await self.cap()))
+                        objs=objs, tomb=tomb, cap=await self.cap()))
                 except OSError as exc:
                     failed.append(f"orphans on {sid}: {exc}")
                     continue

@@ -71,6 +71,7 @@ class Problem:
     detail: str
     path: str | None = None
     bad: list[int] = field(default_factory=list)  # checksum: block offsets
+    no_file: bool = False  # orphan: no file has its inode (its removal is tombstoned)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "ino": self.ino, "stripe": self.stripe,
@@ -172,7 +173,7 @@ def _held(obj: ObjRec) -> str:
 
 def orphan(sid: str, obj: ObjRec) -> Problem:
     return Problem("orphan", obj.ino, obj.stripe, sid,
-                   f"{_held(obj)}; no file has inode {obj.ino}")
+                   f"{_held(obj)}; no file has inode {obj.ino}", no_file=True)
 
 
 class Peek:

@@ -450,7 +450,8 @@ class FakeObjects:
         self.refuse = refuse
         self.sent = trio.Event()
 
-    async def delete_objects(self, objs: dict[str, list[list[int]]]) -> dict[str, OSError]:
+    async def delete_objects(self, objs: dict[str, list[list[int]]],
+                             live: set[int]) -> dict[str, OSError]:
         self.rounds.append(objs)
         self.sent.set()
         errors = {}

@@ -159,6 +159,9 @@ class Truncate(DataRequest, method="truncate", reply=Empty):
 
 class Delete(DataRequest, method="delete", reply=DeletedReply):
     objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE, doc="list of object ids, at most 65536")
+    tomb: bool = Bool(default=False, sparse=True,
+                      doc="their file was unlinked: keep a tombstone of each that existed "
+                          "(a read of it after a metadata restore is EIO, not a hole)")
     cap: Any = _cap("bytes, admin")
 
 
@@ -295,4 +298,6 @@ class RemoveOrphans(DataRequest, method="remove_orphans", reply=DeletedReply):
             "capability with SCAN or ADMIN for inode 0 (root's `scan_cap`)")
     objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE,
                              doc="list of object ids, at most 65536")
+    tomb: bool = Bool(default=False, sparse=True,
+                      doc="no file has their inode: keep a tombstone of each (as `delete`)")
     cap: Any = _cap("bytes, scan or admin")
