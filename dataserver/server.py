@@ -593,14 +593,29 @@ class DataService(RpcService):
 
     async def _delete(self, objs: list[tuple[int, int]], tomb: bool) -> int:
         """Delete ``objs``; with ``tomb`` (their file is gone from the namespace), each
-        that exists gets a durable tombstone first (tombstones.py); how many existed."""
+        that exists gets a durable tombstone first (tombstones.py); how many existed.
+        On a full disk the tombstones are written right after the deletes, in the space
+        they freed: deleting is what gives a full disk its space back."""
+        late: list[tuple[int, int]] = []
         if tomb:
             kept = [o for o in objs if o not in self.store.tombs and self.store.exists(o)]
             if kept:
-                await trio.to_thread.run_sync(self.store.tombs.write, kept)
+                try:
+                    await trio.to_thread.run_sync(self.store.tombs.write, kept)
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    late = kept
                 self.store.tombs.add(kept)
         self.unsynced.difference_update(objs)
-        return sum(1 for o in objs if self.store.delete(o))
+        deleted = sum(1 for o in objs if self.store.delete(o))
+        if late:
+            try:
+                await trio.to_thread.run_sync(self.store.tombs.write, late)
+            except OSError as e:
+                log.error("tombstones of %d deleted objects not recorded (%s): after a "
+                          "metadata restore their files would read as holes", len(late), e)
+        return deleted
 
     async def rpc_fsync(self, ctx: ConnContext, req: D.Fsync) -> Empty:
         obj = req.obj

@@ -125,7 +125,17 @@ class Tombstones:
             new = not os.path.exists(path)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, b"".join(recs))
+                size = os.fstat(fd).st_size
+                if size % RECORD.size:  # a torn record (crash, full disk): records stay aligned
+                    size -= size % RECORD.size
+                    os.ftruncate(fd, size)
+                data = b"".join(recs)
+                try:
+                    if os.write(fd, data) != len(data):
+                        raise OSError(errno.ENOSPC, f"tombstones of {d}: short write")
+                except OSError:
+                    os.ftruncate(fd, size)  # no partial record left behind
+                    raise
                 os.fsync(fd)
             finally:
                 os.close(fd)

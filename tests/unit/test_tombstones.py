@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 from pfs.dataserver.objects import ObjectStore
 from pfs.dataserver.tombstones import FILE, RECORD, Tombstones, deleted_error
@@ -76,3 +77,30 @@ def test_the_error_names_the_inode_and_the_restore() -> None:
     e = deleted_error((42, 1))
     assert e.errno == errno.EIO
     assert "inode 42" in str(e) and "deleted after the metadata backup" in str(e)
+
+
+def test_a_full_disk_leaves_no_torn_record_and_the_next_append_stays_aligned(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    clock = Clock(1_000_000_000.0)
+    t = one_dir(tmp_path, clock)
+    t.write([(1, 0)])
+    with open(tmp_path / FILE, "ab") as f:
+        f.write(RECORD.pack(9, 0, int(clock.t))[:7])  # an earlier torn append
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:  # the disk fills in the middle of the records
+        real_write(fd, data[:RECORD.size + 5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    try:
+        t.write([(2, 0), (3, 0)])
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    else:
+        raise AssertionError("a full disk was not reported")
+    monkeypatch.setattr(os, "write", real_write)
+    assert (tmp_path / FILE).stat().st_size == RECORD.size  # neither torn piece kept
+    t.write([(4, 0)])
+    again = one_dir(tmp_path, clock)
+    assert {o for o in [(1, 0), (2, 0), (3, 0), (4, 0), (9, 0)] if o in again} == {(1, 0), (4, 0)}
