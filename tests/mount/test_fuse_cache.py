@@ -217,3 +217,61 @@ def test_creates_in_a_directory_made_here_skip_the_lookup(client_toml: Path,
 
     assert calls("create") == n
     assert calls("lookup") <= 1  # (the directory's own name, before the mkdir)
+
+
+def test_kernel_requests_per_create_stat_and_unlink(client_toml: Path, tmp_path: Path) -> None:
+    """What the kernel sends for each operation of a create/stat/unlink loop, and which
+    of those reach the metaserver (``pfs_fuse_requests_total{op}`` beside the client's
+    RPC counters). A create is LOOKUP (missing), CREATE, GETATTR of the directory
+    (answered from the create's reply), FLUSH and RELEASE (nothing written: no call):
+    2 calls, no GETATTR of the new file (CREATE returned its attributes). A stat within
+    the entry timeout sends nothing; an unlink is UNLINK and the directory's GETATTR
+    (from the reply): 1 call."""
+    from tests.metrics_scrape import free_port as _free_port
+    from tests.metrics_scrape import scrape as _scrape
+    from tests.metrics_scrape import value as _value
+
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    n = 20
+    # timeouts long enough for the loop on a loaded machine: what is cached stays so
+    with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
+        d = m / f"req-{os.getpid()}"
+        d.mkdir()
+        os.stat(d)
+        paths = [d / f"f{i}" for i in range(n)]
+        phases = {}
+        last = _scrape(port)
+        for phase, fn in (("create", lambda p: os.close(os.open(
+                               p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))),
+                          ("stat", os.stat), ("unlink", os.unlink)):
+            for p in paths:
+                fn(p)
+            os.stat(d)  # the directory's GETATTR after the last change, in this phase
+            time.sleep(0.5)  # deferred releases go out; FORGETs come
+            now = _scrape(port)
+            phases[phase] = (last, now)
+            last = now
+        d.rmdir()
+
+    def req(phase: str, op: str) -> float:
+        a, b = phases[phase]
+        return (_value(b, "pfs_fuse_requests_total", op=op)
+                - _value(a, "pfs_fuse_requests_total", op=op))
+
+    def calls(phase: str, method: str) -> float:
+        a, b = phases[phase]
+        return (_value(b, "pfs_rpc_requests_total", service="client", method=method)
+                - _value(a, "pfs_rpc_requests_total", service="client", method=method))
+
+    for op in ("lookup", "create", "getattr", "flush", "release"):
+        assert req("create", op) == n, op
+    assert calls("create", "lookup") == n and calls("create", "create") == n
+    assert calls("create", "getattr") == 0 and calls("create", "close") == 0
+    assert _value(phases["stat"][1], "pfs_fuse_requests_total") == \
+        _value(phases["stat"][0], "pfs_fuse_requests_total")  # nothing at all
+    assert req("unlink", "lookup") == 0 and req("unlink", "unlink") == n
+    assert req("unlink", "getattr") == n and calls("unlink", "getattr") == 0
+    assert calls("unlink", "unlink") == n and calls("unlink", "lookup") == 0
