@@ -275,3 +275,94 @@ def test_kernel_requests_per_create_stat_and_unlink(client_toml: Path, tmp_path:
     assert req("unlink", "lookup") == 0 and req("unlink", "unlink") == n
     assert req("unlink", "getattr") == n and calls("unlink", "getattr") == 0
     assert calls("unlink", "unlink") == n and calls("unlink", "lookup") == 0
+
+
+def test_getattrs_after_a_read_or_a_changed_open_are_answered_from_replies(
+        client_toml: Path, tmp_path: Path, mnt: Path) -> None:
+    """The kernel drops an inode's attributes after every read (atime, which pfs does
+    not move on reads) and at an open whose file changed (the mount tells it to), then
+    asks again: the mount answers from the attributes the lookup or the open just
+    carried, with no metaserver call; what the open found changed is what fstat shows."""
+    from tests.metrics_scrape import free_port as _free_port
+    from tests.metrics_scrape import scrape as _scrape
+    from tests.metrics_scrape import value as _value
+
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    n = 10
+    with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
+        d = m / f"ga-{os.getpid()}"
+        d.mkdir()
+        for i in range(n):
+            (d / f"f{i}").write_bytes(b"x" * 10)
+        for i in range(n):  # a read: the next stat makes the kernel ask again
+            assert (d / f"f{i}").read_bytes() == b"x" * 10
+        (mnt / d.relative_to(m) / "f0").write_bytes(b"y" * 20)  # changed elsewhere
+        before = _scrape(port)
+        for i in range(n):
+            fd = os.open(d / f"f{i}", os.O_RDONLY)
+            try:
+                assert os.fstat(fd).st_size == (20 if i == 0 else 10)
+                assert os.read(fd, 100) == (b"y" * 20 if i == 0 else b"x" * 10)
+            finally:
+                os.close(fd)
+            assert os.stat(d / f"f{i}").st_size == (20 if i == 0 else 10)
+        after = _scrape(port)
+        for i in range(n):
+            os.unlink(d / f"f{i}")
+        d.rmdir()
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("pfs_fuse_requests_total", op="getattr") >= n  # the kernel asked
+    assert delta("pfs_rpc_requests_total", service="client", method="getattr") == 0
+    assert delta("pfs_rpc_requests_total", service="client", method="open") == n
+
+
+def test_attributes_answered_here_follow_this_mounts_changes(mdir: Path) -> None:
+    """A GETATTR answered from a reply never hides a change made through this mount:
+    the link count after an unlink of another name (an inode the unlink's reply does not
+    name), the size after a write and a truncate, the mode after a chmod."""
+    f, g = mdir / "f", mdir / "g"
+    f.write_bytes(b"abc")
+    os.link(f, g)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        assert os.fstat(fd).st_nlink == 2
+        assert os.stat(g).st_nlink == 2
+        os.unlink(g)
+        assert os.fstat(fd).st_nlink == 1
+        assert os.read(fd, 10) == b"abc"  # (a read: the kernel asks again at the stat)
+        os.write(fd, b"defg")
+        assert os.fstat(fd).st_size == 7 and os.stat(f).st_size == 7
+        os.ftruncate(fd, 2)
+        assert os.fstat(fd).st_size == 2
+        os.chmod(f, 0o640)
+        assert os.read(fd, 1) == b""
+        assert os.fstat(fd).st_mode & 0o777 == 0o640
+    finally:
+        os.close(fd)
+    os.rename(f, mdir / "h")
+    assert os.stat(mdir / "h").st_size == 2
+
+
+def test_attributes_answered_here_expire_with_attr_timeout(client_toml: Path, mnt: Path,
+                                                           mdir: Path) -> None:
+    """Attributes kept from a reply answer the kernel for at most attr_timeout: a change
+    made on another node shows here once that passed, even where the kernel keeps the
+    name for much longer (entry_timeout) and asks only for the attributes."""
+    attr_timeout = 1.0
+    with mounted(client_toml, f"entry_timeout=60,attr_timeout={attr_timeout:g}") as a:
+        here = a / mdir.relative_to(mnt) / "f"
+        (mdir / "f").write_bytes(b"abc")
+        os.chmod(mdir / "f", 0o600)
+        assert here.read_bytes() == b"abc"  # a lookup and an open: attributes kept
+        t0 = time.monotonic()
+        os.chmod(mdir / "f", 0o644)  # elsewhere
+        (mdir / "f").write_bytes(b"abcdef")
+        time.sleep(max(0.0, t0 + attr_timeout + 0.5 - time.monotonic()))
+        st = os.stat(here)
+        assert (st.st_mode & 0o777, st.st_size) == (0o644, 6)
