@@ -11,8 +11,20 @@ import pytest
 
 from tests.fuse_fixtures import *  # noqa: F403
 from tests.fuse_fixtures import mounted
+from tests.metrics_scrape import free_port as _free_port
+from tests.metrics_scrape import scrape as _scrape
+from tests.metrics_scrape import value as _value
 
 NEG = 3.0  # seconds of negative_timeout on the caching mount
+
+
+def _metered(client_toml: Path, tmp_path: Path) -> tuple[Path, int]:
+    """A client.toml for a mount that serves /metrics, and its port."""
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    return toml, port
 
 
 def _missing(p: Path) -> bool:
@@ -72,14 +84,7 @@ def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path)
     """FLUSH and RELEASE of a handle that wrote nothing send no request of their own:
     the release rides on the next request (or one batched ``release``); a handle that
     wrote still commits its size when it is closed (FLUSH)."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 40
     with mounted(toml) as m:
         d = m / f"clean-{os.getpid()}"
@@ -191,14 +196,7 @@ def test_creates_in_a_directory_made_here_skip_the_lookup(client_toml: Path,
     """With negative_timeout, O_EXCL creates in a directory this mount just made cost
     one metaserver call each (the CREATE), not two: the kernel's LOOKUP of each new name
     is answered here."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 20
     with mounted(toml, "negative_timeout=30") as m:
         d = m / f"lean-{os.getpid()}"
@@ -227,14 +225,7 @@ def test_kernel_requests_per_create_stat_and_unlink(client_toml: Path, tmp_path:
     2 calls, no GETATTR of the new file (CREATE returned its attributes). A stat within
     the entry timeout sends nothing; an unlink is UNLINK and the directory's GETATTR
     (from the reply): 1 call."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 20
     # timeouts long enough for the loop on a loaded machine: what is cached stays so
     with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
@@ -283,14 +274,7 @@ def test_getattrs_after_a_read_or_a_changed_open_are_answered_from_replies(
     not move on reads) and at an open whose file changed (the mount tells it to), then
     asks again: the mount answers from the attributes the lookup or the open just
     carried, with no metaserver call; what the open found changed is what fstat shows."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 10
     with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
         d = m / f"ga-{os.getpid()}"
