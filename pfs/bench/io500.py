@@ -1088,11 +1088,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         except OSError:
             pass
     a, b = io500ref.medians(refs), io500ref.medians(ours)
-    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs))
+    pairs = io500ref.paired_ratios(refs, ours)
+    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs), pairs)
     print("\n".join(table), flush=True)
     out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
            "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,
-           "table": table}
+           "paired_ratios": pairs, "table": table}
     (resdir / "compare.json").write_text(json.dumps(out, indent=2) + "\n")
     (resdir / "compare.txt").write_text("\n".join(table) + "\n")
     log(f"io500 --compare: results in {resdir}")

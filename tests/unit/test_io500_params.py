@@ -147,3 +147,40 @@ def test_medians_and_table() -> None:
     ours["find"] = 2.5
     row = next(ln for ln in io500ref.compare_table(ref, ours, 3, 3) if ln.startswith("find "))
     assert row.endswith("<-- over 20%")
+
+
+def test_paired_ratios_and_agreement() -> None:
+    def run(scale: dict[str, float], total: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (scale.get(n, 1.0), 1.0, True)
+                                       for n in io500ref.SCORED},
+                               bw=total, md=total, total=total, valid=True)
+
+    # the load drifts: run k of both tools moves together, so each pair agrees while
+    # the medians of the two tools, taken apart, need not
+    refs = [run({"find": 1.0}, 1.0), run({"find": 4.0}, 2.0), run({"find": 2.0}, 4.0)]
+    ours = [run({"find": 1.1}, 1.0), run({"find": 4.4}, 2.0), run({"find": 0.5}, 3.0)]
+    pairs = io500ref.paired_ratios(refs, ours)
+    assert pairs["find"] == pytest.approx([1.1, 1.1, 0.25])
+    assert pairs["score-total"] == pytest.approx([1.0, 1.0, 0.75])
+    assert io500ref.quartiles(pairs["find"]) == pytest.approx((0.675, 1.1, 1.1))
+    assert io500ref.quartiles([2.0]) == (2.0, 2.0, 2.0)
+    # a pair whose harness run lacks the phase or scored 0 is left out
+    refs[0].phases["find"] = (0.0, 1.0, False)
+    del ours[1].phases["find"]
+    assert io500ref.paired_ratios(refs, ours)["find"] == pytest.approx([0.25])
+
+    ref = io500ref.medians(refs[1:])
+    mine = io500ref.medians(ours[1:])
+    lines = io500ref.agreement({**ref, "find": 3.0}, {**mine, "find": 1.0},
+                               {**pairs, "find": [1.1, 1.1, 0.25]})
+    assert lines[0] == "within 20% (ratio of medians): 11 of 12 phases; off: find 0.33"
+    assert lines[1] == "within 20% (median of paired ratios): 12 of 12 phases"
+    assert io500ref.within(1.2) and io500ref.within(0.8) and not io500ref.within(1.21)
+    assert not io500ref.within(float("nan"))
+
+    table = io500ref.compare_table(ref, mine, 2, 2, None, pairs)
+    assert "paired" in table[0] and "(interquartile)" in table[0]
+    row = next(ln for ln in table if ln.startswith("score-total"))
+    assert row.split()[-2:] == ["1.00", "(0.88-1.00)"]
+    assert table[-2].startswith("within 20% (ratio of medians): ")
+    assert table[-1].startswith("within 20% (median of paired ratios): ")
