@@ -83,7 +83,16 @@ from typing import Any
 
 from pfs.bench import io500_loops, io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
-from pfs.bench.io500_comm import WIDTH, Comm, DirPool, MpiComm, ProcComm, SelfComm, under_mpi
+from pfs.bench.io500_comm import (
+    WIDTH,
+    Comm,
+    DirPool,
+    MpiComm,
+    ProcComm,
+    SelfComm,
+    rank_cpus,
+    under_mpi,
+)
 from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
 
 __all__ = ["Comm", "Io500Config", "MpiComm", "PfsStore", "PosixStore", "ProcComm", "Rank",
@@ -137,6 +146,7 @@ class Io500Config:
     verify: bool = True  # IOR -R and mdtest -X: every byte read is compared
     drop_caches: bool = False
     md_pause: float = 1.0  # mdtest's sleep(1) before each of its runs (untimed)
+    bind: str = "auto"  # local ranks on cores as mpirun binds them (io500_comm.rank_cpus)
     keep: bool = False  # leave the data directory behind
     phases: list[str] = field(default_factory=lambda: [p for p, _, _ in PHASES])
     timestamp: str = ""  # names the data directory, io500's --timestamp
@@ -342,13 +352,9 @@ class Rank:
                    offset: Callable[[int], int]) -> dict[str, float]:
         buf = bytearray(self.pattern[:transfer])
         s = self.store
-        if shared:  # rank 0 creates the shared file, then the others open it
-            h = s.open(path, create=True, write=True) if self.r == 0 else None
-            self.comm.barrier()
-            if h is None:
-                h = s.open(path, create=False, write=True)
-        else:
-            h = s.open(path, create=True, write=True)
+        # IOR's POSIX create: every rank opens O_CREAT|O_RDWR at once, the shared file
+        # too (no barrier between rank 0's create and the others' opens)
+        h = s.open(path, create=True, write=True)
         self.comm.barrier()
         done = 0
         try:
@@ -362,8 +368,8 @@ class Rank:
                 off = offset(done)
                 s.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
                 done += 1
+            s.fsync(h)  # IOR -e: each rank's fsync ends its transfers, before the barrier
             self.comm.barrier()
-            s.fsync(h)
         finally:
             s.close_file(h)
         return {"items": done, "bytes": done * transfer, "at_stonewall": at_stonewall,
@@ -620,7 +626,8 @@ class Rank:
         return int(self.comm.allgather_obj(ts)[0])
 
     # -- the run -------------------------------------------------------------------
-    FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit")
+    FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit",
+              "start", "end", "span")
 
     def run_phase(self, name: str) -> dict[str, Any]:
         fn = getattr(self, name.replace("-", "_"))
@@ -646,16 +653,18 @@ class Rank:
             # attribute timeouts) are cold for mdtest, so they are here
             time.sleep(self.cfg.md_pause)
         self.comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.comm.clock()
         self.deadline = t0 + self.cfg.stonewall if self.cfg.stonewall > 0 else math.inf
         rec = fn()  # an I/O error ends the run (the other ranks are aborted)
+        c1 = self.comm.clock()
         self.comm.barrier()
-        runtime = time.perf_counter() - t0
+        rec.update(start=c0, end=c1, span=self.comm.clock() - c0)
         if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
             self.comm.barrier()
             self._md_tree(False, name == "mdtest-easy-delete")
         got = self.comm.allgather([float(rec.get(k, 0)) for k in self.FIELDS])
         per = {k: [g[i] for g in got] for i, k in enumerate(self.FIELDS)}
+        runtime = phase_time(name, per["start"], per["end"], per["span"])
         if name in STONEWALLED:
             self.counts[name] = [int(x) for x in per["items"]]
             self.save_counts()
@@ -673,6 +682,24 @@ class Rank:
         else:
             out["score"] = out["items"] / 1000.0 / runtime if runtime > 0 else 0.0
         return out
+
+
+def phase_time(name: str, starts: Sequence[float], ends: Sequence[float],
+               spans: Sequence[float]) -> float:
+    """A phase's time as its tool takes it, from each rank's start (after the opening
+    barrier) and end (before the closing one) on a clock the ranks share, and its span
+    from the start to after the closing barrier:
+
+    IOR: the last rank's close less the first rank's open (ReduceIterResults: MPI_MAX of
+    the close timers less MPI_MIN of the open timers; no barrier after a read's close);
+    pfind: the slowest rank's walk, which ends without a barrier (MPI_MAX of each rank's
+    runtime); mdtest: the slowest rank's time to after the barrier that ends the phase
+    (summarize_results: the most of each rank's t_end - t_start)."""
+    if name.startswith("ior"):
+        return max(ends) - min(starts)
+    if name == "find":
+        return max(e - s for s, e in zip(starts, ends, strict=True))
+    return max(spans)
 
 
 def expected_found(hard_counts: Sequence[int]) -> int:
@@ -745,10 +772,25 @@ def summarize(cfg: Io500Config, target: Target, nprocs: int,
 
 
 # -- local processes -------------------------------------------------------------
-def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
-           errq: Any, cfg: Io500Config, target: Target) -> None:
+@contextlib.contextmanager
+def _bound(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block on ``cpus`` (none: where it may), then where it ran before."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
     try:
-        rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
+           errq: Any, cfg: Io500Config, target: Target, cpus: set[int] | None) -> None:
+    try:
+        with _bound(cpus):
+            rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the run is aborted
         errq.put((rank, traceback.format_exc()))
         barrier.abort()
@@ -757,20 +799,23 @@ def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], p
 
 def run_local(cfg: Io500Config, target: Target, nprocs: int,
               hook: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run on ``nprocs`` processes of this node; this process is rank 0."""
+    """Run on ``nprocs`` processes of this node; this process is rank 0. The ranks are
+    bound to cores as mpirun binds the harness's (``cfg.bind``, :func:`rank_cpus`)."""
+    cpus = rank_cpus(nprocs, cfg.bind)
     if nprocs <= 1:
-        res = rank_main(SelfComm(), cfg, target, hook)
+        with _bound(cpus[0] if cpus else None):
+            res = rank_main(SelfComm(), cfg, target, hook)
         assert res is not None
         return res
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
-    workq = ctx.Queue()
+    workq = ctx.SimpleQueue()
     pool = DirPool(workq, ctx.Value("q", 0), nprocs)
     errq = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
-                                              cfg, target),
+                                              cfg, target, cpus[r] if cpus else None),
                          name=f"io500-rank{r}", daemon=True) for r in range(1, nprocs)]
     for p in procs:
         p.start()
@@ -779,13 +824,16 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     def watch() -> None:  # a rank that dies without reporting must not hang the others
         while not stop.wait(0.5):
             if any(p.exitcode not in (None, 0) for p in procs):
+                pool.stop()  # a rank waiting in find's walk wakes, then meets the abort
                 barrier.abort()
                 return
 
     watcher = threading.Thread(target=watch, name="io500-watch", daemon=True)
     watcher.start()
     try:
-        res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target, hook)
+        with _bound(cpus[0] if cpus else None):
+            res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target,
+                            hook)
         assert res is not None
         for p in procs:
             p.join(timeout=60)
@@ -801,6 +849,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             ", ".join(f"{p.name} exit {p.exitcode}" for p in procs)
         raise RuntimeError(f"io500: a rank failed:\n{detail}") from None
     except BaseException:
+        pool.stop()
         barrier.abort()
         raise
     finally:
@@ -810,9 +859,10 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for q in (errq, workq, *inboxes):
+        for q in (errq, *inboxes):
             q.cancel_join_thread()  # leftovers of a failed run must not hang the exit
             q.close()
+        workq.close()
 
 
 # -- output ------------------------------------------------------------------------
@@ -894,6 +944,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds each mdtest phase waits before it starts, untimed (default "
                         "1: mdtest's own sleep(1), which lets a FUSE mount's 1 s caches "
                         "expire)")
+    p.add_argument("--bind-to", choices=("auto", "core", "none"), default="auto",
+                   help="where the local ranks run (-n): auto (default) binds them as "
+                        "mpirun binds the harness's, each to a core of its own with at most "
+                        "2 ranks, else not; core: a core each whenever they fit; none: "
+                        "where the scheduler puts them. Under MPI, mpirun binds")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop this node's page cache before each phase (root)")
     p.add_argument("--keep", action="store_true", help="leave the data directory behind")
@@ -939,6 +994,7 @@ def config_from_args(args: argparse.Namespace, target: Target) -> Io500Config:
         cfg.phases = names
     cfg.verify, cfg.drop_caches, cfg.keep = not args.no_verify, args.drop_caches, args.keep
     cfg.md_pause = max(0.0, args.mdtest_pause)
+    cfg.bind = args.bind_to
     cfg.timestamp = args.timestamp or time.strftime("%Y.%m.%d-%H.%M.%S")
     cfg.seed = random.randrange(1 << 62)
     return cfg

@@ -184,3 +184,36 @@ def test_paired_ratios_and_agreement() -> None:
     assert row.split()[-2:] == ["1.00", "(0.88-1.00)"]
     assert table[-2].startswith("within 20% (ratio of medians): ")
     assert table[-1].startswith("within 20% (median of paired ratios): ")
+
+
+def test_phase_time_is_each_tools_own() -> None:
+    # rank 0 opens at 10.0 and closes at 12.0; rank 1 opens at 10.5 and closes at 12.5;
+    # each reached the barrier after the phase 0.25 s after its end
+    starts, ends, spans = [10.0, 10.5], [12.0, 12.5], [2.75, 2.25]
+    # IOR: the last close less the first open, no closing barrier
+    assert io500.phase_time("ior-easy-read", starts, ends, spans) == 2.5
+    # pfind: the slowest rank's own walk
+    assert io500.phase_time("find", starts, ends, spans) == 2.0
+    # mdtest: the slowest rank's time to after the closing barrier
+    assert io500.phase_time("mdtest-hard-stat", starts, ends, spans) == 2.75
+
+
+def test_ranks_bound_as_mpirun_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pfs.bench import io500_comm
+
+    monkeypatch.setattr(io500_comm, "core_cpus", lambda: [{0, 4}, {1, 5}, {2, 6}, {3, 7}])
+    # Open MPI: a core each with at most 2 ranks, else (a socket) unbound
+    assert io500_comm.rank_cpus(2, "auto") == [{0, 4}, {1, 5}]
+    assert io500_comm.rank_cpus(1, "auto") == [{0, 4}]
+    assert io500_comm.rank_cpus(3, "auto") is None
+    assert io500_comm.rank_cpus(3, "core") == [{0, 4}, {1, 5}, {2, 6}]
+    assert io500_comm.rank_cpus(5, "core") is None  # more ranks than cores
+    assert io500_comm.rank_cpus(2, "none") is None
+
+
+def test_core_cpus_cover_the_allowed_cpus() -> None:
+    from pfs.bench import io500_comm
+
+    cores = io500_comm.core_cpus()
+    assert sorted(c for core in cores for c in core) == sorted(os.sched_getaffinity(0))
+    assert [min(c) for c in cores] == sorted(min(c) for c in cores)
