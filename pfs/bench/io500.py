@@ -9,7 +9,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
   mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
                       mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
                       sync() after the creates, inside the time (-Y)
-  (timestamp)         the reference file for find's -newer (beside the data, not in it)
+  (timestamp)         the reference file for find's -newer, in the results directory
+                      (io500's resdir: on local disk, not on the target)
   ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, segment s
                       of rank r at (s * nprocs + r) * 47008, fsync at close
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
@@ -147,6 +148,7 @@ class Io500Config:
     drop_caches: bool = False
     md_pause: float = 1.0  # mdtest's sleep(1) before each of its runs (untimed)
     bind: str = "auto"  # local ranks on cores as mpirun binds them (io500_comm.rank_cpus)
+    resdir: str = ""  # the results directory: the timestamp and stonewall state go there
     keep: bool = False  # leave the data directory behind
     phases: list[str] = field(default_factory=lambda: [p for p, _, _ in PHASES])
     timestamp: str = ""  # names the data directory, io500's --timestamp
@@ -238,9 +240,9 @@ class Rank:
         self._paths: list[str] = []  # the files of the mdtest phase about to run (Python)
         self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
         self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
-        rng = random.Random(cfg.seed)
-        self.pattern = bytearray(rng.randbytes(max(cfg.easy_transfer, HARD_TRANSFER)))
+        self.pattern = bytearray()
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
+        self.reseed(cfg.seed)
         # the mdtest and find loops in C on a POSIX path (io500_loops.py), else in Python
         self.c = io500_loops.load()[0] if store.kind == "posix" else None
 
@@ -249,9 +251,24 @@ class Rank:
         return self.store.path(self.cfg.data_name(), *parts)
 
     def beside(self, what: str) -> str:
-        """A file next to the data directory, outside what find searches (io500 keeps
-        its timestamp and stonewall files in the results directory)."""
+        """A file outside what find searches: in the results directory, as io500 keeps
+        its timestamp and stonewall files there (``cfg.resdir``; a local file, not one on
+        the target), else next to the data directory."""
+        if self.cfg.resdir:
+            return os.path.join(self.cfg.resdir, f"{self.cfg.data_name()}.{what}")
         return self.store.path(f"{self.cfg.data_name()}.{what}")
+
+    @property
+    def side(self) -> Store:
+        """The store of the :meth:`beside` files."""
+        return PosixStore(self.cfg.resdir) if self.cfg.resdir else self.store
+
+    def reseed(self, seed: int) -> None:
+        """The data pattern of ``seed`` (a later run of a read phase takes its writers')."""
+        self.cfg = replace(self.cfg, seed=seed)
+        rng = random.Random(seed)
+        self.pattern[:] = rng.randbytes(max(self.cfg.easy_transfer, HARD_TRANSFER))
+        self._body.clear()
 
     def stamped(self, buf: bytearray, off: int, writer: int) -> bytearray:
         HEADER.pack_into(buf, 0, off, writer + 1, self.cfg.seed)
@@ -285,7 +302,9 @@ class Rank:
         if src not in self.counts:
             try:
                 with self._state_open("r") as f:
-                    self.counts.update(json.load(f)["counts"])
+                    state = json.load(f)
+                self.counts.update(state["counts"])
+                self.reseed(int(state.get("seed", self.cfg.seed)))  # what the writers wrote
             except (OSError, ValueError, KeyError) as exc:
                 raise RuntimeError(f"{phase} needs {src} (run it first, with the same "
                                    f"--timestamp): {exc}") from exc
@@ -295,7 +314,7 @@ class Rank:
     def _state_open(self, mode: str) -> Iterator[Any]:
         # the stonewall status (io500's *.stonewall files), beside the data directory
         path = self.beside("state.json")
-        if self.store.kind == "posix":
+        if self.side.kind == "posix":
             with open(path, mode) as f:
                 yield f
         else:
@@ -311,7 +330,7 @@ class Rank:
     def save_counts(self) -> None:
         if self.r == 0:
             with self._state_open("w") as f:
-                json.dump({"counts": self.counts}, f)
+                json.dump({"counts": self.counts, "seed": self.cfg.seed}, f)
 
     # -- setup and teardown -------------------------------------------------------
     def setup(self) -> None:
@@ -329,10 +348,11 @@ class Rank:
             s.unlink(self.d("ior-easy", f"ior_file_easy.{self.r:08d}"))
         self.comm.barrier()
         if self.r == 0:
-            for p in (self.d("ior-hard", "file"), self.beside("timestampfile"),
-                      self.beside("state.json")):
+            with contextlib.suppress(FileNotFoundError):
+                s.unlink(self.d("ior-hard", "file"))
+            for p in (self.beside("timestampfile"), self.beside("state.json")):
                 with contextlib.suppress(FileNotFoundError):
-                    s.unlink(p)
+                    self.side.unlink(p)
             for sub in (HARD_DIR, "mdtest-hard/test-dir.0-0", EASY_DIR, "ior-easy", "ior-hard",
                         "mdtest-easy", "mdtest-hard"):
                 try:
@@ -560,10 +580,10 @@ class Rank:
     # -- timestamp and find --------------------------------------------------------
     def timestamp(self) -> dict[str, float]:
         if self.r == 0:
-            p = self.beside("timestampfile")
+            p, side = self.beside("timestampfile"), self.side
             with contextlib.suppress(FileNotFoundError):
-                self.store.unlink(p)
-            self.store.create_empty(p)
+                side.unlink(p)
+            side.create_empty(p)
         return {"items": 0}
 
     def find(self) -> dict[str, float]:
@@ -622,7 +642,7 @@ class Rank:
         it on rank 0 and broadcasts it before its clock starts."""
         ts = None
         if self.r == 0:
-            ts = self.store.stat(self.beside("timestampfile"))[1] // 1_000_000_000
+            ts = self.side.stat(self.beside("timestampfile"))[1] // 1_000_000_000
         return int(self.comm.allgather_obj(ts)[0])
 
     # -- the run -------------------------------------------------------------------
@@ -933,7 +953,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--easy-files", type=int, help="mdtest-easy cap per process (default 1000000)")
     p.add_argument("--hard-files", type=int, help="mdtest-hard cap per process (default 1000000)")
     p.add_argument("--phases", help="comma-separated subset of the phases (default: all; "
-                   "a later phase in another run needs --timestamp and --keep)")
+                   "a later phase in another run needs --timestamp, --keep and the same --results)")
     p.add_argument("--timestamp", help="name of the data directory io500-TIMESTAMP "
                    "(default: now)")
     p.add_argument("--verify", action="store_true",
@@ -952,7 +972,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-caches", action="store_true",
                    help="drop this node's page cache before each phase (root)")
     p.add_argument("--keep", action="store_true", help="leave the data directory behind")
-    p.add_argument("--results", help="results directory (default ./io500-results/TIMESTAMP)")
+    p.add_argument("--results", help="results directory, which holds the timestamp file and "
+                   "the stonewall counts too, as io500's does (default "
+                   "./io500-results/TIMESTAMP)")
     p.add_argument("--json", help="also write the JSON result here")
     c = p.add_argument_group("side by side with the IO500 harness")
     c.add_argument("--compare", action="store_true",
@@ -996,6 +1018,7 @@ def config_from_args(args: argparse.Namespace, target: Target) -> Io500Config:
     cfg.md_pause = max(0.0, args.mdtest_pause)
     cfg.bind = args.bind_to
     cfg.timestamp = args.timestamp or time.strftime("%Y.%m.%d-%H.%M.%S")
+    cfg.resdir = str(Path(args.results or Path("io500-results") / cfg.timestamp).resolve())
     cfg.seed = random.randrange(1 << 62)
     return cfg
 
@@ -1076,6 +1099,7 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
         f"stonewall {cfg.stonewall:g} s; caps per process: ior-easy {cfg.easy_size >> 20} MiB, "
         f"ior-hard {cfg.hard_segments} segments, mdtest {cfg.easy_files}/{cfg.hard_files} files")
     print(f"IO500 version {VERSION} (standard)", flush=True)
+    Path(cfg.resdir).mkdir(parents=True, exist_ok=True)  # its timestamp file goes there
     if target.kind == "posix":
         print(loops_note(), flush=True)
     for why in differences(cfg, target):
@@ -1095,8 +1119,7 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
     print(score_line(res["score"], res["valid"]), flush=True)
     for w in res["invalid"]:
         log(f"io500: INVALID: {w}")
-    resdir = Path(args.results) if args.results else Path("io500-results") / cfg.timestamp
-    write_results(res, resdir, args.json)
+    write_results(res, Path(cfg.resdir), args.json)
     return res
 
 

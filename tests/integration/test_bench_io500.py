@@ -349,6 +349,27 @@ def test_cli_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert list(target.iterdir()) == []
 
 
+def test_side_files_in_the_results_directory(tmp_path: Path) -> None:
+    """io500 keeps its timestamp file and stonewall counts in its results directory, on
+    local disk: nothing but the data directory is made on the target, and a later run of
+    a read phase finds the counts there."""
+    target, res = tmp_path / "t", tmp_path / "res"
+    target.mkdir()
+    common = ["--path", str(target), "-n", "2", "--stonewall", "0", "--easy-size", "4m",
+              "--hard-segments", "20", "--easy-files", "20", "--hard-files", "20",
+              "--mdtest-pause", "0", "--timestamp", "side", "--results", str(res), "--keep"]
+    assert bench_main(["io500", *common, "--phases",
+                       "ior-easy-write,mdtest-easy-write,timestamp"]) == 0
+    assert [p.name for p in target.iterdir()] == ["io500-side"]
+    assert (res / "io500-side.timestampfile").is_file()
+    state = json.loads((res / "io500-side.state.json").read_text())
+    assert state["counts"]["ior-easy-write"] == [2, 2]
+    assert bench_main(["io500", *common, "--phases", "ior-easy-read"]) == 0
+    got = json.loads((res / "result.json").read_text())["phases"]
+    assert [(p["name"], p["bytes"], p["verify_errors"]) for p in got] == \
+        [("ior-easy-read", 2 * 4 * 2**20, 0)]
+
+
 def test_cli_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         bench_main(["io500", "--quick"])  # no target
