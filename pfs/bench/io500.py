@@ -5,21 +5,23 @@ Each phase does the work the IO500 harness (IO500/io500 calling IOR, mdtest and 
 does, read from their sources, with the same files, order, rank shifts and timing rules:
 
   ior-easy-write      IOR -F -t 2m -e -g: a file per process ior-easy/ior_file_easy.RANK,
-                      2 MiB transfers; timed from open to close (fsync at close)
+                      2 MiB transfers; timed from the first rank's open to the last
+                      rank's close (each rank's fsync before IOR's barrier)
   mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
                       mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
                       sync() after the creates, inside the time (-Y)
   (timestamp)         the reference file for find's -newer, in the results directory
                       (io500's resdir: on local disk, not on the target)
-  ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, segment s
-                      of rank r at (s * nprocs + r) * 47008, fsync at close
+  ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, opened
+                      O_CREAT|O_RDWR by every rank at once, segment s of rank r at
+                      (s * nprocs + r) * 47008, fsync at the end
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
                       mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
-                      seconds of ctime; timed as pfind times itself, from after the
-                      timestamp file's lstat and broadcast
+                      seconds of ctime; timed as pfind times itself, the slowest
+                      rank's walk from after the timestamp file's lstat and broadcast
   ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
                       node: each rank reads what it wrote); every byte compared
   mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
@@ -29,6 +31,13 @@ does, read from their sources, with the same files, order, rank shifts and timin
   mdtest-hard-read    open (read-write, as mdtest does), read 3,901 bytes, compare them
                       (-X), close
   mdtest-hard-delete
+
+mdtest phases are timed as mdtest times them: the slowest rank's time from the barrier
+that opens the phase to after the one that closes it.
+
+The local ranks (``-n``) are bound to cores as mpirun binds the harness's (``--bind-to``:
+Open MPI puts each of at most 2 ranks on a core of its own). The timestamp file and the
+stonewall counts live in the results directory, on local disk, as io500 keeps them.
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
 too, untimed (``--mdtest-pause``): on a FUSE mount with 1 s entry and attribute timeouts it
