@@ -996,6 +996,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "--config, a FUSE mount of the same pfs)")
     c.add_argument("--repeat", type=int, default=1,
                    help="with --compare: runs of each tool, interleaved (default 1)")
+    c.add_argument("--compare-results", nargs="+", metavar="DIR",
+                   help="print the table of saved --compare results (their directories or "
+                        "compare.json files), several pooled: every run's medians and every "
+                        "pair's ratio; runs nothing")
     p.add_argument("--quick", action="store_true",
                    help="stonewall 2 s and small caps: a smoke run well under a minute "
                         "(invalid by IO500's rules)")
@@ -1193,7 +1197,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
-    if args.compare:
+    if args.compare_results:
+        print("\n".join(io500ref.pooled_table([Path(x) for x in args.compare_results])))
+    elif args.compare:
         run_compare(args)
     else:
         run(args)

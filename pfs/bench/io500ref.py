@@ -8,6 +8,7 @@ Nothing here needs it installed except :func:`run_reference`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,37 @@ def parse_output(text: str) -> Parsed:
             out.bw, out.md, out.total = float(m["bw"]), float(m["md"]), float(m["total"])
             out.valid = not m["invalid"]
     return out
+
+
+def load_compare(path: Path) -> tuple[list[Parsed], list[Parsed]]:
+    """The harness's runs and pfs bench's, in order, from a ``compare.json`` that
+    ``--compare`` wrote (its path or its results directory)."""
+    if path.is_dir():
+        path = path / "compare.json"
+    data = json.loads(path.read_text())
+
+    def parsed(items: list[dict[str, Any]]) -> list[Parsed]:
+        return [Parsed(**{**r, "phases": {k: tuple(v) for k, v in r["phases"].items()}})
+                for r in items]
+
+    return parsed(data["harness"]), parsed(data["pfs"])
+
+
+def pooled_table(paths: Sequence[Path]) -> list[str]:
+    """The side-by-side table of one or more ``--compare`` results pooled: every run's
+    medians and every interleaved pair's ratio (sets taken minutes apart under a
+    drifting load agree or not by the same statistics as one longer set)."""
+    refs: list[Parsed] = []
+    ours: list[Parsed] = []
+    pairs: dict[str, list[float]] = {}
+    for path in paths:
+        a, b = load_compare(path)
+        refs += a
+        ours += b
+        for name, ratios in paired_ratios(a, b).items():  # pairs stay within their set
+            pairs.setdefault(name, []).extend(ratios)
+    return compare_table(medians(refs), medians(ours), len(refs), len(ours), spread(refs),
+                         pairs)
 
 
 def find_reference(explicit: str | None) -> str | None:

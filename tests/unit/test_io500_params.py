@@ -4,6 +4,7 @@ captured run of the real harness (tests/unit/io500_reference_output.txt). No har
 processes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -217,3 +218,27 @@ def test_core_cpus_cover_the_allowed_cpus() -> None:
     cores = io500_comm.core_cpus()
     assert sorted(c for core in cores for c in core) == sorted(os.sched_getaffinity(0))
     assert [min(c) for c in cores] == sorted(min(c) for c in cores)
+
+
+def test_pooled_table_of_saved_compare_results(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    def run(v: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (v, 1.0, True) for n in io500ref.SCORED},
+                               bw=v, md=v, total=v, valid=True)
+
+    sets = {"a": ([run(1.0), run(2.0)], [run(1.1), run(2.2)]),
+            "b": ([run(4.0)], [run(2.0)])}
+    for name, (refs, ours) in sets.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "compare.json").write_text(json.dumps(
+            {"harness": [asdict(r) for r in refs], "pfs": [asdict(r) for r in ours]}))
+    refs, ours = io500ref.load_compare(tmp_path / "a")
+    assert refs == sets["a"][0] and ours == sets["a"][1]
+    table = io500ref.pooled_table([tmp_path / "a", tmp_path / "b" / "compare.json"])
+    assert "medians of 3 / 3 runs" in table[0]
+    row = next(ln for ln in table if ln.startswith("find "))
+    # medians 2.0 / 2.0; pairs 1.1, 1.1 (set a) and 0.5 (set b): median 1.1
+    assert row.split()[2:5] == ["2.0000", "2.0000", "1.00"]
+    assert row.split()[6] == "1.10"
+    assert table[-1] == "within 20% (median of paired ratios): 12 of 12 phases"
