@@ -14,7 +14,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
                       (io500's resdir: on local disk, not on the target)
   ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, opened
                       O_CREAT|O_RDWR by every rank at once, segment s of rank r at
-                      (s * nprocs + r) * 47008, fsync at the end
+                      (s * nprocs + r) * 47008, fsync at the end; after each IOR
+                      phase every rank stat()s its file, untimed (CheckFileSize)
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
                       mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
@@ -248,6 +249,7 @@ class Rank:
         self.ior_shift = 0
         self._paths: list[str] = []  # the files of the mdtest phase about to run (Python)
         self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
+        self._ior_file = ""  # the file the IOR phase that just ran wrote or read
         self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
         self.pattern = bytearray()
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
@@ -383,6 +385,7 @@ class Rank:
         s = self.store
         # IOR's POSIX create: every rank opens O_CREAT|O_RDWR at once, the shared file
         # too (no barrier between rank 0's create and the others' opens)
+        self._ior_file = path
         h = s.open(path, create=True, write=True)
         self.comm.barrier()
         done = 0
@@ -407,6 +410,7 @@ class Rank:
     def _ior_read(self, path: str, transfer: int, count: int, writer: int,
                   offset: Callable[[int], int]) -> dict[str, float]:
         buf = memoryview(bytearray(transfer))
+        self._ior_file = path
         h = self.store.open(path, create=False, write=False)
         self.comm.barrier()
         got = bad = 0
@@ -687,6 +691,12 @@ class Rank:
         rec = fn()  # an I/O error ends the run (the other ranks are aborted)
         c1 = self.comm.clock()
         self.comm.barrier()
+        if self._ior_file:
+            # IOR's CheckFileSize after its close, untimed: every rank stat()s the file it
+            # wrote or read (on a FUSE mount the first attributes after the writes are
+            # fetched here, not in a later phase)
+            self.store.stat(self._ior_file)
+            self._ior_file = ""
         rec.update(start=c0, end=c1, span=self.comm.clock() - c0)
         if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
             self.comm.barrier()

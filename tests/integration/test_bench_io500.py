@@ -418,3 +418,42 @@ def test_mpi_two_ranks(tmp_path: Path) -> None:
     assert all(p["verify_errors"] == 0 for p in res["phases"])
     assert r.stdout.count("[RESULT]") == 12  # rank 0 alone prints
     assert list(target.iterdir()) == []
+
+
+class _Recording(io500.PosixStore):
+    """A POSIX store that records the file operations of the ior phases."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.ops: list[tuple[str, str]] = []
+        self._paths: dict[int, str] = {}
+
+    def open(self, p: str, create: bool, write: bool) -> int:
+        h = super().open(p, create, write)
+        self._paths[h] = p
+        self.ops.append(("open", p))
+        return h
+
+    def close_file(self, h: int) -> None:
+        self.ops.append(("close", self._paths.pop(h)))
+        super().close_file(h)
+
+    def stat(self, p: str) -> tuple[int, int]:
+        self.ops.append(("stat", p))
+        return super().stat(p)
+
+
+def test_ior_phases_stat_their_file_after_close(tmp_path: Path) -> None:
+    """IOR's CheckFileSize: after the timed close each rank stat()s the file it wrote or
+    read, untimed (on a FUSE mount the first attributes after the writes cost a round
+    trip to the servers; without it a later phase, find, paid for them)."""
+    store = _Recording(str(tmp_path))
+    rk = io500.Rank(io500.SelfComm(), cfg(stonewall=0, easy_size=4 << 20, hard_segments=4),
+                    store)
+    rk.setup()
+    for phase in ("ior-easy-write", "ior-hard-write", "ior-easy-read", "ior-hard-read"):
+        store.ops.clear()
+        rec = rk.run_phase(phase)
+        assert rec["verify_errors"] == 0
+        path = store.ops[0][1]
+        assert store.ops == [("open", path), ("close", path), ("stat", path)], phase
