@@ -5,20 +5,24 @@ Each phase does the work the IO500 harness (IO500/io500 calling IOR, mdtest and 
 does, read from their sources, with the same files, order, rank shifts and timing rules:
 
   ior-easy-write      IOR -F -t 2m -e -g: a file per process ior-easy/ior_file_easy.RANK,
-                      2 MiB transfers; timed from open to close (fsync at close)
+                      2 MiB transfers; timed from the first rank's open to the last
+                      rank's close (each rank's fsync before IOR's barrier)
   mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
                       mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
                       sync() after the creates, inside the time (-Y)
-  (timestamp)         the reference file for find's -newer (beside the data, not in it)
-  ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, segment s
-                      of rank r at (s * nprocs + r) * 47008, fsync at close
+  (timestamp)         the reference file for find's -newer, in the results directory
+                      (io500's resdir: on local disk, not on the target)
+  ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, opened
+                      O_CREAT|O_RDWR by every rank at once, segment s of rank r at
+                      (s * nprocs + r) * 47008, fsync at the end; after each IOR
+                      phase every rank stat()s its file, untimed (CheckFileSize)
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
                       mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
-                      seconds of ctime; timed as pfind times itself, from after the
-                      timestamp file's lstat and broadcast
+                      seconds of ctime; timed as pfind times itself, the slowest
+                      rank's walk from after the timestamp file's lstat and broadcast
   ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
                       node: each rank reads what it wrote); every byte compared
   mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
@@ -28,6 +32,13 @@ does, read from their sources, with the same files, order, rank shifts and timin
   mdtest-hard-read    open (read-write, as mdtest does), read 3,901 bytes, compare them
                       (-X), close
   mdtest-hard-delete
+
+mdtest phases are timed as mdtest times them: the slowest rank's time from the barrier
+that opens the phase to after the one that closes it.
+
+The local ranks (``-n``) are bound to cores as mpirun binds the harness's (``--bind-to``:
+Open MPI puts each of at most 2 ranks on a core of its own). The timestamp file and the
+stonewall counts live in the results directory, on local disk, as io500 keeps them.
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
 too, untimed (``--mdtest-pause``): on a FUSE mount with 1 s entry and attribute timeouts it
@@ -83,7 +94,16 @@ from typing import Any
 
 from pfs.bench import io500_loops, io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
-from pfs.bench.io500_comm import WIDTH, Comm, DirPool, MpiComm, ProcComm, SelfComm, under_mpi
+from pfs.bench.io500_comm import (
+    WIDTH,
+    Comm,
+    DirPool,
+    MpiComm,
+    ProcComm,
+    SelfComm,
+    rank_cpus,
+    under_mpi,
+)
 from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
 
 __all__ = ["Comm", "Io500Config", "MpiComm", "PfsStore", "PosixStore", "ProcComm", "Rank",
@@ -137,6 +157,8 @@ class Io500Config:
     verify: bool = True  # IOR -R and mdtest -X: every byte read is compared
     drop_caches: bool = False
     md_pause: float = 1.0  # mdtest's sleep(1) before each of its runs (untimed)
+    bind: str = "auto"  # local ranks on cores as mpirun binds them (io500_comm.rank_cpus)
+    resdir: str = ""  # the results directory: the timestamp and stonewall state go there
     keep: bool = False  # leave the data directory behind
     phases: list[str] = field(default_factory=lambda: [p for p, _, _ in PHASES])
     timestamp: str = ""  # names the data directory, io500's --timestamp
@@ -227,10 +249,11 @@ class Rank:
         self.ior_shift = 0
         self._paths: list[str] = []  # the files of the mdtest phase about to run (Python)
         self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
+        self._ior_file = ""  # the file the IOR phase that just ran wrote or read
         self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
-        rng = random.Random(cfg.seed)
-        self.pattern = bytearray(rng.randbytes(max(cfg.easy_transfer, HARD_TRANSFER)))
+        self.pattern = bytearray()
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
+        self.reseed(cfg.seed)
         # the mdtest and find loops in C on a POSIX path (io500_loops.py), else in Python
         self.c = io500_loops.load()[0] if store.kind == "posix" else None
 
@@ -239,9 +262,24 @@ class Rank:
         return self.store.path(self.cfg.data_name(), *parts)
 
     def beside(self, what: str) -> str:
-        """A file next to the data directory, outside what find searches (io500 keeps
-        its timestamp and stonewall files in the results directory)."""
+        """A file outside what find searches: in the results directory, as io500 keeps
+        its timestamp and stonewall files there (``cfg.resdir``; a local file, not one on
+        the target), else next to the data directory."""
+        if self.cfg.resdir:
+            return os.path.join(self.cfg.resdir, f"{self.cfg.data_name()}.{what}")
         return self.store.path(f"{self.cfg.data_name()}.{what}")
+
+    @property
+    def side(self) -> Store:
+        """The store of the :meth:`beside` files."""
+        return PosixStore(self.cfg.resdir) if self.cfg.resdir else self.store
+
+    def reseed(self, seed: int) -> None:
+        """The data pattern of ``seed`` (a later run of a read phase takes its writers')."""
+        self.cfg = replace(self.cfg, seed=seed)
+        rng = random.Random(seed)
+        self.pattern[:] = rng.randbytes(max(self.cfg.easy_transfer, HARD_TRANSFER))
+        self._body.clear()
 
     def stamped(self, buf: bytearray, off: int, writer: int) -> bytearray:
         HEADER.pack_into(buf, 0, off, writer + 1, self.cfg.seed)
@@ -275,7 +313,9 @@ class Rank:
         if src not in self.counts:
             try:
                 with self._state_open("r") as f:
-                    self.counts.update(json.load(f)["counts"])
+                    state = json.load(f)
+                self.counts.update(state["counts"])
+                self.reseed(int(state.get("seed", self.cfg.seed)))  # what the writers wrote
             except (OSError, ValueError, KeyError) as exc:
                 raise RuntimeError(f"{phase} needs {src} (run it first, with the same "
                                    f"--timestamp): {exc}") from exc
@@ -285,7 +325,7 @@ class Rank:
     def _state_open(self, mode: str) -> Iterator[Any]:
         # the stonewall status (io500's *.stonewall files), beside the data directory
         path = self.beside("state.json")
-        if self.store.kind == "posix":
+        if self.side.kind == "posix":
             with open(path, mode) as f:
                 yield f
         else:
@@ -301,7 +341,7 @@ class Rank:
     def save_counts(self) -> None:
         if self.r == 0:
             with self._state_open("w") as f:
-                json.dump({"counts": self.counts}, f)
+                json.dump({"counts": self.counts, "seed": self.cfg.seed}, f)
 
     # -- setup and teardown -------------------------------------------------------
     def setup(self) -> None:
@@ -319,10 +359,11 @@ class Rank:
             s.unlink(self.d("ior-easy", f"ior_file_easy.{self.r:08d}"))
         self.comm.barrier()
         if self.r == 0:
-            for p in (self.d("ior-hard", "file"), self.beside("timestampfile"),
-                      self.beside("state.json")):
+            with contextlib.suppress(FileNotFoundError):
+                s.unlink(self.d("ior-hard", "file"))
+            for p in (self.beside("timestampfile"), self.beside("state.json")):
                 with contextlib.suppress(FileNotFoundError):
-                    s.unlink(p)
+                    self.side.unlink(p)
             for sub in (HARD_DIR, "mdtest-hard/test-dir.0-0", EASY_DIR, "ior-easy", "ior-hard",
                         "mdtest-easy", "mdtest-hard"):
                 try:
@@ -342,13 +383,10 @@ class Rank:
                    offset: Callable[[int], int]) -> dict[str, float]:
         buf = bytearray(self.pattern[:transfer])
         s = self.store
-        if shared:  # rank 0 creates the shared file, then the others open it
-            h = s.open(path, create=True, write=True) if self.r == 0 else None
-            self.comm.barrier()
-            if h is None:
-                h = s.open(path, create=False, write=True)
-        else:
-            h = s.open(path, create=True, write=True)
+        # IOR's POSIX create: every rank opens O_CREAT|O_RDWR at once, the shared file
+        # too (no barrier between rank 0's create and the others' opens)
+        self._ior_file = path
+        h = s.open(path, create=True, write=True)
         self.comm.barrier()
         done = 0
         try:
@@ -362,8 +400,8 @@ class Rank:
                 off = offset(done)
                 s.pwrite(h, memoryview(self.stamped(buf, off, self.r)), off)
                 done += 1
+            s.fsync(h)  # IOR -e: each rank's fsync ends its transfers, before the barrier
             self.comm.barrier()
-            s.fsync(h)
         finally:
             s.close_file(h)
         return {"items": done, "bytes": done * transfer, "at_stonewall": at_stonewall,
@@ -372,6 +410,7 @@ class Rank:
     def _ior_read(self, path: str, transfer: int, count: int, writer: int,
                   offset: Callable[[int], int]) -> dict[str, float]:
         buf = memoryview(bytearray(transfer))
+        self._ior_file = path
         h = self.store.open(path, create=False, write=False)
         self.comm.barrier()
         got = bad = 0
@@ -554,10 +593,10 @@ class Rank:
     # -- timestamp and find --------------------------------------------------------
     def timestamp(self) -> dict[str, float]:
         if self.r == 0:
-            p = self.beside("timestampfile")
+            p, side = self.beside("timestampfile"), self.side
             with contextlib.suppress(FileNotFoundError):
-                self.store.unlink(p)
-            self.store.create_empty(p)
+                side.unlink(p)
+            side.create_empty(p)
         return {"items": 0}
 
     def find(self) -> dict[str, float]:
@@ -616,11 +655,12 @@ class Rank:
         it on rank 0 and broadcasts it before its clock starts."""
         ts = None
         if self.r == 0:
-            ts = self.store.stat(self.beside("timestampfile"))[1] // 1_000_000_000
+            ts = self.side.stat(self.beside("timestampfile"))[1] // 1_000_000_000
         return int(self.comm.allgather_obj(ts)[0])
 
     # -- the run -------------------------------------------------------------------
-    FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit")
+    FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit",
+              "start", "end", "span")
 
     def run_phase(self, name: str) -> dict[str, Any]:
         fn = getattr(self, name.replace("-", "_"))
@@ -646,16 +686,24 @@ class Rank:
             # attribute timeouts) are cold for mdtest, so they are here
             time.sleep(self.cfg.md_pause)
         self.comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.comm.clock()
         self.deadline = t0 + self.cfg.stonewall if self.cfg.stonewall > 0 else math.inf
         rec = fn()  # an I/O error ends the run (the other ranks are aborted)
+        c1 = self.comm.clock()
         self.comm.barrier()
-        runtime = time.perf_counter() - t0
+        if self._ior_file:
+            # IOR's CheckFileSize after its close, untimed: every rank stat()s the file it
+            # wrote or read (on a FUSE mount the first attributes after the writes are
+            # fetched here, not in a later phase)
+            self.store.stat(self._ior_file)
+            self._ior_file = ""
+        rec.update(start=c0, end=c1, span=self.comm.clock() - c0)
         if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
             self.comm.barrier()
             self._md_tree(False, name == "mdtest-easy-delete")
         got = self.comm.allgather([float(rec.get(k, 0)) for k in self.FIELDS])
         per = {k: [g[i] for g in got] for i, k in enumerate(self.FIELDS)}
+        runtime = phase_time(name, per["start"], per["end"], per["span"])
         if name in STONEWALLED:
             self.counts[name] = [int(x) for x in per["items"]]
             self.save_counts()
@@ -673,6 +721,24 @@ class Rank:
         else:
             out["score"] = out["items"] / 1000.0 / runtime if runtime > 0 else 0.0
         return out
+
+
+def phase_time(name: str, starts: Sequence[float], ends: Sequence[float],
+               spans: Sequence[float]) -> float:
+    """A phase's time as its tool takes it, from each rank's start (after the opening
+    barrier) and end (before the closing one) on a clock the ranks share, and its span
+    from the start to after the closing barrier:
+
+    IOR: the last rank's close less the first rank's open (ReduceIterResults: MPI_MAX of
+    the close timers less MPI_MIN of the open timers; no barrier after a read's close);
+    pfind: the slowest rank's walk, which ends without a barrier (MPI_MAX of each rank's
+    runtime); mdtest: the slowest rank's time to after the barrier that ends the phase
+    (summarize_results: the most of each rank's t_end - t_start)."""
+    if name.startswith("ior"):
+        return max(ends) - min(starts)
+    if name == "find":
+        return max(e - s for s, e in zip(starts, ends, strict=True))
+    return max(spans)
 
 
 def expected_found(hard_counts: Sequence[int]) -> int:
@@ -745,10 +811,25 @@ def summarize(cfg: Io500Config, target: Target, nprocs: int,
 
 
 # -- local processes -------------------------------------------------------------
-def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
-           errq: Any, cfg: Io500Config, target: Target) -> None:
+@contextlib.contextmanager
+def _bound(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block on ``cpus`` (none: where it may), then where it ran before."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
     try:
-        rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
+           errq: Any, cfg: Io500Config, target: Target, cpus: set[int] | None) -> None:
+    try:
+        with _bound(cpus):
+            rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the run is aborted
         errq.put((rank, traceback.format_exc()))
         barrier.abort()
@@ -757,20 +838,23 @@ def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], p
 
 def run_local(cfg: Io500Config, target: Target, nprocs: int,
               hook: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run on ``nprocs`` processes of this node; this process is rank 0."""
+    """Run on ``nprocs`` processes of this node; this process is rank 0. The ranks are
+    bound to cores as mpirun binds the harness's (``cfg.bind``, :func:`rank_cpus`)."""
+    cpus = rank_cpus(nprocs, cfg.bind)
     if nprocs <= 1:
-        res = rank_main(SelfComm(), cfg, target, hook)
+        with _bound(cpus[0] if cpus else None):
+            res = rank_main(SelfComm(), cfg, target, hook)
         assert res is not None
         return res
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
-    workq = ctx.Queue()
+    workq = ctx.SimpleQueue()
     pool = DirPool(workq, ctx.Value("q", 0), nprocs)
     errq = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
-                                              cfg, target),
+                                              cfg, target, cpus[r] if cpus else None),
                          name=f"io500-rank{r}", daemon=True) for r in range(1, nprocs)]
     for p in procs:
         p.start()
@@ -779,13 +863,16 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     def watch() -> None:  # a rank that dies without reporting must not hang the others
         while not stop.wait(0.5):
             if any(p.exitcode not in (None, 0) for p in procs):
+                pool.stop()  # a rank waiting in find's walk wakes, then meets the abort
                 barrier.abort()
                 return
 
     watcher = threading.Thread(target=watch, name="io500-watch", daemon=True)
     watcher.start()
     try:
-        res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target, hook)
+        with _bound(cpus[0] if cpus else None):
+            res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target,
+                            hook)
         assert res is not None
         for p in procs:
             p.join(timeout=60)
@@ -801,6 +888,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             ", ".join(f"{p.name} exit {p.exitcode}" for p in procs)
         raise RuntimeError(f"io500: a rank failed:\n{detail}") from None
     except BaseException:
+        pool.stop()
         barrier.abort()
         raise
     finally:
@@ -810,9 +898,10 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for q in (errq, workq, *inboxes):
+        for q in (errq, *inboxes):
             q.cancel_join_thread()  # leftovers of a failed run must not hang the exit
             q.close()
+        workq.close()
 
 
 # -- output ------------------------------------------------------------------------
@@ -883,7 +972,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--easy-files", type=int, help="mdtest-easy cap per process (default 1000000)")
     p.add_argument("--hard-files", type=int, help="mdtest-hard cap per process (default 1000000)")
     p.add_argument("--phases", help="comma-separated subset of the phases (default: all; "
-                   "a later phase in another run needs --timestamp and --keep)")
+                   "a later phase in another run needs --timestamp, --keep and the same --results)")
     p.add_argument("--timestamp", help="name of the data directory io500-TIMESTAMP "
                    "(default: now)")
     p.add_argument("--verify", action="store_true",
@@ -894,10 +983,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds each mdtest phase waits before it starts, untimed (default "
                         "1: mdtest's own sleep(1), which lets a FUSE mount's 1 s caches "
                         "expire)")
+    p.add_argument("--bind-to", choices=("auto", "core", "none"), default="auto",
+                   help="where the local ranks run (-n): auto (default) binds them as "
+                        "mpirun binds the harness's, each to a core of its own with at most "
+                        "2 ranks, else not; core: a core each whenever they fit; none: "
+                        "where the scheduler puts them. Under MPI, mpirun binds")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop this node's page cache before each phase (root)")
     p.add_argument("--keep", action="store_true", help="leave the data directory behind")
-    p.add_argument("--results", help="results directory (default ./io500-results/TIMESTAMP)")
+    p.add_argument("--results", help="results directory, which holds the timestamp file and "
+                   "the stonewall counts too, as io500's does (default "
+                   "./io500-results/TIMESTAMP)")
     p.add_argument("--json", help="also write the JSON result here")
     c = p.add_argument_group("side by side with the IO500 harness")
     c.add_argument("--compare", action="store_true",
@@ -910,6 +1006,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "--config, a FUSE mount of the same pfs)")
     c.add_argument("--repeat", type=int, default=1,
                    help="with --compare: runs of each tool, interleaved (default 1)")
+    c.add_argument("--compare-results", nargs="+", metavar="DIR",
+                   help="print the table of saved --compare results (their directories or "
+                        "compare.json files), several pooled: every run's medians and every "
+                        "pair's ratio; runs nothing")
     p.add_argument("--quick", action="store_true",
                    help="stonewall 2 s and small caps: a smoke run well under a minute "
                         "(invalid by IO500's rules)")
@@ -939,7 +1039,9 @@ def config_from_args(args: argparse.Namespace, target: Target) -> Io500Config:
         cfg.phases = names
     cfg.verify, cfg.drop_caches, cfg.keep = not args.no_verify, args.drop_caches, args.keep
     cfg.md_pause = max(0.0, args.mdtest_pause)
+    cfg.bind = args.bind_to
     cfg.timestamp = args.timestamp or time.strftime("%Y.%m.%d-%H.%M.%S")
+    cfg.resdir = str(Path(args.results or Path("io500-results") / cfg.timestamp).resolve())
     cfg.seed = random.randrange(1 << 62)
     return cfg
 
@@ -1020,6 +1122,7 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
         f"stonewall {cfg.stonewall:g} s; caps per process: ior-easy {cfg.easy_size >> 20} MiB, "
         f"ior-hard {cfg.hard_segments} segments, mdtest {cfg.easy_files}/{cfg.hard_files} files")
     print(f"IO500 version {VERSION} (standard)", flush=True)
+    Path(cfg.resdir).mkdir(parents=True, exist_ok=True)  # its timestamp file goes there
     if target.kind == "posix":
         print(loops_note(), flush=True)
     for why in differences(cfg, target):
@@ -1039,8 +1142,7 @@ def run(args: argparse.Namespace, hook: Callable[[dict[str, Any]], None] | None 
     print(score_line(res["score"], res["valid"]), flush=True)
     for w in res["invalid"]:
         log(f"io500: INVALID: {w}")
-    resdir = Path(args.results) if args.results else Path("io500-results") / cfg.timestamp
-    write_results(res, resdir, args.json)
+    write_results(res, Path(cfg.resdir), args.json)
     return res
 
 
@@ -1088,11 +1190,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         except OSError:
             pass
     a, b = io500ref.medians(refs), io500ref.medians(ours)
-    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs))
+    pairs = io500ref.paired_ratios(refs, ours)
+    table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs), pairs)
     print("\n".join(table), flush=True)
     out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
            "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,
-           "table": table}
+           "paired_ratios": pairs, "table": table}
     (resdir / "compare.json").write_text(json.dumps(out, indent=2) + "\n")
     (resdir / "compare.txt").write_text("\n".join(table) + "\n")
     log(f"io500 --compare: results in {resdir}")
@@ -1104,7 +1207,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
-    if args.compare:
+    if args.compare_results:
+        print("\n".join(io500ref.pooled_table([Path(x) for x in args.compare_results])))
+    elif args.compare:
         run_compare(args)
     else:
         run(args)

@@ -8,16 +8,23 @@ import os
 import queue
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-WIDTH = 8  # numbers per rank in one allgather
+WIDTH = 12  # numbers per rank in one allgather
 
 
 class Comm(ABC):
     rank = 0
     size = 1
+
+    @staticmethod
+    def clock() -> float:
+        """Seconds on a clock every rank shares, for a phase's first start and last end
+        across ranks (IOR's timers): on one node the monotonic clock."""
+        return time.perf_counter()
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -44,7 +51,8 @@ class DirPool:
     and the count of directories put in and not yet listed (zero: the walk is over).
     The rank that lists the last directory puts an end mark for every rank, so that the
     waiting ones stop at once (pfind's ranks learn it within microseconds; a find phase
-    on a local disk lasts a few milliseconds)."""
+    on a local disk lasts a few milliseconds). The queue is a SimpleQueue: a put is a
+    write to its pipe, not a hand-over to a feeder thread, a third of the round trip."""
 
     def __init__(self, queue_: Any, pending: Any, nprocs: int) -> None:
         self._q, self._pending, self._n = queue_, pending, nprocs
@@ -54,14 +62,15 @@ class DirPool:
             self._pending.value = 1
         self._q.put(root)
 
+    def stop(self) -> None:
+        """End every rank's walk now (a rank failed: the waiting ones must not hang)."""
+        for _ in range(self._n):
+            self._q.put(None)
+
     def take(self) -> str | None:
         """A directory to list, or None once every directory has been listed."""
-        while True:  # each rank takes exactly one end mark, then stops taking
-            try:
-                d = self._q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            return None if d is None else str(d)
+        d = self._q.get()  # each rank takes exactly one end mark, then stops taking
+        return None if d is None else str(d)
 
     def done(self, below: list[str]) -> None:
         """One directory listed; ``below`` are its subdirectories, still to list."""
@@ -149,11 +158,46 @@ class MpiComm(Comm):
     def barrier(self) -> None:
         self.comm.Barrier()
 
+    @staticmethod
+    def clock() -> float:
+        # ranks on other nodes share no monotonic clock; IOR's timers are wall-clock too
+        return time.time()
+
     def allgather(self, values: Sequence[float]) -> list[list[float]]:
         return [list(v) for v in self.comm.allgather([float(x) for x in values])]
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         return list(self.comm.allgather(obj))
+
+
+def core_cpus() -> list[set[int]]:
+    """The CPUs this process may run on, grouped by core (hardware threads of one core
+    together), cores in the order of their lowest CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores: dict[tuple[str, str], set[int]] = {}
+    for cpu in allowed:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f1, open(f"{topo}/core_id") as f2:
+                key = (f1.read().strip(), f2.read().strip())
+        except OSError:
+            key = ("", str(cpu))
+        cores.setdefault(key, set()).add(cpu)
+    return sorted(cores.values(), key=min)
+
+
+def rank_cpus(nprocs: int, policy: str) -> list[set[int]] | None:
+    """Where each local rank runs, as mpirun places the harness's ranks on one node:
+    Open MPI binds each rank to a core of its own (rank r to the r-th core) when there
+    are at most 2 ranks and otherwise to a socket, which on one node leaves the ranks
+    where they may go; ``policy`` "core" binds to cores for any count that fits, "none"
+    never binds. None: no binding."""
+    if policy == "none" or (policy == "auto" and nprocs > 2):
+        return None
+    cores = core_cpus()
+    if nprocs > len(cores):  # oversubscribed: mpirun does not bind either
+        return None
+    return [cores[r] for r in range(nprocs)]
 
 
 def under_mpi() -> bool:

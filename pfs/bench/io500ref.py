@@ -8,6 +8,7 @@ Nothing here needs it installed except :func:`run_reference`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,37 @@ def parse_output(text: str) -> Parsed:
     return out
 
 
+def load_compare(path: Path) -> tuple[list[Parsed], list[Parsed]]:
+    """The harness's runs and pfs bench's, in order, from a ``compare.json`` that
+    ``--compare`` wrote (its path or its results directory)."""
+    if path.is_dir():
+        path = path / "compare.json"
+    data = json.loads(path.read_text())
+
+    def parsed(items: list[dict[str, Any]]) -> list[Parsed]:
+        return [Parsed(**{**r, "phases": {k: tuple(v) for k, v in r["phases"].items()}})
+                for r in items]
+
+    return parsed(data["harness"]), parsed(data["pfs"])
+
+
+def pooled_table(paths: Sequence[Path]) -> list[str]:
+    """The side-by-side table of one or more ``--compare`` results pooled: every run's
+    medians and every interleaved pair's ratio (sets taken minutes apart under a
+    drifting load agree or not by the same statistics as one longer set)."""
+    refs: list[Parsed] = []
+    ours: list[Parsed] = []
+    pairs: dict[str, list[float]] = {}
+    for path in paths:
+        a, b = load_compare(path)
+        refs += a
+        ours += b
+        for name, ratios in paired_ratios(a, b).items():  # pairs stay within their set
+            pairs.setdefault(name, []).extend(ratios)
+    return compare_table(medians(refs), medians(ours), len(refs), len(ours), spread(refs),
+                         pairs)
+
+
 def find_reference(explicit: str | None) -> str | None:
     """The io500 binary: ``explicit``, else ``$PFS_IO500_REFERENCE``; None if neither
     names an executable file."""
@@ -174,12 +207,72 @@ def spread(runs: Sequence[Parsed]) -> dict[str, tuple[float, float]]:
     return out
 
 
+TOLERANCE = 0.2  # the agreement asked of each phase: within 20% of the harness
+
+
+def paired_ratios(refs: Sequence[Parsed], ours: Sequence[Parsed]) -> dict[str, list[float]]:
+    """Per phase (and score), ours / harness of each interleaved pair: run k of each tool
+    ran side by side in time, so a drifting load moves both; pairs where either lacks
+    the phase or the harness scored 0 are left out."""
+    out: dict[str, list[float]] = {}
+    for a, b in zip(refs, ours, strict=False):
+        for n in SCORED:
+            if n in a.phases and n in b.phases and a.phases[n][0] > 0:
+                out.setdefault(n, []).append(b.phases[n][0] / a.phases[n][0])
+        for key in ("bw", "md", "total"):
+            x, y = getattr(a, key), getattr(b, key)
+            if x > 0:
+                out.setdefault(f"score-{key}", []).append(y / x)
+    return out
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile); one value is all three."""
+    vals = sorted(values)
+    if len(vals) == 1:
+        return vals[0], vals[0], vals[0]
+    q1, q2, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def within(ratio: float, tol: float = TOLERANCE) -> bool:
+    return ratio == ratio and abs(ratio - 1.0) <= tol
+
+
+def agreement(ref: dict[str, float], ours: dict[str, float],
+              pairs: dict[str, list[float]] | None = None) -> list[str]:
+    """How many of the twelve phases agree within 20%: by the ratio of the medians and,
+    with ``pairs``, by the median of the paired ratios; the phases that do not, with
+    their ratio."""
+    def line(label: str, ratios: dict[str, float]) -> str:
+        off = [f"{n} {r:.2f}" for n, r in ratios.items() if not within(r)]
+        ok = len(ratios) - len(off)
+        return (f"within {TOLERANCE:.0%} ({label}): {ok} of {len(ratios)} phases"
+                + (f"; off: {', '.join(off)}" if off else ""))
+
+    names = [n for n in SCORED if n in ref or n in ours]
+    by_medians = {n: (ours.get(n, 0.0) / ref[n] if ref.get(n, 0.0) > 0 else float("nan"))
+                  for n in names}
+    lines = [line("ratio of medians", by_medians)]
+    if pairs is not None:
+        by_pairs = {n: quartiles(pairs[n])[1] if pairs.get(n) else float("nan")
+                    for n in names}
+        lines.append(line("median of paired ratios", by_pairs))
+    return lines
+
+
 def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_ours: int,
-                  ref_spread: dict[str, tuple[float, float]] | None = None) -> list[str]:
+                  ref_spread: dict[str, tuple[float, float]] | None = None,
+                  pairs: dict[str, list[float]] | None = None) -> list[str]:
     """The phases side by side (medians), with ours / harness, the harness's own range
-    over its runs, and a mark where the two medians differ by more than 20%."""
-    lines = [f"{'phase':<20s} {'unit':>6s} {'harness':>12s} {'pfs bench':>12s} "
-             f"{'ratio':>7s} {'harness min-max':>21s}   (medians of {n_ref} / {n_ours} runs)"]
+    over its runs, with ``pairs`` the paired ratios' median and interquartile range, a
+    mark where the two medians differ by more than 20%, and the count of phases that
+    agree (:func:`agreement`)."""
+    head = (f"{'phase':<20s} {'unit':>6s} {'harness':>12s} {'pfs bench':>12s} "
+            f"{'ratio':>7s} {'harness min-max':>21s}")
+    if pairs is not None:
+        head += f" {'paired':>7s} {'(interquartile)':>15s}"
+    lines = [f"{head}   (medians of {n_ref} / {n_ours} runs)"]
     for name in [*SCORED, "score-bw", "score-md", "score-total"]:
         if name not in ref and name not in ours:
             continue
@@ -189,6 +282,13 @@ def compare_table(ref: dict[str, float], ours: dict[str, float], n_ref: int, n_o
         ratio = b / a if a > 0 else float("nan")
         lo, hi = (ref_spread or {}).get(name, (float("nan"), float("nan")))
         rng = f"{lo:.4f}-{hi:.4f}" if lo == lo else ""
-        mark = "" if a > 0 and abs(ratio - 1.0) <= 0.2 else "  <-- over 20%"
-        lines.append(f"{name:<20s} {unit:>6s} {a:12.4f} {b:12.4f} {ratio:7.2f} {rng:>21s}{mark}")
-    return lines
+        row = f"{name:<20s} {unit:>6s} {a:12.4f} {b:12.4f} {ratio:7.2f} {rng:>21s}"
+        if pairs is not None:
+            if pairs.get(name):
+                q1, q2, q3 = quartiles(pairs[name])
+                row += f" {q2:7.2f} {f'({q1:.2f}-{q3:.2f})':>15s}"
+            else:
+                row += f" {'':>7s} {'':>15s}"
+        mark = "" if a > 0 and within(ratio) else "  <-- over 20%"
+        lines.append(row + mark)
+    return lines + agreement(ref, ours, pairs)

@@ -349,6 +349,27 @@ def test_cli_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert list(target.iterdir()) == []
 
 
+def test_side_files_in_the_results_directory(tmp_path: Path) -> None:
+    """io500 keeps its timestamp file and stonewall counts in its results directory, on
+    local disk: nothing but the data directory is made on the target, and a later run of
+    a read phase finds the counts there."""
+    target, res = tmp_path / "t", tmp_path / "res"
+    target.mkdir()
+    common = ["--path", str(target), "-n", "2", "--stonewall", "0", "--easy-size", "4m",
+              "--hard-segments", "20", "--easy-files", "20", "--hard-files", "20",
+              "--mdtest-pause", "0", "--timestamp", "side", "--results", str(res), "--keep"]
+    assert bench_main(["io500", *common, "--phases",
+                       "ior-easy-write,mdtest-easy-write,timestamp"]) == 0
+    assert [p.name for p in target.iterdir()] == ["io500-side"]
+    assert (res / "io500-side.timestampfile").is_file()
+    state = json.loads((res / "io500-side.state.json").read_text())
+    assert state["counts"]["ior-easy-write"] == [2, 2]
+    assert bench_main(["io500", *common, "--phases", "ior-easy-read"]) == 0
+    got = json.loads((res / "result.json").read_text())["phases"]
+    assert [(p["name"], p["bytes"], p["verify_errors"]) for p in got] == \
+        [("ior-easy-read", 2 * 4 * 2**20, 0)]
+
+
 def test_cli_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         bench_main(["io500", "--quick"])  # no target
@@ -397,3 +418,42 @@ def test_mpi_two_ranks(tmp_path: Path) -> None:
     assert all(p["verify_errors"] == 0 for p in res["phases"])
     assert r.stdout.count("[RESULT]") == 12  # rank 0 alone prints
     assert list(target.iterdir()) == []
+
+
+class _Recording(io500.PosixStore):
+    """A POSIX store that records the file operations of the ior phases."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.ops: list[tuple[str, str]] = []
+        self._paths: dict[int, str] = {}
+
+    def open(self, p: str, create: bool, write: bool) -> int:
+        h = super().open(p, create, write)
+        self._paths[h] = p
+        self.ops.append(("open", p))
+        return h
+
+    def close_file(self, h: int) -> None:
+        self.ops.append(("close", self._paths.pop(h)))
+        super().close_file(h)
+
+    def stat(self, p: str) -> tuple[int, int]:
+        self.ops.append(("stat", p))
+        return super().stat(p)
+
+
+def test_ior_phases_stat_their_file_after_close(tmp_path: Path) -> None:
+    """IOR's CheckFileSize: after the timed close each rank stat()s the file it wrote or
+    read, untimed (on a FUSE mount the first attributes after the writes cost a round
+    trip to the servers; without it a later phase, find, paid for them)."""
+    store = _Recording(str(tmp_path))
+    rk = io500.Rank(io500.SelfComm(), cfg(stonewall=0, easy_size=4 << 20, hard_segments=4),
+                    store)
+    rk.setup()
+    for phase in ("ior-easy-write", "ior-hard-write", "ior-easy-read", "ior-hard-read"):
+        store.ops.clear()
+        rec = rk.run_phase(phase)
+        assert rec["verify_errors"] == 0
+        path = store.ops[0][1]
+        assert store.ops == [("open", path), ("close", path), ("stat", path)], phase

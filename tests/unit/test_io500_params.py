@@ -4,6 +4,7 @@ captured run of the real harness (tests/unit/io500_reference_output.txt). No har
 processes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -147,3 +148,97 @@ def test_medians_and_table() -> None:
     ours["find"] = 2.5
     row = next(ln for ln in io500ref.compare_table(ref, ours, 3, 3) if ln.startswith("find "))
     assert row.endswith("<-- over 20%")
+
+
+def test_paired_ratios_and_agreement() -> None:
+    def run(scale: dict[str, float], total: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (scale.get(n, 1.0), 1.0, True)
+                                       for n in io500ref.SCORED},
+                               bw=total, md=total, total=total, valid=True)
+
+    # the load drifts: run k of both tools moves together, so each pair agrees while
+    # the medians of the two tools, taken apart, need not
+    refs = [run({"find": 1.0}, 1.0), run({"find": 4.0}, 2.0), run({"find": 2.0}, 4.0)]
+    ours = [run({"find": 1.1}, 1.0), run({"find": 4.4}, 2.0), run({"find": 0.5}, 3.0)]
+    pairs = io500ref.paired_ratios(refs, ours)
+    assert pairs["find"] == pytest.approx([1.1, 1.1, 0.25])
+    assert pairs["score-total"] == pytest.approx([1.0, 1.0, 0.75])
+    assert io500ref.quartiles(pairs["find"]) == pytest.approx((0.675, 1.1, 1.1))
+    assert io500ref.quartiles([2.0]) == (2.0, 2.0, 2.0)
+    # a pair whose harness run lacks the phase or scored 0 is left out
+    refs[0].phases["find"] = (0.0, 1.0, False)
+    del ours[1].phases["find"]
+    assert io500ref.paired_ratios(refs, ours)["find"] == pytest.approx([0.25])
+
+    ref = io500ref.medians(refs[1:])
+    mine = io500ref.medians(ours[1:])
+    lines = io500ref.agreement({**ref, "find": 3.0}, {**mine, "find": 1.0},
+                               {**pairs, "find": [1.1, 1.1, 0.25]})
+    assert lines[0] == "within 20% (ratio of medians): 11 of 12 phases; off: find 0.33"
+    assert lines[1] == "within 20% (median of paired ratios): 12 of 12 phases"
+    assert io500ref.within(1.2) and io500ref.within(0.8) and not io500ref.within(1.21)
+    assert not io500ref.within(float("nan"))
+
+    table = io500ref.compare_table(ref, mine, 2, 2, None, pairs)
+    assert "paired" in table[0] and "(interquartile)" in table[0]
+    row = next(ln for ln in table if ln.startswith("score-total"))
+    assert row.split()[-2:] == ["1.00", "(0.88-1.00)"]
+    assert table[-2].startswith("within 20% (ratio of medians): ")
+    assert table[-1].startswith("within 20% (median of paired ratios): ")
+
+
+def test_phase_time_is_each_tools_own() -> None:
+    # rank 0 opens at 10.0 and closes at 12.0; rank 1 opens at 10.5 and closes at 12.5;
+    # each reached the barrier after the phase 0.25 s after its end
+    starts, ends, spans = [10.0, 10.5], [12.0, 12.5], [2.75, 2.25]
+    # IOR: the last close less the first open, no closing barrier
+    assert io500.phase_time("ior-easy-read", starts, ends, spans) == 2.5
+    # pfind: the slowest rank's own walk
+    assert io500.phase_time("find", starts, ends, spans) == 2.0
+    # mdtest: the slowest rank's time to after the closing barrier
+    assert io500.phase_time("mdtest-hard-stat", starts, ends, spans) == 2.75
+
+
+def test_ranks_bound_as_mpirun_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pfs.bench import io500_comm
+
+    monkeypatch.setattr(io500_comm, "core_cpus", lambda: [{0, 4}, {1, 5}, {2, 6}, {3, 7}])
+    # Open MPI: a core each with at most 2 ranks, else (a socket) unbound
+    assert io500_comm.rank_cpus(2, "auto") == [{0, 4}, {1, 5}]
+    assert io500_comm.rank_cpus(1, "auto") == [{0, 4}]
+    assert io500_comm.rank_cpus(3, "auto") is None
+    assert io500_comm.rank_cpus(3, "core") == [{0, 4}, {1, 5}, {2, 6}]
+    assert io500_comm.rank_cpus(5, "core") is None  # more ranks than cores
+    assert io500_comm.rank_cpus(2, "none") is None
+
+
+def test_core_cpus_cover_the_allowed_cpus() -> None:
+    from pfs.bench import io500_comm
+
+    cores = io500_comm.core_cpus()
+    assert sorted(c for core in cores for c in core) == sorted(os.sched_getaffinity(0))
+    assert [min(c) for c in cores] == sorted(min(c) for c in cores)
+
+
+def test_pooled_table_of_saved_compare_results(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    def run(v: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (v, 1.0, True) for n in io500ref.SCORED},
+                               bw=v, md=v, total=v, valid=True)
+
+    sets = {"a": ([run(1.0), run(2.0)], [run(1.1), run(2.2)]),
+            "b": ([run(4.0)], [run(2.0)])}
+    for name, (refs, ours) in sets.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "compare.json").write_text(json.dumps(
+            {"harness": [asdict(r) for r in refs], "pfs": [asdict(r) for r in ours]}))
+    refs, ours = io500ref.load_compare(tmp_path / "a")
+    assert refs == sets["a"][0] and ours == sets["a"][1]
+    table = io500ref.pooled_table([tmp_path / "a", tmp_path / "b" / "compare.json"])
+    assert "medians of 3 / 3 runs" in table[0]
+    row = next(ln for ln in table if ln.startswith("find "))
+    # medians 2.0 / 2.0; pairs 1.1, 1.1 (set a) and 0.5 (set b): median 1.1
+    assert row.split()[2:5] == ["2.0000", "2.0000", "1.00"]
+    assert row.split()[6] == "1.10"
+    assert table[-1] == "within 20% (median of paired ratios): 12 of 12 phases"
