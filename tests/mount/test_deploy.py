@@ -23,10 +23,21 @@ def test_example_configs_load(name: str, cls: type) -> None:
 
 
 def test_systemd_units_run_pfs_subcommands() -> None:
-    for unit in (DEPLOY / "systemd").iterdir():
+    for unit in (DEPLOY / "systemd").glob("*.service"):
         text = unit.read_text()
         line = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
         assert "pfs " in line and ("--config /etc/pfs/" in line), unit.name
+
+
+def test_the_node_tier_mount_unit_is_a_large_folio_tmpfs_where_its_name_says() -> None:
+    units = list((DEPLOY / "systemd").glob("*.mount"))
+    assert units
+    for unit in units:
+        keys = dict(ln.split("=", 1) for ln in unit.read_text().splitlines()
+                    if "=" in ln and not ln.startswith("#"))
+        # systemd requires a mount unit's name to be its escaped mount point
+        assert unit.stem == keys["Where"].strip("/").replace("-", "\\x2d").replace("/", "-")
+        assert keys["Type"] == "tmpfs" and "huge=within_size" in keys["Options"].split(",")
 
 
 def test_fstab_helper_mounts(client_toml: Path) -> None:
