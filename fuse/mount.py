@@ -118,6 +118,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
 
     from pfs.client.aio import AsyncClient
     from pfs.fuse import workers
+    from pfs.fuse.counting import count_requests
     from pfs.fuse.ops import PfsOperations
 
     def report(err: str | None) -> None:
@@ -139,6 +140,7 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
                 except OSError as exc:
                     raise MountError(f"metaserver {cfg.meta}: {exc.strerror or exc}") from None
                 ops = PfsOperations(client, opts.tuning)
+                count_requests(ops)  # by opcode, while /metrics is served
                 try:
                     pyfuse3.init(ops, mountpoint, opts.fuse_options(cfg.meta))
                 except RuntimeError as exc:

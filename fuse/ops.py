@@ -31,6 +31,7 @@ from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.core import errors as E
 from pfs.core import metrics
 from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
+from pfs.fuse.attr_cache import AttrCache
 from pfs.fuse.known_dirs import KnownDirs
 from pfs.fuse.options import MountTuning
 
@@ -165,6 +166,7 @@ class _DirHandle:
     listing: list[bytes] | None = None
     listing_since: float = 0.0
     listing_epoch: int = -1
+    since: int = -1  # the AttrCache generation when ``pending`` was fetched
 
 
 class PfsOperations(pyfuse3.Operations):
@@ -189,9 +191,8 @@ class PfsOperations(pyfuse3.Operations):
         self._seen: dict[int, tuple[int, int]] = {}
         self._wrote: set[int] = set()  # handles that wrote (their inode's pages changed)
         self._no_caps: dict[int, float] = {}  # inode -> until when it has no CAPS_XATTR
-        # directory -> (until when, its attributes after an entry change made here): the
-        # kernel's next GETATTR of it is answered from them, once (see _parent_changed)
-        self._dir_attrs: dict[int, tuple[float, StatResult]] = {}
+        # attributes replies carried, to answer the kernel's GETATTR within attr_timeout
+        self._attrs = AttrCache(self.tuning.attr_timeout)
         # entry changes ask the metaserver for their directory's new attributes
         self._want_parent = self.tuning.attr_timeout > 0
         # directories whose every name is known, within negative_timeout; only with
@@ -228,9 +229,11 @@ class PfsOperations(pyfuse3.Operations):
         e.st_ctime_ns = a.st_ctime_ns
         return e
 
-    def _looked_up(self, attr: StatResult) -> pyfuse3.EntryAttributes:
-        """An entry reply, counted: the kernel now holds one more reference."""
+    def _looked_up(self, attr: StatResult, since: int | None = None) -> pyfuse3.EntryAttributes:
+        """An entry reply, counted: the kernel now holds one more reference. ``since``:
+        as ``AttrCache.put`` (None: the reply of a change made here)."""
         self._lookups[attr.st_ino] = self._lookups.get(attr.st_ino, 0) + 1
+        self._attrs.put(attr.st_ino, attr, since)
         return self.entry(attr)
 
     def _new_fh(self) -> int:
@@ -271,6 +274,7 @@ class PfsOperations(pyfuse3.Operations):
             metrics.cache_lookup("absent", left is not None)
             if left is not None:  # cached by the kernel only for what is left of the bound
                 return self._missing(min(left, self.tuning.negative_timeout))
+        since = self._attrs.gen
         try:
             with fs_errors():
                 attr = await self.meta.lookup(parent_inode, name, self.cred(ctx))
@@ -279,7 +283,7 @@ class PfsOperations(pyfuse3.Operations):
                 return self._missing(self.tuning.negative_timeout)
             raise
         self._known.found(parent_inode, name)
-        return self._looked_up(attr)
+        return self._looked_up(attr, since)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -290,41 +294,47 @@ class PfsOperations(pyfuse3.Operations):
                 self._lookups.pop(ino, None)
                 self._seen.pop(ino, None)
                 self._no_caps.pop(ino, None)
-                self._dir_attrs.pop(ino, None)
+                self._attrs.drop(ino)
                 self._known.forget(ino)
 
     def _parent_changed(self, ino: int, attr: StatResult | None) -> None:
         """A create, unlink, mkdir, ... here changed directory ``ino``: the kernel drops
         its cached attributes and (default_permissions) asks for them before the next
         operation in it. The metaserver's reply carried them (``want_parent``), as fresh
-        as a GETATTR would be now; they answer that one request, within attr_timeout
-        (the staleness the kernel's own cache allows)."""
-        if attr is not None and self.tuning.attr_timeout > 0:
-            if len(self._dir_attrs) >= CACHE_MAX:
-                self._dir_attrs.clear()
-            self._dir_attrs[ino] = (time.monotonic() + self.tuning.attr_timeout, attr)
+        as a GETATTR would be now: they answer it (:mod:`pfs.fuse.attr_cache`)."""
+        if attr is None:
+            self._attrs.drop(ino)
+        else:
+            self._attrs.put(ino, attr)
 
     def _changed_here(self, *inodes: int) -> None:
-        """Inodes changed by a request whose reply carried no new parent attributes."""
-        for ino in inodes:
-            self._dir_attrs.pop(ino, None)
+        """Inodes changed (or about to change) by a request whose reply does not give
+        their new attributes."""
+        self._attrs.drop(*inodes)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        fresh = self._dir_attrs.pop(inode, None)
-        hit = fresh is not None and fresh[0] > time.monotonic()
-        metrics.cache_lookup("attr", hit)
-        if hit:
-            assert fresh is not None
-            return self.entry(fresh[1])
-        with fs_errors():
-            return self.entry(await self.client.getattr(inode))
+        attr = self._attrs.get(inode)
+        metrics.cache_lookup("attr", attr is not None)
+        if attr is None:
+            since = self._attrs.gen
+            with fs_errors():
+                attr = await self.meta.getattr(inode)
+            self._attrs.put(inode, attr, since)
+        return self.entry(attr)  # with the sizes written here
 
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
                       fields: pyfuse3.SetattrFields, fh: int | None,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         self._changed_here(inode)
-        cred = self.cred(ctx)
+        try:
+            return await self._setattr_fields(inode, attr, fields, fh, self.cred(ctx))
+        finally:
+            self._changed_here(inode)  # reads that crossed it carry the old attributes
+
+    async def _setattr_fields(self, inode: int, attr: pyfuse3.EntryAttributes,
+                              fields: pyfuse3.SetattrFields, fh: int | None,
+                              cred: Cred) -> pyfuse3.EntryAttributes:
         result: StatResult | None = None
         with fs_errors():
             if fields.update_mtime or fields.update_size:
@@ -394,14 +404,22 @@ class PfsOperations(pyfuse3.Operations):
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
-        with self._name_change(parent_inode, name, False), fs_errors():
-            pa = await self.meta.unlink(parent_inode, name, self.cred(ctx), self._want_parent)
+        try:
+            with self._name_change(parent_inode, name, False), fs_errors():
+                pa = await self.meta.unlink(parent_inode, name, self.cred(ctx),
+                                            self._want_parent)
+        finally:
+            self._attrs.clear()  # the unlinked inode's link count and ctime moved
         self._parent_changed(parent_inode, pa)
 
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
-        with self._name_change(parent_inode, name, False), fs_errors():
-            pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx), self._want_parent)
+        try:
+            with self._name_change(parent_inode, name, False), fs_errors():
+                pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx),
+                                           self._want_parent)
+        finally:
+            self._attrs.clear()
         self._parent_changed(parent_inode, pa)
 
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
@@ -423,9 +441,10 @@ class PfsOperations(pyfuse3.Operations):
             wire |= RENAME_EXCHANGE
         if flags & ~(pyfuse3.RENAME_NOREPLACE | pyfuse3.RENAME_EXCHANGE):
             raise pyfuse3.FUSEError(errno.EINVAL)
-        # both directories change, and so does a moved directory (its "..", its ctime),
-        # whose inode is not known here: forget them all
-        self._dir_attrs.clear()
+        # both directories change, and so do the moved inode (its ctime; a directory's
+        # "..") and a replaced one (its link count), whose inodes are not known here:
+        # forget them all
+        self._attrs.clear()
         try:
             with fs_errors():
                 await self.meta.rename(parent_inode_old, name_old, parent_inode_new,
@@ -433,6 +452,8 @@ class PfsOperations(pyfuse3.Operations):
         except BaseException:
             self._known.drop(parent_inode_old, parent_inode_new)
             raise
+        finally:
+            self._attrs.clear()
         if not wire & RENAME_EXCHANGE:  # exchanged: both names are there still
             self._known.removed(parent_inode_old, name_old)
         self._known.added(parent_inode_new, name_new)
@@ -441,14 +462,22 @@ class PfsOperations(pyfuse3.Operations):
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         self._check_writable()
         self._changed_here(inode, new_parent_inode)
-        with self._name_change(new_parent_inode, new_name, True), fs_errors():
-            attr = await self.meta.link(inode, new_parent_inode, new_name, self.cred(ctx))
+        try:
+            with self._name_change(new_parent_inode, new_name, True), fs_errors():
+                attr = await self.meta.link(inode, new_parent_inode, new_name, self.cred(ctx))
+        finally:
+            self._changed_here(inode, new_parent_inode)
         return self._looked_up(attr)
 
     # -- files -----------------------------------------------------------------
-    def _file_info(self, h: FileHandle, attr_key: tuple[int, int]) -> pyfuse3.FileInfo:
+    def _file_info(self, h: FileHandle, attr_key: tuple[int, int],
+                   since: int | None = None) -> pyfuse3.FileInfo:
         """Register ``h`` and say whether the kernel may keep the inode's cached pages:
-        only when the file is as this mount last saw it (close-to-open otherwise)."""
+        only when the file is as this mount last saw it (close-to-open otherwise). The
+        open's reply carried the inode's attributes: they answer the GETATTR that
+        follows an invalidation (``since``: as ``AttrCache.put``)."""
+        if h.attr is not None:
+            self._attrs.put(h.ino, h.attr, since)
         fh = self._new_fh()
         self._files[fh] = h
         keep = self._seen.get(h.ino) == attr_key
@@ -465,9 +494,13 @@ class PfsOperations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & _WRITE_FLAGS:
             self._check_writable()
+        since: int | None = self._attrs.gen
         with fs_errors():
             h = await self.client.open_ino(inode, flags, self.cred(ctx))
-        return self._file_info(h, self._key(h))
+        if flags & os.O_TRUNC:
+            self._attrs.drop(inode)  # a change: reads that crossed it are stale
+            since = None  # and the reply's attributes are after it
+        return self._file_info(h, self._key(h), since)
 
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext
@@ -500,6 +533,7 @@ class PfsOperations(pyfuse3.Operations):
         reported by the next write, flush (close) or fsync of the handle."""
         h = self._file(fh)
         self._wrote.add(fh)
+        self._attrs.drop(h.ino)
         with fs_errors():
             return await h.write_behind(buf, off, self.tuning.write_behind)
 
@@ -514,13 +548,15 @@ class PfsOperations(pyfuse3.Operations):
                 await h.commit()  # after the writes in flight; raises their error
         finally:
             if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
+                self._attrs.drop(h.ino)
                 self._invalidate_attrs(h.ino)
 
     async def release(self, fh: int) -> None:
         h = self._files.pop(fh, None)
         if h is None:
             return
-        if fh in self._wrote:
+        wrote = fh in self._wrote
+        if wrote:
             self._wrote.discard(fh)
             self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
         with fs_errors():
@@ -529,11 +565,17 @@ class PfsOperations(pyfuse3.Operations):
             except OSError as exc:  # the kernel drops release's reply: say it here
                 log.warning("closing inode %d: %s", h.ino, exc)
                 raise
+            finally:
+                if wrote:
+                    self._attrs.drop(h.ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)
-        with fs_errors():
-            await h.fsync()
+        try:
+            with fs_errors():
+                await h.fsync()
+        finally:
+            self._attrs.drop(h.ino)  # the size it committed
 
     # -- directories -----------------------------------------------------------
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
@@ -571,6 +613,7 @@ class PfsOperations(pyfuse3.Operations):
                 if d.eof:
                     self._listed(d)
                     return
+                d.since = self._attrs.gen
                 with fs_errors():
                     d.pending, d.eof = await self.meta.readdir(d.ino, d.pending_after,
                                                                READDIR_PAGE, True, d.cred)
@@ -582,8 +625,10 @@ class PfsOperations(pyfuse3.Operations):
                 e = d.pending[0]
                 attr = e.attr
                 if attr is None:
+                    d.since = self._attrs.gen
                     with fs_errors():
                         attr = await self.meta.getattr(e.inode_number)
+                self._attrs.put(attr.st_ino, attr, d.since)
                 bname = os.fsencode(e.name)
                 if not pyfuse3.readdir_reply(token, bname, self.entry(attr),
                                              e.cookie + DOT_OFFSETS):
@@ -663,8 +708,11 @@ class PfsOperations(pyfuse3.Operations):
         self._check_writable()
         self._no_caps.pop(inode, None)
         self._changed_here(inode)
-        with fs_errors():
-            await self.meta.setxattr(inode, name, value, 0, self.cred(ctx))
+        try:
+            with fs_errors():
+                await self.meta.setxattr(inode, name, value, 0, self.cred(ctx))
+        finally:
+            self._changed_here(inode)  # its ctime
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         with fs_errors():
@@ -674,8 +722,11 @@ class PfsOperations(pyfuse3.Operations):
         self._check_writable()
         self._no_caps.pop(inode, None)
         self._changed_here(inode)
-        with fs_errors():
-            await self.meta.removexattr(inode, name, self.cred(ctx))
+        try:
+            with fs_errors():
+                await self.meta.removexattr(inode, name, self.cred(ctx))
+        finally:
+            self._changed_here(inode)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK and self.tuning.read_only:

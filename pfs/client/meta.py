@@ -189,8 +189,8 @@ class MetaClient:
                 self._reached = True
                 return reply
             except OSError as exc:
-                if not retry_outage:
-                    raise
+                if not retry_outage or not E.transient(exc):
+                    raise  # the answer (ENOENT, EEXIST, ...): no Retry to make
                 retry = retry or self._retry()
                 pause = retry.pause(exc, sent, msg)
             time.sleep(pause)
@@ -270,6 +270,8 @@ class MetaClient:
                 self._reached = True
                 return reply
             except OSError as exc:
+                if not E.transient(exc):
+                    raise  # the answer (ENOENT, EEXIST, ...): no Retry to make
                 retry = retry or self._retry()
                 pause = retry.pause(exc, sent, msg)
             await trio.sleep(pause)

@@ -21,7 +21,9 @@ A client (the mount, or a long-running program whose client config sets
 attribute and ``security.capability`` caches, the short-circuit descriptor cache),
 ``pfs_client_hedged_reads_total`` and ``pfs_client_hedge_wins_total`` (:func:`hedged`:
 second requests sent, and those that answered first), and
-``pfs_client_checksum_failures_total{route}`` (:func:`checksum_failure`); a KV-cache
+``pfs_client_checksum_failures_total{route}`` (:func:`checksum_failure`); the mount
+counts kernel requests by opcode, ``pfs_fuse_requests_total{op}``
+(:func:`fuse_request_counter`, ``pfs.fuse.counting``); a KV-cache
 client counts ``pfs_client_kv_ops_total{op,tier,result}`` and
 ``pfs_client_kv_bytes_total{op,tier}`` (:func:`kv_op`).
 
@@ -78,6 +80,9 @@ class _Metrics:
                               ["op", "tier", "result"])
         self.kv_bytes = Counter("pfs_client_kv_bytes", "KV-cache bytes put or got",
                                 ["op", "tier"])
+        # the FUSE mount: kernel requests by opcode (pfs.fuse.counting)
+        self.fuse_requests = Counter("pfs_fuse_requests", "kernel requests the FUSE mount "
+                                     "served, by opcode", ["op"])
 
 
 _lock = threading.Lock()
@@ -146,6 +151,11 @@ def cache_lookup(cache: str, hit: bool) -> None:
     """A client cache (``attr``, ``xattr``, ``local_fd``) answered, or did not."""
     if _m is not None:
         _m.cache.labels(cache, "hit" if hit else "miss").inc()
+
+
+def fuse_request_counter(op: str) -> Callable[[], None] | None:
+    """The increment of ``pfs_fuse_requests_total{op}`` (None while metrics are off)."""
+    return None if _m is None else _m.fuse_requests.labels(op).inc
 
 
 def hedged(won: bool) -> None:

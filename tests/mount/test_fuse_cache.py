@@ -11,8 +11,20 @@ import pytest
 
 from tests.fuse_fixtures import *  # noqa: F403
 from tests.fuse_fixtures import mounted
+from tests.metrics_scrape import free_port as _free_port
+from tests.metrics_scrape import scrape as _scrape
+from tests.metrics_scrape import value as _value
 
 NEG = 3.0  # seconds of negative_timeout on the caching mount
+
+
+def _metered(client_toml: Path, tmp_path: Path) -> tuple[Path, int]:
+    """A client.toml for a mount that serves /metrics, and its port."""
+    port = _free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
+                                                    f"metrics_port = {port}"))
+    return toml, port
 
 
 def _missing(p: Path) -> bool:
@@ -72,14 +84,7 @@ def test_clean_close_makes_no_metaserver_call(client_toml: Path, tmp_path: Path)
     """FLUSH and RELEASE of a handle that wrote nothing send no request of their own:
     the release rides on the next request (or one batched ``release``); a handle that
     wrote still commits its size when it is closed (FLUSH)."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 40
     with mounted(toml) as m:
         d = m / f"clean-{os.getpid()}"
@@ -191,14 +196,7 @@ def test_creates_in_a_directory_made_here_skip_the_lookup(client_toml: Path,
     """With negative_timeout, O_EXCL creates in a directory this mount just made cost
     one metaserver call each (the CREATE), not two: the kernel's LOOKUP of each new name
     is answered here."""
-    from tests.metrics_scrape import free_port as _free_port
-    from tests.metrics_scrape import scrape as _scrape
-    from tests.metrics_scrape import value as _value
-
-    port = _free_port()
-    toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml, port = _metered(client_toml, tmp_path)
     n = 20
     with mounted(toml, "negative_timeout=30") as m:
         d = m / f"lean-{os.getpid()}"
@@ -217,3 +215,138 @@ def test_creates_in_a_directory_made_here_skip_the_lookup(client_toml: Path,
 
     assert calls("create") == n
     assert calls("lookup") <= 1  # (the directory's own name, before the mkdir)
+
+
+def test_kernel_requests_per_create_stat_and_unlink(client_toml: Path, tmp_path: Path) -> None:
+    """What the kernel sends for each operation of a create/stat/unlink loop, and which
+    of those reach the metaserver (``pfs_fuse_requests_total{op}`` beside the client's
+    RPC counters). A create is LOOKUP (missing), CREATE, GETATTR of the directory
+    (answered from the create's reply), FLUSH and RELEASE (nothing written: no call):
+    2 calls, no GETATTR of the new file (CREATE returned its attributes). A stat within
+    the entry timeout sends nothing; an unlink is UNLINK and the directory's GETATTR
+    (from the reply): 1 call."""
+    toml, port = _metered(client_toml, tmp_path)
+    n = 20
+    # timeouts long enough for the loop on a loaded machine: what is cached stays so
+    with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
+        d = m / f"req-{os.getpid()}"
+        d.mkdir()
+        os.stat(d)
+        paths = [d / f"f{i}" for i in range(n)]
+        phases = {}
+        last = _scrape(port)
+        for phase, fn in (("create", lambda p: os.close(os.open(
+                               p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))),
+                          ("stat", os.stat), ("unlink", os.unlink)):
+            for p in paths:
+                fn(p)
+            os.stat(d)  # the directory's GETATTR after the last change, in this phase
+            time.sleep(0.5)  # deferred releases go out; FORGETs come
+            now = _scrape(port)
+            phases[phase] = (last, now)
+            last = now
+        d.rmdir()
+
+    def req(phase: str, op: str) -> float:
+        a, b = phases[phase]
+        return (_value(b, "pfs_fuse_requests_total", op=op)
+                - _value(a, "pfs_fuse_requests_total", op=op))
+
+    def calls(phase: str, method: str) -> float:
+        a, b = phases[phase]
+        return (_value(b, "pfs_rpc_requests_total", service="client", method=method)
+                - _value(a, "pfs_rpc_requests_total", service="client", method=method))
+
+    for op in ("lookup", "create", "getattr", "flush", "release"):
+        assert req("create", op) == n, op
+    assert calls("create", "lookup") == n and calls("create", "create") == n
+    assert calls("create", "getattr") == 0 and calls("create", "close") == 0
+    assert _value(phases["stat"][1], "pfs_fuse_requests_total") == \
+        _value(phases["stat"][0], "pfs_fuse_requests_total")  # nothing at all
+    assert req("unlink", "lookup") == 0 and req("unlink", "unlink") == n
+    assert req("unlink", "getattr") == n and calls("unlink", "getattr") == 0
+    assert calls("unlink", "unlink") == n and calls("unlink", "lookup") == 0
+
+
+def test_getattrs_after_a_read_or_a_changed_open_are_answered_from_replies(
+        client_toml: Path, tmp_path: Path, mnt: Path) -> None:
+    """The kernel drops an inode's attributes after every read (atime, which pfs does
+    not move on reads) and at an open whose file changed (the mount tells it to), then
+    asks again: the mount answers from the attributes the lookup or the open just
+    carried, with no metaserver call; what the open found changed is what fstat shows."""
+    toml, port = _metered(client_toml, tmp_path)
+    n = 10
+    with mounted(toml, "entry_timeout=60,attr_timeout=60") as m:
+        d = m / f"ga-{os.getpid()}"
+        d.mkdir()
+        for i in range(n):
+            (d / f"f{i}").write_bytes(b"x" * 10)
+        for i in range(n):  # a read: the next stat makes the kernel ask again
+            assert (d / f"f{i}").read_bytes() == b"x" * 10
+        (mnt / d.relative_to(m) / "f0").write_bytes(b"y" * 20)  # changed elsewhere
+        before = _scrape(port)
+        for i in range(n):
+            fd = os.open(d / f"f{i}", os.O_RDONLY)
+            try:
+                assert os.fstat(fd).st_size == (20 if i == 0 else 10)
+                assert os.read(fd, 100) == (b"y" * 20 if i == 0 else b"x" * 10)
+            finally:
+                os.close(fd)
+            assert os.stat(d / f"f{i}").st_size == (20 if i == 0 else 10)
+        after = _scrape(port)
+        for i in range(n):
+            os.unlink(d / f"f{i}")
+        d.rmdir()
+
+    def delta(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert delta("pfs_fuse_requests_total", op="getattr") >= n  # the kernel asked
+    assert delta("pfs_rpc_requests_total", service="client", method="getattr") == 0
+    assert delta("pfs_rpc_requests_total", service="client", method="open") == n
+
+
+def test_attributes_answered_here_follow_this_mounts_changes(mdir: Path) -> None:
+    """A GETATTR answered from a reply never hides a change made through this mount:
+    the link count after an unlink of another name (an inode the unlink's reply does not
+    name), the size after a write and a truncate, the mode after a chmod."""
+    f, g = mdir / "f", mdir / "g"
+    f.write_bytes(b"abc")
+    os.link(f, g)
+    fd = os.open(f, os.O_RDWR)
+    try:
+        assert os.fstat(fd).st_nlink == 2
+        assert os.stat(g).st_nlink == 2
+        os.unlink(g)
+        assert os.fstat(fd).st_nlink == 1
+        assert os.read(fd, 10) == b"abc"  # (a read: the kernel asks again at the stat)
+        os.write(fd, b"defg")
+        assert os.fstat(fd).st_size == 7 and os.stat(f).st_size == 7
+        os.ftruncate(fd, 2)
+        assert os.fstat(fd).st_size == 2
+        os.chmod(f, 0o640)
+        assert os.read(fd, 1) == b""
+        assert os.fstat(fd).st_mode & 0o777 == 0o640
+    finally:
+        os.close(fd)
+    os.rename(f, mdir / "h")
+    assert os.stat(mdir / "h").st_size == 2
+
+
+def test_attributes_answered_here_expire_with_attr_timeout(client_toml: Path, mnt: Path,
+                                                           mdir: Path) -> None:
+    """Attributes kept from a reply answer the kernel for at most attr_timeout: a change
+    made on another node shows here once that passed, even where the kernel keeps the
+    name for much longer (entry_timeout) and asks only for the attributes."""
+    attr_timeout = 1.0
+    with mounted(client_toml, f"entry_timeout=60,attr_timeout={attr_timeout:g}") as a:
+        here = a / mdir.relative_to(mnt) / "f"
+        (mdir / "f").write_bytes(b"abc")
+        os.chmod(mdir / "f", 0o600)
+        assert here.read_bytes() == b"abc"  # a lookup and an open: attributes kept
+        t0 = time.monotonic()
+        os.chmod(mdir / "f", 0o644)  # elsewhere
+        (mdir / "f").write_bytes(b"abcdef")
+        time.sleep(max(0.0, t0 + attr_timeout + 0.5 - time.monotonic()))
+        st = os.stat(here)
+        assert (st.st_mode & 0o777, st.st_size) == (0o644, 6)

@@ -1,5 +1,7 @@
 """The mount's request path without a kernel: the directories whose names it knows
-(``pfs.fuse.known_dirs``) and the lock pyfuse3's workers hand over (``pfs.fuse.workers``)."""
+(``pfs.fuse.known_dirs``), the attributes it answers GETATTR from
+(``pfs.fuse.attr_cache``) and the lock pyfuse3's workers hand over
+(``pfs.fuse.workers``)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +10,8 @@ import pytest
 import trio
 import trio.testing
 
+from pfs.client.types import StatResult
+from pfs.fuse.attr_cache import MAX_INODES, AttrCache
 from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
 from pfs.fuse.workers import HandoffLock, trio_for_pyfuse3
 
@@ -95,3 +99,40 @@ def test_pyfuse3_gets_trio_with_the_handoff_lock() -> None:
     assert m.Lock is HandoffLock
     assert m.lowlevel is trio.lowlevel and m.ClosedResourceError is trio.ClosedResourceError
     assert m.open_nursery is trio.open_nursery
+
+
+def _attr(ino: int, size: int = 0) -> StatResult:
+    return StatResult(0o100644, ino, 1, 0, 0, size, 0, 0, 0, 0, 4096, 0, 0)
+
+
+def test_kept_attributes_answer_only_within_the_bound() -> None:
+    c = AttrCache(0.3)
+    c.put(5, _attr(5, 10))
+    got = c.get(5)
+    assert got is not None and got.st_size == 10
+    assert c.get(6) is None
+    time.sleep(0.35)
+    assert c.get(5) is None  # attr_timeout passed since the reply: ask again
+    off = AttrCache(0.0)  # attr_timeout 0: nothing kept
+    off.put(5, _attr(5))
+    assert off.get(5) is None
+
+
+def test_a_reply_that_crossed_a_change_here_is_not_kept() -> None:
+    c = AttrCache(5.0)
+    since = c.gen  # a getattr is sent...
+    c.drop(5)  # ...a setattr of the same inode ends meanwhile
+    c.put(5, _attr(5, 1), since)  # the getattr's reply may be from before it
+    assert c.get(5) is None
+    c.put(5, _attr(5, 2), c.gen)  # one sent after the change is kept
+    c.put(6, _attr(6, 3))  # so is a change's own reply
+    assert c.get(5) is not None and c.get(6) is not None
+    c.clear()  # an unlink, rmdir or rename: everything goes
+    assert c.get(5) is None and c.get(6) is None
+
+
+def test_the_attribute_cache_is_bounded() -> None:
+    c = AttrCache(60.0)
+    for ino in range(MAX_INODES + 1):
+        c.put(ino, _attr(ino))
+    assert c.get(MAX_INODES) is not None and c.get(0) is None
