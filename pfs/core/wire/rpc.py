@@ -61,6 +61,12 @@ ACCEPT_BACKOFF_MAX = 1.0
 # seconds a caller that gives up waits for the rest of a reply already arriving into its
 # buffer, before dropping the connection (and the other calls on it) instead
 ABANDON_GRACE = 1.0
+# seconds a connection must have been idle before :attr:`RpcClient.alive` asks the
+# socket whether the peer went away (a system call): a peer that closed the connection
+# while it was idle longer is noticed before the next request goes out on it; within
+# this window (back-to-back calls) a closed connection shows as the send's or the
+# reply's error, as one that closes just after the check always did
+PEER_CHECK_IDLE = 0.01
 # Called with a reply's map and payload length before its payload is received: a sink for
 # its pieces as they land (``Connection._recv_streamed``), or None.
 OnReply = Callable[[dict[str, Any], int], Sink | None]
@@ -135,6 +141,7 @@ class RpcClient:
         # calls since the last sure yield to the scheduler (a reply that is always there
         # when read would never let other tasks run: see ``_exchange``)
         self._unyielded = 0
+        self._used = -math.inf  # time.monotonic() of the last call's end (``alive``)
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
@@ -156,7 +163,8 @@ class RpcClient:
     def alive(self) -> bool:
         if self._dead is not None or self.conn.closed:
             return False
-        if not self._reading and self.conn.peer_gone():  # idle, nobody watching it
+        if not self._reading and time.monotonic() - self._used >= PEER_CHECK_IDLE \
+                and self.conn.peer_gone():  # idle a while, nobody watching it
             self._fail(ConnectionClosed(f"{self.conn.name} closed the connection"))
             return False
         return True
@@ -211,8 +219,10 @@ class RpcClient:
         self._reading = True
         handoff = False
         try:
+            just_sent = True
             while not call.done:
-                head = await conn.recv_head(fair=False)
+                head = await conn.recv_head(fair=False, just_sent=just_sent)
+                just_sent = False
                 if head is None:
                     self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
                     return
@@ -334,6 +344,7 @@ class RpcClient:
         except BaseException:
             await self._abandon(rid, call)
             raise
+        self._used = time.monotonic()
         if scope.cancelled_caught:
             await self._abandon(rid, call)
             raise OSError(errno.ETIMEDOUT,

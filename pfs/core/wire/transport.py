@@ -45,6 +45,12 @@ RECV_CHUNK = 256 * 1024
 HEAD_RECV = 16 * 1024
 # A reader that always finds data ready yields to the scheduler this often (frames).
 YIELD_EVERY = 16
+# A reply read straight after its request was sent: on loopback it is usually there
+# already (the send ran the server), over a network never. After this many calls in a
+# row whose first receive found nothing, wait for the socket before receiving (no
+# receive failing with EAGAIN), trying the receive first again every PROBE_LATE calls.
+LATE_TO_WAIT = 4
+PROBE_LATE = 16
 # Below this a payload is glued to its header and sent in one syscall.
 SMALL_PAYLOAD = 64 * 1024
 SOCK_BUF = 4 << 20
@@ -138,6 +144,7 @@ class Connection:
         # round trips per call, which is most of a small RPC's cost. (TLS has no ``_sock``.)
         self._raw: socket.socket | None = getattr(sock, "_sock", None)
         self._ready_streak = 0
+        self._late = 0  # calls in a row whose reply was not there at once (``recv_head``)
         self._out = 0  # bytes sent: tells a frame cut off half-way from one never started
         self.session: Session | None = None  # the handshake's session keys, if sealed
         self.sealer: Sealer | None = None  # ... and its sending side
@@ -445,15 +452,17 @@ class Connection:
             view = view[n:]
 
     # -- receiving -----------------------------------------------------------
-    async def recv_head(self, stall: float | None = None, *,
-                        fair: bool = True) -> FrameHead | None:
+    async def recv_head(self, stall: float | None = None, *, fair: bool = True,
+                        just_sent: bool = False) -> FrameHead | None:
         """The next frame's header and map; None on a clean end of stream.
 
         With ``stall``, once part of a frame has arrived the rest of its header and map
         must arrive within ``stall`` seconds, else ``RemoteProtocolError`` (a peer that
         sends a header and stops is dropped); waiting between frames is not limited.
         ``fair=False``: never yield once a head is decoded (a caller that may be
-        cancelled reads its own reply: a cancellation there would lose the head)."""
+        cancelled reads its own reply: a cancellation there would lose the head).
+        ``just_sent``: a request was just sent and this reads its reply (plain sockets:
+        see LATE_TO_WAIT)."""
         dec = self.decoder
         deadline = math.inf
         chunk = self._head_view
@@ -472,11 +481,27 @@ class Connection:
             if stall is not None and dec.buffered and deadline == math.inf:
                 deadline = trio.current_time() + stall
             if raw is not None:  # the plain socket: straight to the system calls
+                probe = just_sent
+                if just_sent:
+                    just_sent = False
+                    late = self._late
+                    if late >= LATE_TO_WAIT and late % PROBE_LATE:
+                        self._late, probe = late + 1, False
+                        self._ready_streak = 0
+                        try:
+                            await trio.lowlevel.wait_readable(raw)
+                        except trio.ClosedResourceError as exc:
+                            raise self._closed_error(exc) from None
                 while True:
                     try:
                         n = raw.recv_into(chunk)
+                        if probe:
+                            self._late = 0
                         break
                     except BlockingIOError:
+                        if probe:
+                            self._late += 1
+                            probe = False
                         self._ready_streak = 0
                         if deadline != math.inf:
                             await self._readable(raw, deadline, stall)
