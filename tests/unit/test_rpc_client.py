@@ -270,6 +270,50 @@ def test_a_caller_whose_replies_come_late_waits_before_receiving() -> None:
     _run(body)
 
 
+def test_a_reply_already_there_costs_no_timeout_scope(monkeypatch) -> None:
+    """A small request sent at once whose reply is already there waits for nothing, so
+    enters no cancel scope; one whose reply is not yet there still times out."""
+    scopes = []
+    real = trio.move_on_after
+
+    def counted(*args, **kw):
+        scopes.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trio, "move_on_after", counted)
+
+    async def body(cli, srv, n) -> None:
+        await _reply(srv, 1, {"n": "early"})  # there before it is asked for
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await cli.call("ping")).fields == {"n": "early"}
+        assert scopes == []
+        with pytest.raises(OSError) as ei:  # nobody answers this one
+            await cli.call("ping", timeout=0.2)
+        assert ei.value.errno == errno.ETIMEDOUT and scopes == [1]
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
+def test_a_request_that_does_not_fit_the_socket_goes_out_within_the_timeout() -> None:
+    """The socket's buffers are full (a peer that stopped reading): what is left of the
+    request waits under the call's timeout: ETIMEDOUT."""
+
+    async def body(cli, srv, n) -> None:
+        raw = cli.conn._raw
+        try:
+            while True:
+                raw.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        with trio.fail_after(5), pytest.raises(OSError) as ei:
+            await cli.call("ping", {"pad": b"p" * 1000}, timeout=0.2)
+        assert ei.value.errno == errno.ETIMEDOUT
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
 def test_peer_lost_while_a_caller_alone_waits() -> None:
     """The peer closes before answering: ECONNRESET at once, not at the timeout."""
 
