@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from pfs.core.wire import rpc, transport
 from pfs.core.wire.protocol import Kind
 from pfs.core.wire.rpc import RpcClient
 from pfs.core.wire.transport import Connection
@@ -182,6 +183,134 @@ def test_idle_connection_closed_by_the_peer_is_not_alive() -> None:
             await cli.call("ping")
         assert ei.value.errno == errno.ECONNRESET
 
+    _run(body)
+
+
+def test_a_connection_just_used_is_not_probed() -> None:
+    """Back-to-back calls cost no liveness system call: ``alive`` asks the socket only
+    once the connection was idle for ``PEER_CHECK_IDLE``, and then still sees a peer
+    that went away before the next request is sent."""
+
+    async def body(cli, srv, n) -> None:
+        probes = []
+        real = cli.conn.peer_gone
+
+        def counted() -> bool:
+            probes.append(1)
+            return real()
+
+        cli.conn.peer_gone = counted
+
+        async def server() -> None:
+            for _ in range(3):
+                head = await srv.recv_head()
+                await _reply(srv, head.rid, {})
+
+        n.start_soon(server)
+        for _ in range(3):
+            assert cli.alive
+            await cli.call("ping")
+        assert cli.alive and probes == [1]  # only the first, on a never-used connection
+        srv.close()
+        await trio.sleep(rpc.PEER_CHECK_IDLE)  # the idle time that makes it look
+        assert not cli.alive  # the first look sees it: no request goes out on it
+        with pytest.raises(OSError) as ei:
+            await cli.call("ping")
+        assert ei.value.errno == errno.ECONNRESET
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
+class _CountingSocket:
+    """A plain socket that counts receives failing with EAGAIN."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.eagain = 0
+
+    def recv_into(self, buf) -> int:
+        try:
+            return self.sock.recv_into(buf)
+        except BlockingIOError:
+            self.eagain += 1
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_a_caller_whose_replies_come_late_waits_before_receiving() -> None:
+    """Replies that are never there straight after the request (a remote server): after
+    LATE_TO_WAIT of them the caller waits for the socket instead of trying a receive
+    that fails with EAGAIN first, but for one probe every PROBE_LATE calls; a probe that
+    finds its reply there at once (a local server) puts it back to receiving first."""
+
+    async def body(cli, srv, n) -> None:
+        counting = _CountingSocket(cli.conn._raw)
+        cli.conn._raw = counting
+        calls = transport.PROBE_LATE
+
+        async def server() -> None:
+            for _ in range(calls):
+                head = await srv.recv_head()
+                await trio.sleep(0.001)  # the reply comes later, as over a network
+                await _reply(srv, head.rid, {"n": head.rid})
+
+        n.start_soon(server)
+        for i in range(1, calls + 1):
+            assert (await cli.call("ping")).fields == {"n": i}
+        assert counting.eagain == transport.LATE_TO_WAIT  # then it waited first
+        await _reply(srv, calls + 1, {"n": "early"})  # there before it is asked for
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await cli.call("ping")).fields == {"n": "early"}  # the probe's call
+        assert counting.eagain == transport.LATE_TO_WAIT and cli.conn._late == 0
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
+def test_a_reply_already_there_costs_no_timeout_scope(monkeypatch) -> None:
+    """A small request sent at once whose reply is already there waits for nothing, so
+    enters no cancel scope; one whose reply is not yet there still times out."""
+    scopes = []
+    real = trio.move_on_after
+
+    def counted(*args, **kw):
+        scopes.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trio, "move_on_after", counted)
+
+    async def body(cli, srv, n) -> None:
+        await _reply(srv, 1, {"n": "early"})  # there before it is asked for
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await cli.call("ping")).fields == {"n": "early"}
+        assert scopes == []
+        with pytest.raises(OSError) as ei:  # nobody answers this one
+            await cli.call("ping", timeout=0.2)
+        assert ei.value.errno == errno.ETIMEDOUT and scopes == [1]
+
+    body.no_reader = True  # type: ignore[attr-defined]
+    _run(body)
+
+
+def test_a_request_that_does_not_fit_the_socket_goes_out_within_the_timeout() -> None:
+    """The socket's buffers are full (a peer that stopped reading): what is left of the
+    request waits under the call's timeout: ETIMEDOUT."""
+
+    async def body(cli, srv, n) -> None:
+        raw = cli.conn._raw
+        try:
+            while True:
+                raw.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+        with trio.fail_after(5), pytest.raises(OSError) as ei:
+            await cli.call("ping", {"pad": b"p" * 1000}, timeout=0.2)
+        assert ei.value.errno == errno.ETIMEDOUT
+
+    body.no_reader = True  # type: ignore[attr-defined]
     _run(body)
 
 

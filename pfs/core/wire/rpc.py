@@ -37,6 +37,7 @@ from pfs.core.wire.admission import Admission, Ticket
 from pfs.core.wire.protocol import FrameHead, Kind, Limits
 from pfs.core.wire.seal import TAG
 from pfs.core.wire.transport import (
+    NOT_READY,
     YIELD_EVERY,
     Connection,
     ConnectionClosed,
@@ -61,6 +62,12 @@ ACCEPT_BACKOFF_MAX = 1.0
 # seconds a caller that gives up waits for the rest of a reply already arriving into its
 # buffer, before dropping the connection (and the other calls on it) instead
 ABANDON_GRACE = 1.0
+# seconds a connection must have been idle before :attr:`RpcClient.alive` asks the
+# socket whether the peer went away (a system call): a peer that closed the connection
+# while it was idle longer is noticed before the next request goes out on it; within
+# this window (back-to-back calls) a closed connection shows as the send's or the
+# reply's error, as one that closes just after the check always did
+PEER_CHECK_IDLE = 0.01
 # Called with a reply's map and payload length before its payload is received: a sink for
 # its pieces as they land (``Connection._recv_streamed``), or None.
 OnReply = Callable[[dict[str, Any], int], Sink | None]
@@ -116,7 +123,9 @@ class RpcClient:
     payload that has not fully arrived with its head, so a cancelled caller never leaves
     a frame half-received (:meth:`_abandon`'s grace applies as before). TLS connections
     are read by the reader task only. With nobody reading, :attr:`alive` peeks at the
-    socket to notice a peer that closed the idle connection.
+    socket to notice a peer that closed the connection while it was idle
+    (``PEER_CHECK_IDLE``). A caller alone with a small request enters the call's
+    timeout scope only when something has to wait (see ``_exchange``).
     """
 
     def __init__(self, conn: Connection, timeout: float = DEFAULT_CALL_TIMEOUT) -> None:
@@ -135,6 +144,7 @@ class RpcClient:
         # calls since the last sure yield to the scheduler (a reply that is always there
         # when read would never let other tasks run: see ``_exchange``)
         self._unyielded = 0
+        self._used = -math.inf  # time.monotonic() of the last call's end (``alive``)
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
@@ -156,7 +166,8 @@ class RpcClient:
     def alive(self) -> bool:
         if self._dead is not None or self.conn.closed:
             return False
-        if not self._reading and self.conn.peer_gone():  # idle, nobody watching it
+        if not self._reading and time.monotonic() - self._used >= PEER_CHECK_IDLE \
+                and self.conn.peer_gone():  # idle a while, nobody watching it
             self._fail(ConnectionClosed(f"{self.conn.name} closed the connection"))
             return False
         return True
@@ -202,26 +213,35 @@ class RpcClient:
             if not forever:
                 self._reading = False
 
-    async def _read_own(self, rid: int, call: _Call) -> None:
+    async def _read_own(self, rid: int, call: _Call, *, nowait: bool = False,
+                        resumed: bool = False) -> bool:
         """A caller alone on the connection reads until its reply is in (or hands a
-        frame whose payload is still arriving to the reader task)."""
+        frame whose payload is still arriving to the reader task). ``nowait``: only
+        what is there already; False when it would have to wait (the caller still
+        reads: it goes on with ``resumed``, waiting for the socket first)."""
         conn = self.conn
         dec = conn.decoder
         pending = self._pending
         self._reading = True
-        handoff = False
+        handoff = paused = False
         try:
+            just_sent, wait_first = not resumed, resumed
             while not call.done:
-                head = await conn.recv_head(fair=False)
+                head = await conn.recv_head(fair=False, just_sent=just_sent, nowait=nowait,
+                                            wait_first=wait_first)
+                just_sent = wait_first = False
+                if head is NOT_READY:
+                    paused = True
+                    return False
                 if head is None:
                     self._fail(ConnectionClosed(f"{conn.name} closed the connection"))
-                    return
+                    return True
                 n = head.payload_len
                 if n and dec.buffered < n + (TAG if dec.tag_due else 0):
                     # receiving it could be cancelled half-way: the reader task's job
                     self._handoff = head
                     handoff = True
-                    return
+                    return True
                 # from here on nothing waits (all of it is buffered): no cancellation
                 other = pending.pop(head.rid, None)
                 if other is None:
@@ -232,10 +252,13 @@ class RpcClient:
             self._fail(OSError(getattr(exc, "errno", None) or errno.ECONNRESET,
                                f"connection to {conn.name} failed: {exc}"))
         finally:
-            if handoff or (self._dead is None and len(pending) > (rid in pending)):
+            if paused:
+                pass  # the caller reads on
+            elif handoff or (self._dead is None and len(pending) > (rid in pending)):
                 self._wake.set()  # others wait: the reader task reads on (``_reading``)
             else:
                 self._reading = False
+        return True
 
     async def _complete_or_fail(self, call: _Call, head: FrameHead) -> None:
         try:
@@ -324,17 +347,38 @@ class RpcClient:
         call = _Call(into, on_reply)
         self._pending[rid] = call
         limit = self.timeout if timeout is None else timeout
+        conn = self.conn
+        rest: memoryview | None = None
+        resumed = False
+        scope: trio.CancelScope | None = None
         try:
-            with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
-                await self.conn.send_frame(Kind.REQUEST, rid, wire, payload)
-                if not self._reading:  # alone: read the reply here (the class doc)
-                    await self._read_own(rid, call)
-                if not call.done:
-                    await call.wait()
+            # Alone, and a small request: sending it and reading a reply already there
+            # wait for nothing, so need no timeout (a cancel scope costs more than the
+            # system calls); the scope covers whatever has to wait.
+            fast = payload is None and not self._reading and conn._raw is not None \
+                and not conn._send_lock.busy
+            if fast:
+                rest = conn.try_send(Kind.REQUEST, rid, wire)
+                if rest is None:
+                    resumed = not await self._read_own(rid, call, nowait=True)
+            if not call.done:
+                with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
+                    if resumed:  # the reply was not there yet: wait for it
+                        await self._read_own(rid, call, resumed=True)
+                    elif not fast or rest is not None:
+                        if rest is not None:
+                            await conn.send_rest(rest)
+                        else:
+                            await conn.send_frame(Kind.REQUEST, rid, wire, payload)
+                        if not self._reading:  # alone: read the reply here (the class doc)
+                            await self._read_own(rid, call)
+                    if not call.done:
+                        await call.wait()
         except BaseException:
             await self._abandon(rid, call)
             raise
-        if scope.cancelled_caught:
+        self._used = time.monotonic()
+        if scope is not None and scope.cancelled_caught:
             await self._abandon(rid, call)
             raise OSError(errno.ETIMEDOUT,
                           f"{method} to {self.conn.name} got no reply in {limit:g} s")

@@ -45,6 +45,12 @@ RECV_CHUNK = 256 * 1024
 HEAD_RECV = 16 * 1024
 # A reader that always finds data ready yields to the scheduler this often (frames).
 YIELD_EVERY = 16
+# A reply read straight after its request was sent: on loopback it is usually there
+# already (the send ran the server), over a network never. After this many calls in a
+# row whose first receive found nothing, wait for the socket before receiving (no
+# receive failing with EAGAIN), trying the receive first again every PROBE_LATE calls.
+LATE_TO_WAIT = 4
+PROBE_LATE = 16
 # Below this a payload is glued to its header and sent in one syscall.
 SMALL_PAYLOAD = 64 * 1024
 SOCK_BUF = 4 << 20
@@ -62,6 +68,10 @@ _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags c
 Payload = bytes | bytearray | memoryview | list[memoryview]
 # Handed each piece of a payload as it lands (in order), while the piece is in cache.
 Sink = Callable[[memoryview], None]
+
+
+# ``Connection.recv_head(nowait=True)``: no whole head yet (a sentinel head)
+NOT_READY = FrameHead(Kind.REPLY, 0, {}, 0)
 
 
 def _views(payload: Payload | None) -> list[memoryview]:
@@ -138,6 +148,8 @@ class Connection:
         # round trips per call, which is most of a small RPC's cost. (TLS has no ``_sock``.)
         self._raw: socket.socket | None = getattr(sock, "_sock", None)
         self._ready_streak = 0
+        self._late = 0  # calls in a row whose reply was not there at once (``recv_head``)
+        self._rest_from = (0, 0)  # ``try_send``'s frame: where it started (``_cut_off``)
         self._out = 0  # bytes sent: tells a frame cut off half-way from one never started
         self.session: Session | None = None  # the handshake's session keys, if sealed
         self.sealer: Sealer | None = None  # ... and its sending side
@@ -249,6 +261,37 @@ class Connection:
         self.decoder.pin(version)
 
     # -- sending -------------------------------------------------------------
+    def try_send(self, kind: Kind, rid: int, fields: dict[str, Any]) -> memoryview | None:
+        """A frame without payload sent now, without waiting (plain sockets, the send lock
+        free: the caller checks both): None when it went out whole, else what is left
+        of it, to finish with :meth:`send_rest` (the send lock stays taken till then)."""
+        head = encode_head(kind, rid, fields, 0, self.limits, self.decoder.version, self._pk)
+        self._rest_from = self._out, self._seq()
+        data = head if self.sealer is None else self.sealer.head(head, HEADER_SIZE)
+        self._send_lock.busy = True
+        start = self._out
+        try:
+            n = self._raw.send(data)  # type: ignore[union-attr]
+        except OSError:  # would block, or failed: ``send_rest`` tries again (and raises)
+            n = 0
+        if n == len(data):
+            self._out += n
+            self._send_lock.release()
+            return None
+        self._out = start + n
+        return memoryview(data)[n:]
+
+    async def send_rest(self, rest: memoryview) -> None:
+        """The rest of :meth:`try_send`'s frame."""
+        start, seq0 = self._rest_from
+        try:
+            await self._sendall(rest)
+        except BaseException:
+            self._cut_off(start, seq0)
+            raise
+        finally:
+            self._send_lock.release()
+
     async def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
                          payload: Payload | None = None) -> None:
         """Send one frame; ``payload`` may be one buffer or a list of buffers (gathered
@@ -445,15 +488,20 @@ class Connection:
             view = view[n:]
 
     # -- receiving -----------------------------------------------------------
-    async def recv_head(self, stall: float | None = None, *,
-                        fair: bool = True) -> FrameHead | None:
+    async def recv_head(self, stall: float | None = None, *, fair: bool = True,
+                        just_sent: bool = False, nowait: bool = False,
+                        wait_first: bool = False) -> FrameHead | None:
         """The next frame's header and map; None on a clean end of stream.
 
         With ``stall``, once part of a frame has arrived the rest of its header and map
         must arrive within ``stall`` seconds, else ``RemoteProtocolError`` (a peer that
         sends a header and stops is dropped); waiting between frames is not limited.
         ``fair=False``: never yield once a head is decoded (a caller that may be
-        cancelled reads its own reply: a cancellation there would lose the head)."""
+        cancelled reads its own reply: a cancellation there would lose the head).
+        ``just_sent``: a request was just sent and this reads its reply (plain sockets:
+        see LATE_TO_WAIT). ``nowait`` (plain sockets): ``NOT_READY`` instead of waiting
+        for more (what did arrive stays buffered); ``wait_first``: wait for the socket
+        before the first receive (one just found nothing)."""
         dec = self.decoder
         deadline = math.inf
         chunk = self._head_view
@@ -472,11 +520,34 @@ class Connection:
             if stall is not None and dec.buffered and deadline == math.inf:
                 deadline = trio.current_time() + stall
             if raw is not None:  # the plain socket: straight to the system calls
+                probe = just_sent
+                if just_sent:
+                    just_sent = False
+                    late = self._late
+                    if late >= LATE_TO_WAIT and late % PROBE_LATE:
+                        self._late, probe = late + 1, False
+                        if nowait:
+                            return NOT_READY
+                        wait_first = True
+                if wait_first:
+                    wait_first = False
+                    self._ready_streak = 0
+                    try:
+                        await trio.lowlevel.wait_readable(raw)
+                    except trio.ClosedResourceError as exc:
+                        raise self._closed_error(exc) from None
                 while True:
                     try:
                         n = raw.recv_into(chunk)
+                        if probe:
+                            self._late = 0
                         break
                     except BlockingIOError:
+                        if probe:
+                            self._late += 1
+                            probe = False
+                        if nowait:
+                            return NOT_READY
                         self._ready_streak = 0
                         if deadline != math.inf:
                             await self._readable(raw, deadline, stall)
