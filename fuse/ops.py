@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyfuse3
+import trio
 
 from pfs.client.aio import AsyncClient, FileHandle
 from pfs.client.types import Cred, DirEntry, StatResult
@@ -568,6 +569,23 @@ class PfsOperations(pyfuse3.Operations):
             finally:
                 if wrote:
                     self._attrs.drop(h.ino)
+                    trio.lowlevel.spawn_system_task(self._drop_pages, h.ino)
+
+    @staticmethod
+    async def _drop_pages(ino: int) -> None:
+        """Drop the pages a closed writer left in the kernel's cache, in a thread. Its
+        mtime moved, so the kernel would drop them anyway, inside the next lookup or
+        attribute refresh of the inode (libfuse's auto_inval_data) or at its next open
+        (no keep_cache): in someone's ``stat``, ~20 ms per 128 MiB measured here. A
+        thread, because the kernel waits for page locks that reads in flight hold until
+        this loop answers them."""
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False)
+        except OSError as exc:  # forgotten meanwhile, or unmounted: nothing cached
+            if exc.errno not in (errno.ENOENT, errno.ENOSYS, errno.EBADF, errno.ENODEV):
+                log.warning("dropping the cached pages of inode %d: %s", ino, exc)
+        except Exception:  # a system task must not raise: the page cache is only a cache
+            log.exception("dropping the cached pages of inode %d", ino)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)

@@ -3,6 +3,7 @@ metaserver: negative entries (``negative_timeout``) against close-to-open across
 mounts, and FLUSH/RELEASE of a handle that wrote nothing (no metaserver call)."""
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -350,3 +351,49 @@ def test_attributes_answered_here_expire_with_attr_timeout(client_toml: Path, mn
         time.sleep(max(0.0, t0 + attr_timeout + 0.5 - time.monotonic()))
         st = os.stat(here)
         assert (st.st_mode & 0o777, st.st_size) == (0o644, 6)
+
+
+def _cached_pages(fd: int) -> int:
+    """The file's pages in the kernel's page cache (cachestat(2), Linux 6.5+): asked
+    through an open fd, so no lookup or attribute check of the inode happens."""
+    import ctypes
+
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in
+                    ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                     "nr_recently_evicted")]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, s = Range(0, 0), Stat()
+    if libc.syscall(451, fd, ctypes.byref(r), ctypes.byref(s), 0) != 0:  # x86_64 and arm64
+        err = ctypes.get_errno()
+        if err == errno.ENOSYS:
+            pytest.skip("cachestat(2) needs Linux 6.5")
+        raise OSError(err, "cachestat")
+    return int(s.nr_cache)
+
+
+def test_a_closed_writer_s_pages_leave_the_cache_without_waiting_for_a_stat(
+        mdir: Path) -> None:
+    """The pages a writer left cached are dropped after its close by the daemon itself,
+    not inside whoever looks the file up next (the kernel would drop them there: the
+    mtime moved, ~20 ms per 128 MiB in that caller's stat); the file reads back whole."""
+    p = mdir / "written"
+    p.write_bytes(b"")
+    data = os.urandom(8 << 20)
+    reader = os.open(p, os.O_RDONLY)  # opened before the writes: nothing looks at p after
+    try:
+        with open(p, "r+b") as f:
+            f.write(data)
+            f.flush()
+            assert _cached_pages(reader) > 0  # the writes left their pages cached
+        deadline = time.monotonic() + 20
+        while (left := _cached_pages(reader)) > 0:
+            assert time.monotonic() < deadline, f"{left} pages still cached after close"
+            time.sleep(0.05)
+    finally:
+        os.close(reader)
+    assert p.read_bytes() == data
