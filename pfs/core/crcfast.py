@@ -35,7 +35,6 @@ ENV_OFF = "PFS_CRC_NO_C"
 CHECK_SIZES = (0, 1, 7, 255, 1023, 1024, 1025, 4096 + 3, 65536 + 17, 300_001)
 
 
-
 class Crc(Protocol):
     def __call__(self, data: Any, value: int = 0, /) -> int: ...
 
