@@ -9,9 +9,9 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import crc32c
 import trio
 
+from pfs.core import crcfast
 from pfs.core.checksums import (
     BLOCK,
     HOLE_CRC,
@@ -47,7 +47,7 @@ def update(fd: int, cfd: int, off: int, data: memoryview) -> None:
         start = blk * BLOCK
         lo, hi = max(off, start), min(stop, start + BLOCK)
         if hi - lo == BLOCK:
-            out.append((crc32c.crc32c(data[lo - off:hi - off]), BLOCK))
+            out.append((crcfast.crc32c(data[lo - off:hi - off]), BLOCK))
             continue
         if old is None:
             old = read_records(cfd, bl.start, len(bl))

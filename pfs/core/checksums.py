@@ -30,7 +30,7 @@ import os
 import struct
 from typing import Any
 
-import crc32c
+from pfs.core import crcfast
 
 BLOCK = 64 << 10
 RECORD = 8
@@ -41,9 +41,9 @@ _ZEROS = bytes(BLOCK)
 
 def crc_padded(data: memoryview | bytes, crc: int = 0) -> int:
     """CRC32C of ``data`` zero-padded to a full block."""
-    crc = crc32c.crc32c(data, crc)
+    crc = crcfast.crc32c(data, crc)
     pad = BLOCK - len(data)
-    return crc32c.crc32c(_ZEROS[:pad], crc) if pad > 0 else crc
+    return crcfast.crc32c(_ZEROS[:pad], crc) if pad > 0 else crc
 
 
 HOLE_CRC = crc_padded(b"")
@@ -263,7 +263,7 @@ class VerifiedRead:
                 continue
             crc = 0
             for p in parts:
-                crc = crc32c.crc32c(p, crc)
+                crc = crcfast.crc32c(p, crc)
             if crc != rec[0]:
                 for p in parts:  # the bad bytes never stay in the caller's buffer
                     p[:] = _ZEROS[:len(p)]
@@ -281,12 +281,12 @@ class VerifiedRead:
                 blk, (crc, end) = next(pairs)
                 part = v[at:at + BLOCK]
                 if end == BLOCK and (blk + 1) * BLOCK <= size:
-                    if crc32c.crc32c(part) == crc:
+                    if crcfast.crc32c(part) == crc:
                         continue
                 elif not check_map(obj, blk, (crc, end), size):
                     part[:] = _ZEROS  # a hole: zeros, whatever the file holds
                     continue
-                elif crc32c.crc32c(part) == crc:
+                elif crcfast.crc32c(part) == crc:
                     continue
                 part[:] = _ZEROS  # the bad bytes never stay in the caller's buffer
                 raise ChecksumError(obj, blk * BLOCK, "checksum mismatch")
@@ -340,7 +340,7 @@ def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
     if len(views) == 1:  # one buffer: a slice per block, no walk over views
         v = views[0]
         for i in idx:
-            if crc32c.crc32c(v[pos:pos + BLOCK]) != crcs[i]:
+            if crcfast.crc32c(v[pos:pos + BLOCK]) != crcs[i]:
                 raise ChecksumError(obj, (bl.start + i) * BLOCK,
                                     "checksum mismatch in the bytes received")
             pos += BLOCK
@@ -354,7 +354,7 @@ def verify_reply(obj: tuple[int, int], off: int, n: int, into: Any,
                 vi += 1
             v = views[vi]
             k = min(need, base + len(v) - at)
-            crc = crc32c.crc32c(v[at - base:at - base + k], crc)
+            crc = crcfast.crc32c(v[at - base:at - base + k], crc)
             at += k
             need -= k
         if crc != crcs[i]:
@@ -415,7 +415,7 @@ class StreamCheck:
         crcs = self.crcs
         while at < k and self._i < len(crcs):
             take = min(BLOCK - self._have, k - at)
-            self._crc = crc32c.crc32c(view[at:at + take], self._crc)
+            self._crc = crcfast.crc32c(view[at:at + take], self._crc)
             self._have += take
             at += take
             if self._have == BLOCK:
