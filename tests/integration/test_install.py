@@ -1,4 +1,4 @@
-"""Issue 10 item 4: pfs installs no top-level name but `pfs`, so it shares an environment
+"""pfs installs no top-level name but `pfs`, so it shares an environment
 with fusepy (whose import name is `fuse`). A fresh virtualenv outside the checkout,
 `pip install <checkout> fusepy` from PyPI (the wheel cache makes reruns quick)."""
 from __future__ import annotations

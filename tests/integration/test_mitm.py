@@ -288,7 +288,7 @@ def test_a_downgrade_to_plain_frames_is_refused_by_the_client(tmp_path: Path) ->
 
 def test_chmod_rewritten_on_the_way_to_the_metaserver(private_cluster: Path,
                                                       tmp_path: Path) -> None:
-    """Issue 13's attack on a real cluster: a proxy in front of the metaserver turns
+    """The downgrade attack on a real cluster: a proxy in front of the metaserver turns
     the client's ``setattr mode=0600`` into 0666 on the wire. The metaserver refuses
     the frame and drops the connection; the mode is never 0666."""
     import pfs
