@@ -56,6 +56,7 @@ REC = struct.Struct("<4sBBHIIQQ")
 REC_MAGIC = b"PKVR"
 REC_SEQ_AT = 16  # byte offset of a record's sequence number
 MIN_DATA = 64 << 10
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 BYTES_PER_ENTRY = 4096  # index entries: one per this many bytes of budget
 
 
@@ -95,7 +96,13 @@ class Arena:
     """One arena file, mapped. ``q``: the mapping as u64 words, ``mv``: as bytes."""
 
     def __init__(
-        self, path: Path, fd: int, buckets: int, data_off: int, data_size: int, size: int
+        self,
+        path: Path,
+        fd: int,
+        buckets: int,
+        data_off: int,
+        data_size: int,
+        size: int,
     ) -> None:
         self.path = path
         self.fd = fd
@@ -106,14 +113,25 @@ class Arena:
         self.data_size = data_size
         self.size = size
         self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:  # where the tmpfs allows it: fewer TLB misses on big copies
-                self.mm.madvise(mmap.MADV_HUGEPAGE, data_off, data_size)
-            except OSError:
-                pass
+        self.populating = True
+        self.populate(0, data_off)
         self.mv = memoryview(self.mm)
         self.q = self.mv.cast("Q")
         self.idx_q = PAGE // 8  # the first index entry, in u64 words
+
+    def populate(self, start: int, n: int) -> None:
+        """Map the file's [start, start + n) in this process now (best effort). On a
+        tmpfs of 4 KiB pages a first touch by page faults costs about as much as the
+        copy: a writer maps what it wrote (pages just written map cheaply), so its own
+        later hits take no fault; another process faults a page in once."""
+        if not self.populating:
+            return
+        lo = start & ~(PAGE - 1)
+        try:
+            self.mm.madvise(MADV_POPULATE_READ, lo, min(self.size, start + n) - lo)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                self.populating = False  # an older kernel: pages fault in as touched
 
     # -- the header ----------------------------------------------------------------
     @property
@@ -196,7 +214,7 @@ def open_arena(root: Path, budget: int, adopt: bool = False) -> Arena:
         try:
             got = _validate(fd)
             if got is not None and (adopt or got == want):
-                return Arena(path, fd, got[0], got[1], got[2], got[3])
+                return Arena(path, fd, *got)
             if got is not None and _retired(fd):
                 os.close(fd)  # being replaced: open the new one
                 continue
@@ -248,10 +266,16 @@ def _create(root: Path, path: Path, geo: tuple[int, int, int, int], replace: int
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
-        # the header and index are stored into through the mapping: give them their
-        # memory now (a store into a hole on a full tmpfs would be a SIGBUS); the data
-        # area is written with pwrite, which reports ENOSPC instead
-        os.posix_fallocate(fd, 0, data_off)
+        # the header and index are stored into through the mapping: their memory now (a
+        # store into a hole that a full tmpfs cannot fill would be a SIGBUS); the data
+        # area takes memory as it is written (pwrite, which reports ENOSPC instead)
+        try:
+            os.posix_fallocate(fd, 0, data_off)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"{root}: no room for a node tier arena's index ({data_off} bytes): {exc.strerror}",
+            ) from None
         head = HEAD.pack(MAGIC, VERSION, 0, size, buckets, data_off, data_size)
         raw = STATE.pack(0, data_size, data_size, 1)
         os.pwrite(fd, head, 0)

@@ -158,8 +158,8 @@ class NodeTier:
         if i is None:
             return None
         q = a.q
-        off, seq = q[i + 1], q[i + 2]
-        if not seq or off % ALIGN or off + REC.size > a.data_size:
+        off, seq, reclen = q[i + 1], q[i + 2], q[i + 3] >> 8
+        if not seq or off % ALIGN or reclen < REC.size or off + reclen > a.data_size:
             return None
         p = a.data_off + off
         magic, nslen, _fl, keylen, vlen, crc, rseq, rh = REC.unpack_from(a.mv, p)
@@ -168,7 +168,7 @@ class NodeTier:
             or rh != h
             or magic != REC_MAGIC
             or nslen + keylen != len(nsk)
-            or off + record_length(len(nsk), vlen)[1] > a.data_size
+            or record_length(len(nsk), vlen)[1] != reclen
             or a.mv[p + REC.size : p + REC.size + len(nsk)] != nsk
         ):
             return None  # being rewritten, another key with this hash, or damage
@@ -254,6 +254,7 @@ class NodeTier:
                     log.warning("node tier %s: tmpfs is full; block not kept", a.path)
                     return False
                 off, seq = st.head, st.seq
+                a.populate(a.data_off + off, reclen)  # this process's own hits: no fault
                 st.head += reclen
                 st.seq += 1
                 a.set_state(st)  # the record is in the ring (unnamed until published)
@@ -335,6 +336,7 @@ class NodeTier:
                 dest, new = st.head, st.seq
                 a.set_state(st)
                 _pwrite_all(a.fd, [rec], a.data_off + dest)
+                a.populate(a.data_off + dest, reclen)
                 st.head += reclen
                 st.seq += 1
                 a.set_state(st)
