@@ -102,6 +102,7 @@ class NodeTier:
                 f"{self.root}: the node tier's folder must be this user's own, mode 0700",
             )
         self._arena = open_arena(self.root, budget, adopt)
+        _drop_file_blocks(self.root)
 
     def close(self) -> None:
         with self._lock:
@@ -193,9 +194,8 @@ class NodeTier:
                 return None
             raise OSError(errno.ERANGE, f"KV block is {n} bytes, the buffer holds {len(out)}")
         vstart = p + record_length(len(nsk), n)[0]
-        dst = out[:n]
-        dst[:] = a.mv[vstart : vstart + n]
-        good = crcfast.crc32c(dst) == crc
+        # the copy and its CRC in one pass (the CRC is of exactly the bytes copied)
+        good = crcfast.crc32c_copy(out, a.mv[vstart : vstart + n]) == crc
         if a.q[seq_at] != seq:  # a writer took the record meanwhile: what we copied may mix
             self.misses += 1
             return None
@@ -446,6 +446,28 @@ def tmpfs_page_mode(path: str | os.PathLike[str], mountinfo: str | None = None) 
         if opt.startswith("huge="):
             return opt[len("huge=") :]
     return "never"
+
+
+def _drop_file_blocks(root: Path) -> None:
+    """Remove the blocks of the layout before the arena (a file per block in folders
+    ``00``..``ff``), which nothing reads any more. The folders stay: a process of the
+    old code still running puts into them (and bounds them itself)."""
+    if not (root / "00").is_dir():
+        return
+    n = 0
+    for i in range(256):
+        try:
+            entries = list(os.scandir(root / f"{i:02x}"))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            try:
+                os.unlink(e.path)
+                n += 1
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+    if n:
+        log.info("node tier %s: removed %d blocks of the file-per-block layout", root, n)
 
 
 def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], off: int) -> None:

@@ -207,3 +207,13 @@ def test_a_damaged_arena_is_a_miss_never_a_crash(tmp_path: Path, where: str) -> 
             assert t.put(NS, k, memoryview(k * 100))
             assert t.get_into(NS, k, out) == len(k) * 100
         t.usage()
+
+
+def test_blocks_of_the_file_per_block_layout_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    (root / "00").mkdir(parents=True, mode=0o700)
+    (root / "ab").mkdir(mode=0o700)
+    os.chmod(root, 0o700)
+    (root / "ab" / "0123").write_bytes(b"x" * 1000)
+    NodeTier(root, 1 << 20)
+    assert list((root / "ab").iterdir()) == [] and (root / "ab").is_dir()
