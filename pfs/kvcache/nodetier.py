@@ -330,7 +330,8 @@ class NodeTier:
             if i is not None and (q[i + 1] != off or q[i + 2] != seq):
                 i = None  # a dead record: its key was put again, removed or evicted
             if i is not None and q[i + 3] & 0xFF and moved + reclen <= a.data_size:
-                rec = bytes(a.mv[p : p + reclen])  # referenced: a second chance at the head
+                rec = bytearray(a.mv[p : p + reclen])  # referenced: a second chance
+                rec[REC_SEQ_AT : REC_SEQ_AT + 8] = bytes(8)  # written unnamed, as a put's
                 a.kill_record(off, seq)
                 st.sweep += reclen
                 dest, new = st.head, st.seq
