@@ -232,7 +232,7 @@ class NodeTier:
         h, nsk = self._name(ns, key)
         vstart, reclen = record_length(len(nsk), len(value))
         head = REC.pack(REC_MAGIC, len(ns.encode()), 0, len(key), len(value), crc, 0, h)
-        parts: list[bytes | memoryview] = [
+        parts: list[bytes | bytearray | memoryview] = [
             head,
             nsk,
             _PAD[: vstart - REC.size - len(nsk)],
@@ -471,7 +471,7 @@ def _drop_file_blocks(root: Path) -> None:
         log.info("node tier %s: removed %d blocks of the file-per-block layout", root, n)
 
 
-def _pwrite_all(fd: int, parts: Sequence[bytes | memoryview], off: int) -> None:
+def _pwrite_all(fd: int, parts: Sequence[bytes | bytearray | memoryview], off: int) -> None:
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
         n = os.pwritev(fd, views, off)
