@@ -66,7 +66,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-dir", help="scratch space: the file store and a cluster")
     p.add_argument("--node-dir", default="/dev/shm",
                    help="where the node tier's folder goes (default /dev/shm; a tmpfs "
-                        "mounted huge=within_size reads about 3x faster)")
+                        "mounted huge=within_size maps another process's blocks faster)")
     p.add_argument("--json", help="write all results here")
 
 

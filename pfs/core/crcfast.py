@@ -9,6 +9,11 @@ user's cache directory (as the io500 loops are) and checked against the package 
 random buffers before it is used. Without a compiler, on a CPU without those
 instructions, when the check fails, or with ``PFS_CRC_NO_C=1``, :func:`crc32c` is the
 package's own function: the same values, at its speed.
+
+:func:`crc32c_copy` copies a buffer and returns its CRC in the same pass (each 64-byte
+vector folded is also stored): the node tier's hit, a copy out of shared memory and its
+check, then costs about the copy alone. Without the folding module it is a copy, then
+:func:`crc32c`.
 """
 from __future__ import annotations
 
@@ -55,19 +60,35 @@ def _owned(path: Path) -> bool:
     return True
 
 
-def _checked(fn: Crc) -> bool:
-    """Whether ``fn`` gives the package's value on random buffers, chained too."""
+class CopyCrc(Protocol):
+    def __call__(self, dst: Any, src: Any, value: int = 0, /) -> int: ...
+
+
+def _checked(fn: Crc, copy: CopyCrc) -> bool:
+    """Whether ``fn`` gives the package's value on random buffers, chained too, and
+    ``copy`` copies them whole and gives the same value."""
     rnd = random.Random(0x5EED)
     for n in CHECK_SIZES:
         view = memoryview(rnd.randbytes(n + 1))[1:]  # an odd address too
         seed = rnd.getrandbits(32)
         if fn(view, 0) != _pkg.crc32c(view) or fn(view, seed) != _pkg.crc32c(view, seed):
             return False
+        dst = bytearray(n + 3)
+        got = copy(memoryview(dst)[1:], view, seed)
+        if got != _pkg.crc32c(view, seed) or dst[1:n + 1] != view:
+            return False
     return True
 
 
-def load() -> tuple[Crc | None, str]:
-    """The folding function and "", or None and why not."""
+def _copy_then_crc(dst: Any, src: Any, value: int = 0, /) -> int:
+    out = memoryview(dst).cast("B")
+    n = memoryview(src).nbytes
+    out[:n] = memoryview(src).cast("B")
+    return crc32c(out[:n], value)
+
+
+def _load() -> tuple[Any, str]:
+    """The built module, checked, and "", or None and why not."""
     if os.environ.get(ENV_OFF):
         return None, f"{ENV_OFF} is set"
     try:
@@ -85,19 +106,30 @@ def load() -> tuple[Crc | None, str]:
         return None, str(exc)
     if not mod.folds():
         return None, "this CPU has no VPCLMULQDQ over AVX-512"
-    fn: Crc = mod.crc32c
-    if not _checked(fn):
+    if not _checked(mod.crc32c, mod.crc32c_copy):
         return None, "it disagreed with the crc32c package"
-    return fn, ""
+    return mod, ""
 
 
-def _pick() -> Crc:
-    fn, why = load()
-    if fn is None:
+def load() -> tuple[Crc | None, str]:
+    """The folding function and "", or None and why not."""
+    mod, why = _load()
+    return (mod.crc32c if mod is not None else None), why
+
+
+def _pick() -> tuple[Crc, CopyCrc | None]:
+    mod, why = _load()
+    if mod is None:
         log.debug("CRC32C by the crc32c package (%s)", why)
-        return _pkg.crc32c  # type: ignore[no-any-return]
-    return fn
+        return _pkg.crc32c, None
+    return mod.crc32c, mod.crc32c_copy
 
 
-crc32c: Crc = _pick()
+crc32c: Crc
+_copy: CopyCrc | None
+crc32c, _copy = _pick()
 """``crc32c(data, value=0)``: as ``crc32c.crc32c``."""
+crc32c_copy: CopyCrc = _copy if _copy is not None else _copy_then_crc
+"""``crc32c_copy(dst, src, value=0)``: copy ``src`` to the start of ``dst`` (at least as
+long) and return ``crc32c(src, value)``, in one pass over the bytes where the CPU folds
+(a KV hit's copy out of shared memory and its check cost about the copy alone)."""

@@ -45,43 +45,70 @@ TGT_FOLD static inline __m128i fold128(__m128i x, __m128i k) {
     return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
 }
 
-/* the raw CRC state ``c`` (not inverted) over ``n`` >= 256 bytes */
-TGT_FOLD static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) {
+TGT_FOLD static inline __m512i load_copy(const unsigned char *p, unsigned char *d) {
+    __m512i v = _mm512_loadu_si512((const void *)p);
+    if (d) _mm512_storeu_si512((void *)d, v);
+    return v;
+}
+
+/* the raw CRC state ``c`` (not inverted) over ``n`` >= 256 bytes; where ``d`` is not NULL
+ * each vector read is also stored there (a copy in the same pass: the bytes are read
+ * from memory once, and the CRC is of exactly what was copied) */
+TGT_FOLD static inline __attribute__((always_inline)) uint32_t
+fold_impl(uint32_t c, const unsigned char *p, size_t n, unsigned char *d) {
     const __m512i k2048 = _mm512_set_epi64(0xb9e02b86, 0xdcb17aa4, 0xb9e02b86, 0xdcb17aa4,
                                            0xb9e02b86, 0xdcb17aa4, 0xb9e02b86, 0xdcb17aa4);
     const __m512i k512 = _mm512_set_epi64(0x9e4addf8, 0x740eef02, 0x9e4addf8, 0x740eef02,
                                           0x9e4addf8, 0x740eef02, 0x9e4addf8, 0x740eef02);
     const __m128i k128 = _mm_set_epi64x(0x14cd00bd6, 0xf20c0dfe);
-    __m512i z0 = _mm512_loadu_si512((const void *)p);
-    __m512i z1 = _mm512_loadu_si512((const void *)(p + 64));
-    __m512i z2 = _mm512_loadu_si512((const void *)(p + 128));
-    __m512i z3 = _mm512_loadu_si512((const void *)(p + 192));
+#define LOAD(off) load_copy(p + (off), d ? d + (off) : NULL)
+    __m512i z0 = LOAD(0);
+    __m512i z1 = LOAD(64);
+    __m512i z2 = LOAD(128);
+    __m512i z3 = LOAD(192);
     z0 = _mm512_xor_si512(z0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)c)));
     p += 256;
+    d = d ? d + 256 : NULL;
     n -= 256;
     while (n >= 256) {
-        z0 = _mm512_xor_si512(fold512(z0, k2048), _mm512_loadu_si512((const void *)p));
-        z1 = _mm512_xor_si512(fold512(z1, k2048), _mm512_loadu_si512((const void *)(p + 64)));
-        z2 = _mm512_xor_si512(fold512(z2, k2048), _mm512_loadu_si512((const void *)(p + 128)));
-        z3 = _mm512_xor_si512(fold512(z3, k2048), _mm512_loadu_si512((const void *)(p + 192)));
+        z0 = _mm512_xor_si512(fold512(z0, k2048), LOAD(0));
+        z1 = _mm512_xor_si512(fold512(z1, k2048), LOAD(64));
+        z2 = _mm512_xor_si512(fold512(z2, k2048), LOAD(128));
+        z3 = _mm512_xor_si512(fold512(z3, k2048), LOAD(192));
         p += 256;
+        d = d ? d + 256 : NULL;
         n -= 256;
     }
     z1 = _mm512_xor_si512(z1, fold512(z0, k512));
     z2 = _mm512_xor_si512(z2, fold512(z1, k512));
     z3 = _mm512_xor_si512(z3, fold512(z2, k512));
     while (n >= 64) {
-        z3 = _mm512_xor_si512(fold512(z3, k512), _mm512_loadu_si512((const void *)p));
+        z3 = _mm512_xor_si512(fold512(z3, k512), LOAD(0));
         p += 64;
+        d = d ? d + 64 : NULL;
         n -= 64;
     }
+#undef LOAD
     __m128i x = _mm512_extracti32x4_epi32(z3, 0);
     x = _mm_xor_si128(fold128(x, k128), _mm512_extracti32x4_epi32(z3, 1));
     x = _mm_xor_si128(fold128(x, k128), _mm512_extracti32x4_epi32(z3, 2));
     x = _mm_xor_si128(fold128(x, k128), _mm512_extracti32x4_epi32(z3, 3));
     uint64_t c64 = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
     c64 = _mm_crc32_u64(c64, (uint64_t)_mm_extract_epi64(x, 1));
+    if (d) {
+        memcpy(d, p, n);
+        p = d;
+    }
     return crc_bytes((uint32_t)c64, p, n);
+}
+
+TGT_FOLD static uint32_t crc_fold(uint32_t c, const unsigned char *p, size_t n) {
+    return fold_impl(c, p, n, NULL);
+}
+
+TGT_FOLD static uint32_t crc_fold_copy(uint32_t c, unsigned char *d, const unsigned char *p,
+                                       size_t n) {
+    return fold_impl(c, p, n, d);
 }
 
 static int have_fold;
@@ -92,17 +119,37 @@ static uint32_t crc32c_any(uint32_t value, const unsigned char *p, size_t n) {
     return ~c;
 }
 
+static uint32_t copy_any(uint32_t value, unsigned char *d, const unsigned char *p, size_t n) {
+    uint32_t c = ~value;
+    if (have_fold && n >= FAST_MIN) {
+        c = crc_fold_copy(c, d, p, n);
+    } else {
+        memcpy(d, p, n);
+        c = crc_bytes(c, d, n);
+    }
+    return ~c;
+}
+
+/* the optional last argument ``value`` of a call with ``want`` arguments before it:
+ * 0 if absent; -1 (an exception set) if the count or the value is wrong */
+static int crc_value(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                     const char *usage, unsigned long *value) {
+    if (nargs < want || nargs > want + 1) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    *value = 0;
+    if (nargs == want + 1) {
+        *value = PyLong_AsUnsignedLongMask(args[want]);
+        if (*value == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "crc32c(data, value=0)");
-        return NULL;
-    }
-    unsigned long value = 0;
-    if (nargs == 2) {
-        value = PyLong_AsUnsignedLongMask(args[1]);
-        if (value == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    }
+    unsigned long value;
+    if (crc_value(args, nargs, 1, "crc32c(data, value=0)", &value) < 0) return NULL;
     Py_buffer b;
     if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
     uint32_t r;
@@ -117,6 +164,38 @@ static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromUnsignedLong(r);
 }
 
+static PyObject *py_crc32c_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    unsigned long value;
+    if (crc_value(args, nargs, 2, "crc32c_copy(dst, src, value=0)", &value) < 0) return NULL;
+    Py_buffer d, b;
+    if (PyObject_GetBuffer(args[0], &d, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.len < b.len) {
+        PyBuffer_Release(&b);
+        PyBuffer_Release(&d);
+        PyErr_SetString(PyExc_ValueError, "crc32c_copy: dst is shorter than src");
+        return NULL;
+    }
+    unsigned char *dp = (unsigned char *)d.buf;
+    const unsigned char *sp = (const unsigned char *)b.buf;
+    size_t n = (size_t)b.len;
+    uint32_t r;
+    if (n >= NOGIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        r = copy_any((uint32_t)value, dp, sp, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = copy_any((uint32_t)value, dp, sp, n);
+    }
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&d);
+    return PyLong_FromUnsignedLong(r);
+}
+
 static PyObject *py_folds(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -126,6 +205,8 @@ static PyObject *py_folds(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL,
      "crc32c(data, value=0): as crc32c.crc32c"},
+    {"crc32c_copy", (PyCFunction)(void (*)(void))py_crc32c_copy, METH_FASTCALL,
+     "crc32c_copy(dst, src, value=0): copy src to the start of dst; crc32c of src"},
     {"folds", py_folds, METH_NOARGS, "whether this CPU takes the folding path"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,69 +1,71 @@
-"""The node's shared host-memory tier: KV blocks in files under a directory on tmpfs
-(``/dev/shm``), shared by every process of this user on the node.
+"""The node's shared host-memory tier: KV blocks in one shared-memory arena under a
+directory on tmpfs (``/dev/shm``), mapped once by every process of this user on the node.
 
-The tensor-parallel workers of one engine all ask for the same blocks: one copy in the
-page cache of tmpfs serves them all, where a per-process dictionary would keep one copy
-per worker. A block is one file named by a hash of (namespace, key), written whole to a
-temporary name and renamed in, so a reader sees an old block, the new one, or none, never
-a torn one. The file starts with a header (magic, namespace, key, length, crc32c of the
-value); a reader checks the namespace, key, length and crc, and anything that does not
-match is a miss (and the file is dropped), never another key's bytes.
+The tensor-parallel workers of one engine all ask for the same blocks: one copy in
+shared memory serves them all, where a per-process dictionary would keep one copy per
+worker. The arena (:mod:`pfs.kvcache.arena`: one file of the budget's size, ``MAP_SHARED``)
+holds an index (buckets of 8 entries: a hash of (namespace, key), the record's offset,
+its sequence number, a reference byte) and a ring of records (a head with the namespace,
+key, length, CRC32C of the value and the sequence number, then the value).
 
-The tier is bounded (``budget`` bytes, all namespaces together) with LRU eviction by the
-files' mtime, which a hit refreshes (each process at most once a second per block, by
-its own clock: a hit on a block this process touched within the second costs no
-system call beyond its open, read and close). No shared counter: each process counts the
-bytes it wrote, and past ``slack`` of them it scans the directory and removes the least
-recently used files down to 90% of the budget, under a lock file so one process trims at
-a time. The tier may therefore overshoot by ``slack`` per writing process between scans;
-a write that finds tmpfs full trims and is dropped (this tier is a cache: the block's
-homes hold it).
+A hit is a lookup in the index and one copy from the mapping into the caller's buffer:
+no system call. Readers take no lock; each checks, in order, that the record's sequence
+number is the index entry's and its hash, namespace and key are the ones asked for,
+copies the value, checks its CRC32C on the copy, and reads the sequence number again.
+Writers (puts, removals, eviction) serialize on ``flock`` of the arena (and a thread
+lock within a process) and zero a record's sequence number before its bytes are reused,
+so a reader whose copy raced a writer sees the number change: a miss, never another
+key's bytes or a torn block (on x86 stores and loads are not reordered with their own
+kind, which is all a seqlock needs; the CRC is the second line). A put writes the whole
+record (its number 0) past the ring's head with ``pwritev`` before the head moves over
+it, then sets the number and the index entry: a writer killed at any step leaves a
+record no entry names (a miss) and the lock released with its process.
 
-The directory is private to its user (mode 0700, files 0600): blocks never leave the
+The ring is bounded by the budget; room is made by sweeping from its oldest end, clock
+fashion: a record read since the sweep last passed (its reference byte set by a reader)
+is moved to the head once, the others are dropped. A put is therefore never refused for
+want of room (only a block larger than the arena, or a tmpfs out of memory). The
+directory is private to its user (mode 0700, the arena 0600): blocks never leave the
 cluster's credentials by way of this tier.
-
-Speed: a hit is one ``open``, one ``preadv`` of header and value (the value straight into
-the caller's buffer), the checks, one CRC32C of the value (:mod:`pfs.core.crcfast`:
-about 60 GB/s where the CPU folds by VPCLMULQDQ, 30 by the crc32 instruction) and a
-``close``. What bounds it is the kernel's copy out of tmpfs: a tmpfs mounted without
-``huge=`` (``/dev/shm`` by default) holds files in 4 KiB pages and copies them out page
-by page, about 3x slower than from a filesystem with large folios (ext4's page cache,
-or a tmpfs mounted ``huge=within_size``). Point ``node_dir`` at such a tmpfs to read
-at memory speed (the tier logs a hint at start when its folder is on tmpfs without it).
 """
+
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import logging
 import os
 import stat
-import struct
 import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pfs.core import crcfast
+from pfs.kvcache.arena import (
+    ALIGN,
+    ENTRY,
+    PAGE,
+    REC,
+    REC_MAGIC,
+    REC_SEQ_AT,
+    WAYS,
+    Arena,
+    State,
+    open_arena,
+    record_length,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PKV1"
-# magic, namespace length, key length, value length, crc32c of the value
-_HEAD = struct.Struct("<4sBHQI")
-TOUCH_EVERY = 1.0  # seconds: a hit refreshes a block's mtime at most this often
-TOUCHED_KEPT = 1 << 16  # blocks whose last touch a process remembers (then it starts over)
-PATHS_KEPT = 1 << 14  # blocks whose file name a process remembers (a hash each, ~0.7 us)
-STALE_TMP = 60.0  # seconds: a temporary file older than this was left by a dead writer
-LOW_WATER = 0.9  # a trim removes blocks down to this fraction of the budget
+NAMES_KEPT = 1 << 14  # (namespace, key) -> hash a process remembers (~0.7 us each)
+LOW_WATER = 0.9  # trim(force=True) frees the oldest tenth of the ring
+_PAD = bytes(ALIGN)
 
 
 def default_dir() -> Path:
     """``/dev/shm/pfs-kv-UID`` (memory), or a folder under the temp dir without tmpfs."""
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get(
-        "TMPDIR", "/tmp"))
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(os.environ.get("TMPDIR", "/tmp"))
     return base / f"pfs-kv-{os.getuid()}"
 
 
@@ -78,221 +80,347 @@ class TierUsage:
 
 
 class NodeTier:
-    """Blocks in files under ``root``, at most about ``budget`` bytes."""
+    """Blocks in the shared arena under ``root``, at most ``budget`` bytes (the arena's
+    file, index included). ``adopt``: use the arena there whatever its budget (a
+    different one is otherwise replaced by one of this budget)."""
 
-    def __init__(self, root: str | os.PathLike[str] | None, budget: int,
-                 slack: int | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] | None, budget: int, *, adopt: bool = False
+    ) -> None:
         if budget <= 0:
             raise ValueError("a node tier needs a budget above 0 bytes")
         self.root = Path(root) if root is not None else default_dir()
         self.budget = budget
-        self.slack = slack if slack is not None else max(1 << 20, min(budget // 8, 64 << 20))
-        self._written = 0  # bytes this process wrote since its last scan
-        self._touched: dict[str, float] = {}  # path -> when this process last touched it
-        self._paths: dict[tuple[str, bytes], str] = {}  # (namespace, key) -> its file
-        self._lock = threading.Lock()  # the sync API is called from many threads
+        self._names: dict[tuple[str, bytes], tuple[int, bytes]] = {}
+        self._lock = threading.Lock()  # this process's writers (flock is per open file)
         self.hits = self.misses = self.puts = self.evictions = self.corrupt = 0
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.root.stat()
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise OSError(errno.EACCES, f"{self.root}: the node tier's folder must be this "
-                                        "user's own, mode 0700")
-        for i in range(256):
-            (self.root / f"{i:02x}").mkdir(mode=0o700, exist_ok=True)
-        _hint_if_small_pages(self.root)
+            raise OSError(
+                errno.EACCES,
+                f"{self.root}: the node tier's folder must be this user's own, mode 0700",
+            )
+        self._arena = open_arena(self.root, budget, adopt)
+        _drop_file_blocks(self.root)
+
+    def close(self) -> None:
+        with self._lock:
+            self._arena.close()
 
     # -- names ------------------------------------------------------------------
-    def path(self, ns: str, key: bytes) -> str:
-        got = self._paths.get((ns, key))
+    def _name(self, ns: str, key: bytes) -> tuple[int, bytes]:
+        got = self._names.get((ns, key))
         if got is None:
-            h = hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=16).hexdigest()
-            got = f"{self.root}/{h[:2]}/{h}"
-            if len(self._paths) >= PATHS_KEPT:
-                self._paths.clear()  # (from any thread: each step is one atomic dict op)
-            self._paths[ns, key] = got
+            nsk = ns.encode() + key
+            h = (
+                int.from_bytes(
+                    hashlib.blake2b(ns.encode() + b"\0" + key, digest_size=8).digest(), "little"
+                )
+                or 1
+            )
+            got = (h, nsk)
+            if len(self._names) >= NAMES_KEPT:
+                self._names.clear()  # (from any thread: each step is one atomic dict op)
+            self._names[ns, key] = got
         return got
 
+    def _mapped(self) -> Arena:
+        """The arena, mapped again if another process replaced it (another budget)."""
+        a = self._arena
+        if a.retired:
+            with self._lock:
+                a = self._swap()
+        return a
+
+    def _swap(self) -> Arena:
+        a = self._arena
+        if a.retired:
+            log.info("node tier %s: the arena was replaced; mapping the new one", self.root)
+            self._arena = open_arena(self.root, self.budget, adopt=True)
+            a.close()  # (writers hold self._lock: none is using its descriptor)
+        return self._arena
+
     @staticmethod
-    def header(ns: str, key: bytes, length: int, crc: int) -> bytes:
-        nsb = ns.encode()
-        return _HEAD.pack(MAGIC, len(nsb), len(key), length, crc) + nsb + key
+    def _find(a: Arena, h: int) -> int | None:
+        """The u64 index of ``h``'s entry in the mapping, or None."""
+        q = a.q
+        i = a.idx_q + (h & a.mask) * (WAYS * 4)
+        for _ in range(WAYS):
+            if q[i] == h:
+                return i
+            i += 4
+        return None
+
+    def _record(self, a: Arena, h: int, nsk: bytes) -> tuple[int, int, int, int, int] | None:
+        """(entry, offset, seq, value length, value crc) of the key's record as its
+        index entry and head say now, or None."""
+        i = self._find(a, h)
+        if i is None:
+            return None
+        q = a.q
+        off, seq, reclen = q[i + 1], q[i + 2], q[i + 3] >> 8
+        if not seq or off % ALIGN or reclen < REC.size or off + reclen > a.data_size:
+            return None
+        p = a.data_off + off
+        magic, nslen, _fl, keylen, vlen, crc, rseq, rh = REC.unpack_from(a.mv, p)
+        if (
+            rseq != seq
+            or rh != h
+            or magic != REC_MAGIC
+            or nslen + keylen != len(nsk)
+            or record_length(len(nsk), vlen)[1] != reclen
+            or a.mv[p + REC.size : p + REC.size + len(nsk)] != nsk
+        ):
+            return None  # being rewritten, another key with this hash, or damage
+        return i, off, seq, vlen, crc
 
     # -- blocks -----------------------------------------------------------------
-    def put(self, ns: str, key: bytes, value: memoryview, crc: int | None = None) -> bool:
-        """Store a block (``crc``: crc32c of ``value`` when the caller has it). False
-        when tmpfs is full (the block is not held; nothing else changes)."""
-        if crc is None:
-            crc = crcfast.crc32c(value)
-        path = self.path(ns, key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        head = self.header(ns, key, len(value), crc)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, [head, value])
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except OSError as exc:
-            _unlink(tmp)
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            log.warning("node tier %s is full: trimming, block not kept", self.root)
-            self.trim(force=True)
-            return False
-        self.puts += 1
-        with self._lock:
-            self._written += len(head) + len(value)
-            due = self._written >= self.slack
-        if due:
-            self.trim()
-        return True
-
     def get_into(self, ns: str, key: bytes, out: memoryview) -> int | None:
-        """Read the block into ``out``; its length, or None (a miss: absent, or what
+        """Copy the block into ``out``; its length, or None (a miss: absent, or what
         was there did not check out). A block longer than ``out``: ERANGE."""
-        path = self.path(ns, key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        a = self._mapped()
+        h, nsk = self._name(ns, key)
+        found = self._record(a, h, nsk)
+        if found is None:
             self.misses += 1
             return None
-        try:
-            head = bytearray(_HEAD.size + len(ns.encode()) + len(key))
-            got = os.preadv(fd, [head, out], 0)
-            found = self._check(fd, path, ns, key, head, got, len(out))
-            if found is None:
+        i, off, seq, n, crc = found
+        p = a.data_off + off
+        seq_at = (p + REC_SEQ_AT) >> 3
+        if n > len(out):
+            if a.q[seq_at] != seq:
                 self.misses += 1
                 return None
-            n, crc = found
-            if crcfast.crc32c(out[:n]) != crc:
-                self._drop(fd, path, "crc mismatch")
-                self.misses += 1
-                return None
-            now = time.monotonic()
-            touched = self._touched
-            if now - touched.get(path, -TOUCH_EVERY) > TOUCH_EVERY:
-                os.utime(fd)  # recently used: the LRU's clock
-                if len(touched) >= TOUCHED_KEPT:
-                    touched.clear()  # (from any thread: each step is one atomic dict op)
-                touched[path] = now
-        finally:
-            os.close(fd)
+            raise OSError(errno.ERANGE, f"KV block is {n} bytes, the buffer holds {len(out)}")
+        vstart = p + record_length(len(nsk), n)[0]
+        # the copy and its CRC in one pass (the CRC is of exactly the bytes copied)
+        good = crcfast.crc32c_copy(out, a.mv[vstart : vstart + n]) == crc
+        if a.q[seq_at] != seq:  # a writer took the record meanwhile: what we copied may mix
+            self.misses += 1
+            return None
+        if not good:
+            self._damaged(a, off, seq)
+            self.misses += 1
+            return None
+        ref = (i + 3) << 3
+        if not a.mv[ref]:
+            a.mv[ref] = 1  # recently used: the clock's reference byte
         self.hits += 1
         return n
 
-    def _check(self, fd: int, path: str, ns: str, key: bytes, head: bytearray, got: int,
-               room: int) -> tuple[int, int] | None:
-        if got < len(head):
-            self._drop(fd, path, "short header")
-            return None
-        magic, nslen, keylen, length, crc = _HEAD.unpack_from(head)
-        nsb = ns.encode()
-        if (magic != MAGIC or nslen != len(nsb) or keylen != len(key)
-                or head[_HEAD.size:_HEAD.size + nslen] != nsb
-                or head[_HEAD.size + nslen:] != key):
-            # another (namespace, key) with the same hash, or a damaged header: a miss
-            # (not dropped: a colliding block is some other key's to keep)
-            return None
-        if length > room:
-            raise OSError(errno.ERANGE, f"KV block is {length} bytes, the buffer holds "
-                                          f"{room}")
-        if got - len(head) < length:
-            self._drop(fd, path, "short value")
-            return None
-        return int(length), int(crc)
-
-    def _drop(self, fd: int, path: str, why: str) -> None:
-        """Remove a damaged block, unless a writer replaced it meanwhile."""
+    def _damaged(self, a: Arena, off: int, seq: int) -> None:
         self.corrupt += 1
-        log.warning("node tier: %s: %s; dropped", path, why)
-        try:
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+        log.warning("node tier %s: the block at %d failed its CRC; dropped", a.path, off)
+        with self._lock:
+            a.lock()
+            try:
+                a.kill_record(off, seq)
+            finally:
+                a.unlock()
 
     def exists(self, ns: str, key: bytes) -> bool:
-        return os.path.exists(self.path(ns, key))
+        h, nsk = self._name(ns, key)
+        return self._record(self._mapped(), h, nsk) is not None
+
+    def put(self, ns: str, key: bytes, value: memoryview, crc: int | None = None) -> bool:
+        """Store a block (``crc``: crc32c of ``value`` when the caller has it). False
+        when it cannot be held (larger than the arena, or tmpfs out of memory)."""
+        value = memoryview(value).cast("B")
+        if crc is None:
+            crc = crcfast.crc32c(value)
+        h, nsk = self._name(ns, key)
+        vstart, reclen = record_length(len(nsk), len(value))
+        head = REC.pack(REC_MAGIC, len(ns.encode()), 0, len(key), len(value), crc, 0, h)
+        parts: list[bytes | bytearray | memoryview] = [
+            head,
+            nsk,
+            _PAD[: vstart - REC.size - len(nsk)],
+            value,
+            _PAD[: reclen - vstart - len(value)],
+        ]
+        with self._lock:
+            a = self._locked()
+            try:
+                if reclen > a.data_size:
+                    log.debug("node tier: a %d-byte block is larger than the arena", reclen)
+                    return False
+                try:
+                    st = self._room(a, self._state(a), reclen)
+                    _pwrite_all(a.fd, parts, a.data_off + st.head)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                        raise
+                    log.warning("node tier %s: tmpfs is full; block not kept", a.path)
+                    return False
+                off, seq = st.head, st.seq
+                a.populate(a.data_off + off, reclen)  # this process's own hits: no fault
+                st.head += reclen
+                st.seq += 1
+                a.set_state(st)  # the record is in the ring (unnamed until published)
+                self._publish(a, h, off, seq, reclen)
+            finally:
+                a.unlock()
+        self.puts += 1
+        return True
+
+    def _locked(self) -> Arena:
+        """The current arena with its writers' lock held (self._lock held)."""
+        while True:
+            a = self._swap()
+            a.lock()
+            if not a.retired:
+                return a
+            a.unlock()
+
+    def _state(self, a: Arena) -> State:
+        st = a.state()
+        if st is None:
+            self.corrupt += 1
+            log.warning("node tier %s: the ring's state is damaged; emptying it", a.path)
+            st = a.reset()
+        return st
+
+    def _publish(self, a: Arena, h: int, off: int, seq: int, reclen: int) -> None:
+        """Name the record at ``off``: its sequence number, then the index entry (the
+        key's old record, or the bucket's least useful entry, is dropped)."""
+        q = a.q
+        q[(a.data_off + off + REC_SEQ_AT) >> 3] = seq
+        i = self._find(a, h)
+        if i is None:
+            base = a.idx_q + (h & a.mask) * (WAYS * 4)
+            ways = [base + 4 * w for w in range(WAYS)]
+            empty = [j for j in ways if not q[j]]
+            # else the oldest unreferenced entry (then the oldest)
+            i = empty[0] if empty else min(ways, key=lambda j: (q[j + 3] & 0xFF, q[j + 2]))
+            if not empty:
+                self.evictions += 1
+        if q[i] and q[i + 2]:
+            a.kill_record(q[i + 1], q[i + 2])
+        q[i + 2] = 0
+        q[i] = h
+        q[i + 1] = off
+        q[i + 3] = reclen << 8
+        q[i + 2] = seq
+
+    def _room(self, a: Arena, st: State, n: int) -> State:
+        """Sweep the ring until ``n`` bytes lie free at its head (writers' lock held):
+        a record read since the sweep last passed moves to the head (once per lap), the
+        rest are dropped. The state is stored before any byte it frees is reused."""
+        q = a.q
+        moved = 0
+        while st.sweep - st.head < n:
+            if st.sweep >= st.end:
+                if a.data_size - st.head >= n:  # the tail past the ring's end is free
+                    st.sweep = st.end = a.data_size
+                else:  # wrap: the oldest records are at the start
+                    st.end, st.head, st.sweep = st.head, 0, 0
+                a.set_state(st)
+                continue
+            off = st.sweep
+            p = a.data_off + off
+            magic, nslen, _fl, keylen, vlen, _crc, seq, h = REC.unpack_from(a.mv, p)
+            reclen = record_length(nslen + keylen, vlen)[1]
+            if magic != REC_MAGIC or off + reclen > st.end:
+                self.corrupt += 1
+                log.warning("node tier %s: a damaged record in the ring; emptying it", a.path)
+                st = a.reset()
+                continue
+            i = self._find(a, h) if seq else None
+            if i is not None and (q[i + 1] != off or q[i + 2] != seq):
+                i = None  # a dead record: its key was put again, removed or evicted
+            if i is not None and q[i + 3] & 0xFF and moved + reclen <= a.data_size:
+                rec = bytearray(a.mv[p : p + reclen])  # referenced: a second chance
+                rec[REC_SEQ_AT : REC_SEQ_AT + 8] = bytes(8)  # written unnamed, as a put's
+                a.kill_record(off, seq)
+                st.sweep += reclen
+                dest, new = st.head, st.seq
+                a.set_state(st)
+                _pwrite_all(a.fd, [rec], a.data_off + dest)
+                a.populate(a.data_off + dest, reclen)
+                st.head += reclen
+                st.seq += 1
+                a.set_state(st)
+                q[(a.data_off + dest + REC_SEQ_AT) >> 3] = new
+                q[i + 3] = reclen << 8
+                q[i + 1] = dest
+                q[i + 2] = new
+                moved += reclen
+                continue
+            if i is not None:
+                a.kill_record(off, seq)
+                q[i + 2] = 0
+                q[i] = 0
+                self.evictions += 1
+            st.sweep += reclen
+        a.set_state(st)
+        return st
 
     def remove(self, ns: str, keys: Iterable[bytes]) -> int:
         n = 0
-        for key in keys:
-            n += _unlink(self.path(ns, key))
+        with self._lock:
+            a = self._locked()
+            try:
+                for key in keys:
+                    h, nsk = self._name(ns, key)
+                    found = self._record(a, h, nsk)
+                    if found is not None:
+                        i, off, seq = found[:3]
+                        a.kill_record(off, seq)
+                        a.q[i + 2] = 0
+                        a.q[i] = 0
+                        n += 1
+            finally:
+                a.unlock()
         return n
 
     # -- the budget ---------------------------------------------------------------
     def usage(self) -> TierUsage:
-        """Bytes and blocks held now (a scan)."""
+        """Bytes (records, heads included) and blocks held now (a scan of the index)."""
+        a = self._mapped()
         u = TierUsage()
-        for _mtime, size, _path in self._scan(time.time()):
-            u.bytes += size
-            u.blocks += 1
+        q = a.q
+        for h, off, seq, lr in ENTRY.iter_unpack(a.mv[PAGE : a.data_off]):
+            if (
+                h
+                and seq
+                and off % ALIGN == 0
+                and off + REC.size <= a.data_size
+                and q[(a.data_off + off + REC_SEQ_AT) >> 3] == seq
+            ):
+                u.bytes += lr >> 8
+                u.blocks += 1
         return u
 
     def trim(self, force: bool = False) -> TierUsage:
-        """Scan, and remove the least recently used blocks while over the budget (down
-        to LOW_WATER of it; ``force``: down to LOW_WATER of what is held). One process
-        trims at a time; the others skip."""
-        with self._lock:
-            self._written = 0
-        u = TierUsage()
-        lock = os.open(self.root / ".trim", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return u  # another process is trimming
-            files = self._scan(time.time())
-            u.bytes = sum(f[1] for f in files)
-            u.blocks = len(files)
-            limit = self.budget if not force else min(self.budget, u.bytes)
-            if u.bytes <= limit and not force:
-                return u
-            target = int(limit * LOW_WATER)
-            files.sort()
-            for _mtime, size, path in files:
-                if u.bytes <= target:
-                    break
-                if _unlink(path):
-                    u.bytes -= size
-                    u.blocks -= 1
-                    u.evicted += 1
-                    u.evicted_bytes += size
-            self.evictions += u.evicted
-            if u.evicted:
-                log.debug("node tier: evicted %d blocks (%d bytes)", u.evicted, u.evicted_bytes)
-            return u
-        finally:
-            os.close(lock)
-
-    def _scan(self, now: float) -> list[tuple[float, int, str]]:
-        out = []
-        for i in range(256):
-            try:
-                entries = list(os.scandir(self.root / f"{i:02x}"))
-            except FileNotFoundError:
-                continue
-            for e in entries:
+        """The arena never holds more than its budget: without ``force`` this only
+        reports. ``force``: sweep the oldest tenth of the ring free (referenced blocks
+        get their second chance)."""
+        if force:
+            before = self.evictions
+            with self._lock:
+                a = self._locked()
                 try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if e.name.endswith(".tmp"):
-                    if now - st.st_mtime > STALE_TMP:
-                        _unlink(e.path)
-                    continue
-                out.append((st.st_mtime, st.st_size, e.path))
-        return out
+                    want = int(a.data_size * (1 - LOW_WATER)) & ~(ALIGN - 1)
+                    self._room(a, self._state(a), want)
+                finally:
+                    a.unlock()
+            u = self.usage()
+            u.evicted = self.evictions - before
+            return u
+        return self.usage()
 
     def clear(self) -> None:
         """Remove every block (tests, ``pfs admin kv --clear-node``)."""
-        for _mtime, _size, path in self._scan(time.time()):
-            _unlink(path)
+        with self._lock:
+            a = self._locked()
+            try:
+                a.reset()
+            finally:
+                a.unlock()
 
 
-def tmpfs_page_mode(path: str | os.PathLike[str], mountinfo: str | None = None
-                    ) -> str | None:
+def tmpfs_page_mode(path: str | os.PathLike[str], mountinfo: str | None = None) -> str | None:
     """The ``huge=`` option of the tmpfs holding ``path`` ("never" when unset), or None
     when ``path`` is not on tmpfs (or the mount table cannot be read). ``mountinfo``:
     the text of ``/proc/self/mountinfo`` (read when not given)."""
@@ -317,30 +445,39 @@ def tmpfs_page_mode(path: str | os.PathLike[str], mountinfo: str | None = None
         return None
     for opt in best[2].split(","):
         if opt.startswith("huge="):
-            return opt[len("huge="):]
+            return opt[len("huge=") :]
     return "never"
 
 
-def _hint_if_small_pages(root: Path) -> None:
-    if tmpfs_page_mode(root) in ("never", "deny"):
-        log.info("node tier %s is on a tmpfs without huge pages: hits copy 4 KiB pages one "
-                 "by one (about 3x slower than a tmpfs mounted huge=within_size)", root)
+def _drop_file_blocks(root: Path) -> None:
+    """Remove the blocks of the layout before the arena (a file per block in folders
+    ``00``..``ff``), which nothing reads any more. The folders stay: a process of the
+    old code still running puts into them (and bounds them itself)."""
+    if not (root / "00").is_dir():
+        return
+    n = 0
+    for i in range(256):
+        try:
+            entries = list(os.scandir(root / f"{i:02x}"))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            try:
+                os.unlink(e.path)
+                n += 1
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+    if n:
+        log.info("node tier %s: removed %d blocks of the file-per-block layout", root, n)
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+def _pwrite_all(fd: int, parts: Sequence[bytes | bytearray | memoryview], off: int) -> None:
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
-        n = os.writev(fd, views)
+        n = os.pwritev(fd, views, off)
+        off += n
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False

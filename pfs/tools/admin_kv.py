@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pfs.kvcache import KVCache
+from pfs.kvcache.arena import NAME as ARENA
 from pfs.kvcache.nodetier import NodeTier, default_dir
 from pfs.tools.output import human, print_json
 
@@ -20,12 +21,13 @@ COLUMNS = ("budget", "used", "blocks", "hits", "misses", "evictions", "puts", "p
 
 def node_record(node_dir: str | None, clear: bool = False) -> dict[str, Any]:
     d = Path(node_dir) if node_dir else default_dir()
-    if not d.is_dir():
+    if not (d / ARENA).is_file():
         return {"dir": str(d), "blocks": 0, "bytes": 0}
-    tier = NodeTier(d, 1)
+    tier = NodeTier(d, 1, adopt=True)  # the arena as its users sized it
     if clear:
         tier.clear()
     u = tier.usage()
+    tier.close()
     return {"dir": str(d), "blocks": u.blocks, "bytes": u.bytes}
 
 

@@ -85,6 +85,25 @@ def test_every_length_and_alignment_gives_crc32c_values() -> None:
     assert fn(bytearray(3000)) == crc32c.crc32c(bytes(3000))  # zeros; a bytearray
 
 
+def test_copy_gives_the_crc_of_what_it_copied() -> None:
+    """crc32c_copy (one pass where the CPU folds; else a copy, then crc32c): every
+    length and alignment, the bytes past the copy left alone."""
+    _folding()
+    rnd = random.Random(11)
+    data = rnd.randbytes(1 << 20)
+    for fn in (crcfast.crc32c_copy, crcfast._copy_then_crc):
+        for n in [*range(0, 600, 7), 1023, 1024, 1025, 4096 + 65, 65536 + 3, (1 << 20) - 9]:
+            for start in (0, 5):
+                src = memoryview(data)[start:start + n]
+                dst = bytearray(b"\xee" * (n + 10))
+                seed = rnd.getrandbits(32)
+                assert fn(memoryview(dst)[3:], src, seed) == crc32c.crc32c(src, seed), n
+                assert dst[3:3 + n] == src
+                assert dst[:3] == b"\xee" * 3 and dst[3 + n:] == b"\xee" * 7
+        with pytest.raises(ValueError):
+            fn(bytearray(3), b"four")
+
+
 def test_not_used_when_turned_off_or_not_private(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(crcfast.ENV_OFF, "1")

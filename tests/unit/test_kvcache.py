@@ -1,5 +1,5 @@
 """The KV-cache client without servers: homes by rendezvous hashing, the node tier's
-files, and the API over in-memory block stores (a fake of KvServerClient)."""
+arena, and the API over in-memory block stores (a fake of KvServerClient)."""
 from __future__ import annotations
 
 import errno
@@ -15,8 +15,10 @@ import trio
 import pfs.client.device as device
 from pfs.kvcache import api
 from pfs.kvcache.api import AsyncKVCache, KVCache
+from pfs.kvcache.arena import NAME as ARENA
+from pfs.kvcache.arena import record_length
 from pfs.kvcache.homes import Homes
-from pfs.kvcache.nodetier import TOUCH_EVERY, NodeTier, tmpfs_page_mode
+from pfs.kvcache.nodetier import NodeTier, tmpfs_page_mode
 
 NS = "model-a:tp8"
 
@@ -64,7 +66,7 @@ def test_homes_replicas_and_namespaces() -> None:
 # -- the node tier --------------------------------------------------------------------
 @pytest.fixture
 def tier(tmp_path: Path) -> NodeTier:
-    return NodeTier(tmp_path / "tier", 1 << 20, slack=64 << 10)
+    return NodeTier(tmp_path / "tier", 1 << 20)
 
 
 def test_node_tier_round_trip_and_checks(tier: NodeTier) -> None:
@@ -80,64 +82,63 @@ def test_node_tier_round_trip_and_checks(tier: NodeTier) -> None:
     assert tier.get_into(NS, b"k2", memoryview(out)) is None
     assert tier.get_into("other", b"k1", memoryview(out)) is None  # namespaces never mix
     assert tier.exists(NS, b"k1") and not tier.exists(NS, b"k2")
+    assert not tier.exists("other", b"k1")
     assert tier.remove(NS, [b"k1", b"k2"]) == 1
     assert tier.get_into(NS, b"k1", memoryview(out)) is None
+
+
+def value_at(tier: NodeTier, key: bytes) -> int:
+    """Where ``key``'s value lies in the arena file (tests damage it there)."""
+    a = tier._arena
+    h, nsk = tier._name(NS, key)
+    found = tier._record(a, h, nsk)
+    assert found is not None
+    return a.data_off + found[1] + record_length(len(nsk), found[3])[0]
 
 
 def test_node_tier_damage_is_a_miss(tier: NodeTier) -> None:
     value = os.urandom(4096)
     tier.put(NS, b"k", memoryview(value))
-    path = tier.path(NS, b"k")
-    with open(path, "r+b") as f:  # flip a byte of the value
-        f.seek(-10, os.SEEK_END)
+    arena = tier.root / ARENA
+    at = value_at(tier, b"k")
+    with open(arena, "r+b") as f:  # flip a byte of the value
+        f.seek(at + 4000)
         b = f.read(1)
-        f.seek(-10, os.SEEK_END)
+        f.seek(at + 4000)
         f.write(bytes([b[0] ^ 1]))
     assert tier.get_into(NS, b"k", memoryview(bytearray(4096))) is None
-    assert not os.path.exists(path) and tier.corrupt == 1
+    assert not tier.exists(NS, b"k") and tier.corrupt == 1  # dropped
+    # another key's record under this key's index entry (a hash collision): a miss
     tier.put(NS, b"k", memoryview(value))
-    os.truncate(path, os.path.getsize(path) - 1)  # torn
-    assert tier.get_into(NS, b"k", memoryview(bytearray(4096))) is None
-    # another key's file under this key's name (a hash collision): a miss, kept
     tier.put(NS, b"x", memoryview(value))
-    os.rename(tier.path(NS, b"x"), path)
+    a = tier._arena
+    ik, ix = (tier._find(a, tier._name(NS, k)[0]) for k in (b"k", b"x"))
+    assert ik is not None and ix is not None
+    a.q[ik + 1], a.q[ik + 2] = a.q[ix + 1], a.q[ix + 2]
     assert tier.get_into(NS, b"k", memoryview(bytearray(4096))) is None
-    assert os.path.exists(path)
+    assert tier.get_into(NS, b"x", memoryview(bytearray(4096))) == 4096  # x's: intact
 
 
 def test_node_tier_evicts_least_recently_used(tier: NodeTier) -> None:
+    """Clock: a block read since the sweep last passed gets a second chance, the
+    others go oldest first; the arena never exceeds its budget."""
     block = memoryview(os.urandom(32 << 10))
+    out = memoryview(bytearray(32 << 10))
     for i in range(20):  # 640 KiB
         tier.put(NS, b"k%d" % i, block)
-    for i in range(20):  # k0..k19 by age: make k0 the newest
-        os.utime(tier.path(NS, b"k%d" % i), (1000 + i, 1000 + i))
-    os.utime(tier.path(NS, b"k0"), (5000, 5000))
+    assert tier.get_into(NS, b"k0", out) == 32 << 10  # k0: hot
     for i in range(20, 40):  # 640 KiB more: over the 1 MiB budget
         tier.put(NS, b"k%d" % i, block)
-    tier.trim()
     u = tier.usage()
-    assert u.bytes <= tier.budget
+    assert u.bytes <= tier.budget and os.path.getsize(tier.root / ARENA) <= tier.budget
     assert tier.evictions > 0
     assert tier.exists(NS, b"k0")  # hot: survived
     assert not tier.exists(NS, b"k1")  # oldest: gone
     assert tier.exists(NS, b"k39")
-
-
-def test_node_tier_hits_refresh_the_lru_clock_once_a_second(tier: NodeTier) -> None:
-    """A hit on a block not touched lately refreshes its mtime (the LRU's clock); a hit
-    again within TOUCH_EVERY does not (no system call for it)."""
-    tier.put(NS, b"k", memoryview(os.urandom(4096)))
-    path = tier.path(NS, b"k")
-    os.utime(path, (1000, 1000))
-    out = memoryview(bytearray(4096))
-    assert tier.get_into(NS, b"k", out) == 4096
-    assert os.stat(path).st_mtime > 1000  # touched
-    os.utime(path, (2000, 2000))
-    assert tier.get_into(NS, b"k", out) == 4096
-    assert os.stat(path).st_mtime == 2000  # touched within the second: left alone
-    tier._touched[path] -= 2 * TOUCH_EVERY  # as if a second had passed
-    assert tier.get_into(NS, b"k", out) == 4096
-    assert os.stat(path).st_mtime > 2000
+    assert tier.get_into(NS, b"k0", out) == 32 << 10 and out == block
+    assert tier.trim(force=True).evicted > 0
+    tier.clear()
+    assert tier.usage().blocks == 0 and not tier.exists(NS, b"k39")
 
 
 def test_node_tier_knows_a_tmpfs_without_huge_pages(tmp_path: Path) -> None:
