@@ -15,6 +15,7 @@ import re
 import shlex
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,59 @@ def spread(runs: Sequence[Parsed]) -> dict[str, tuple[float, float]]:
 
 
 TOLERANCE = 0.2  # the agreement asked of each phase: within 20% of the harness
+
+SETTLE_MODES = ("none", "sync", "drop")
+SETTLE_DIRTY = 16 << 20  # dirty + writeback bytes below which the page cache is settled
+SETTLE_WAIT_S = 30.0
+
+
+def meminfo_bytes(*keys: str) -> dict[str, int]:
+    """Fields of /proc/meminfo in bytes (0 where there is none)."""
+    out = dict.fromkeys(keys, 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in out:
+                    out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def loadavg() -> float:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def settle(mode: str) -> dict[str, float]:
+    """Before a run of either tool, what an operator does between benchmark runs: "sync"
+    writes back every dirty page (the previous run's cleanup among them, which would
+    otherwise be flushed inside the next run's first fsync or mdtest's timed sync()) and
+    waits until writeback is done; "drop" then drops the page cache, dentries and inodes
+    too (root; it costs other users of the machine their caches). Returns the conditions
+    the run starts under: load average, dirty bytes before, seconds the sync took."""
+    from pfs.bench.common import drop_caches
+
+    before = meminfo_bytes("Dirty", "Writeback")
+    out = {"load1": loadavg(), "dirty_mb": (before["Dirty"] + before["Writeback"]) / 2**20,
+           "sync_s": 0.0}
+    if mode == "none":
+        return out
+    t0 = time.monotonic()
+    os.sync()
+    while time.monotonic() - t0 < SETTLE_WAIT_S:
+        now = meminfo_bytes("Dirty", "Writeback")
+        if now["Dirty"] + now["Writeback"] < SETTLE_DIRTY:
+            break
+        time.sleep(0.1)
+    out["sync_s"] = time.monotonic() - t0
+    if mode == "drop":
+        out["dropped"] = float(drop_caches())
+    return out
 
 
 def paired_ratios(refs: Sequence[Parsed], ours: Sequence[Parsed]) -> dict[str, list[float]]:
