@@ -60,6 +60,7 @@ class CLoops:
                   "io5_find_chunk", "io5_find_lstat", "io5_ior_read"):
             getattr(lib, f).restype = ctypes.c_int
         lib.io5_free.restype = None
+        self._lstat_args = (_i64(0), _i64(0), ctypes.create_string_buffer(_ERRLEN))
 
     @staticmethod
     def _raise(rc: int, err: ctypes.Array[ctypes.c_char]) -> None:
@@ -138,9 +139,10 @@ class CLoops:
         return FindCursor(self, d, h, size, newer)
 
     def find_lstat(self, path: str, size: int, newer: int) -> int:
-        """pfind's find_do_lstat of a queued file: 1 if it matches, else 0."""
-        files, found = _i64(0), _i64(0)
-        err = ctypes.create_string_buffer(_ERRLEN)
+        """pfind's find_do_lstat of a queued file: 1 if it matches, else 0 (one call per
+        job: the counters and the error buffer are made once)."""
+        files, found, err = self._lstat_args
+        found.value = 0
         rc = self.lib.io5_find_lstat(os.fsencode(path), size, newer, ctypes.byref(files),
                                      ctypes.byref(found), err, _ERRLEN)
         self._raise(rc, err)

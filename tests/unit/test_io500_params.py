@@ -242,3 +242,19 @@ def test_pooled_table_of_saved_compare_results(tmp_path: Path) -> None:
     assert row.split()[2:5] == ["2.0000", "2.0000", "1.00"]
     assert row.split()[6] == "1.10"
     assert table[-1] == "within 20% (median of paired ratios): 12 of 12 phases"
+
+
+def test_settle_reports_the_conditions_and_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compare's settle before each run: "none" only reads the conditions, "sync"
+    syncs and waits until dirty + writeback is below the threshold."""
+    synced: list[int] = []
+    dirty = iter([64 << 20, 64 << 20, 1 << 20])  # before, still writing back, settled
+    monkeypatch.setattr(io500ref.os, "sync", lambda: synced.append(1))
+    monkeypatch.setattr(io500ref, "meminfo_bytes",
+                        lambda *k: {"Dirty": next(dirty), "Writeback": 0})
+    monkeypatch.setattr(io500ref.time, "sleep", lambda s: None)
+    got = io500ref.settle("sync")
+    assert synced == [1] and got["dirty_mb"] == 64.0 and got["sync_s"] >= 0.0
+    assert got["load1"] == got["load1"]  # a number (this machine has /proc/loadavg)
+    dirty = iter([8 << 20])
+    assert io500ref.settle("none")["sync_s"] == 0.0 and synced == [1]
