@@ -635,9 +635,10 @@ class Rank:
 
     # -- the run -------------------------------------------------------------------
     FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit",
-              "start", "end", "span")
+              "start", "end", "span", "cpu")
 
     def run_phase(self, name: str) -> dict[str, Any]:
+        cpu0 = time.process_time()  # the phase with its set-up, as --compare counts both
         fn = getattr(self, name.replace("-", "_"))
         if name in ("mdtest-easy-write", "mdtest-hard-write"):
             self._md_tree(True, name == "mdtest-easy-write")
@@ -674,6 +675,7 @@ class Rank:
         if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
             self.comm.barrier()
             self._md_tree(False, name == "mdtest-easy-delete")
+        rec["cpu"] = time.process_time() - cpu0
         got = self.comm.allgather([float(rec.get(k, 0)) for k in self.FIELDS])
         per = {k: [g[i] for g in got] for i, k in enumerate(self.FIELDS)}
         runtime = phase_time(name, per["start"], per["end"], per["span"])
@@ -684,6 +686,7 @@ class Rank:
         for k in ("items", "bytes", "verify_errors", "found"):
             out[k] = int(sum(per[k]))
         out["items_per_rank"] = [int(x) for x in per["items"]]
+        out["cpu_s"] = sum(per["cpu"])  # CPU seconds of every rank in this phase
         if name in STONEWALLED:
             out["at_stonewall_per_rank"] = [int(x) for x in per["at_stonewall"]]
             out["stonewall_hit"] = bool(max(per["stonewall_hit"]))
@@ -1168,7 +1171,9 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         mine.timestamp, mine.results, mine.json = f"{stamp}-{k}", str(resdir / f"pfs-{k}"), None
         res = run(mine)
         assert res is not None
-        ours.append(io500ref.parse_output("\n".join(summary_lines(res))))
+        mine_parsed = io500ref.parse_output("\n".join(summary_lines(res)))
+        mine_parsed.cpu = {p["name"]: p["cpu_s"] for p in res["phases"] if "cpu_s" in p}
+        ours.append(mine_parsed)
         try:
             os.rmdir(Path(ref_path) / "io500-reference")
         except OSError:
@@ -1176,6 +1181,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     a, b = io500ref.medians(refs), io500ref.medians(ours)
     pairs = io500ref.paired_ratios(refs, ours)
     table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs), pairs)
+    table += io500ref.cpu_table(refs, ours)
     print("\n".join(table), flush=True)
     out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
            "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,
