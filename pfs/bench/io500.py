@@ -40,7 +40,8 @@ mdtest phases are timed as mdtest times them: the slowest rank's time from the b
 that opens the phase to after the one that closes it.
 
 The local ranks (``-n``) are bound to cores as mpirun binds the harness's (``--bind-to``:
-Open MPI puts each of at most 2 ranks on a core of its own). The timestamp file and the
+Open MPI puts each of at most 2 ranks on a core of its own), and wait at barriers as
+Open MPI's shared-memory ranks wait: polling, on the CPU (io500_comm.SpinBarrier). The timestamp file and the
 stonewall counts live in the results directory, on local disk, as io500 keeps them.
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
@@ -104,6 +105,7 @@ from pfs.bench.io500_comm import (
     MpiComm,
     ProcComm,
     SelfComm,
+    SpinBarrier,
     rank_cpus,
     under_mpi,
 )
@@ -823,7 +825,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
         assert res is not None
         return res
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(nprocs)
+    barrier = SpinBarrier(ctx, nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
     net = LocalNet.make(ctx, nprocs)

@@ -46,6 +46,48 @@ class Comm(ABC):
         return [str(h) for h in self.allgather_obj(socket.gethostname())]
 
 
+class SpinBarrier:
+    """A barrier for the processes of one node that waits as MPI_Barrier does between
+    Open MPI's shared-memory ranks: by polling, on the CPU, not asleep in the kernel. A
+    rank that arrives early keeps its core busy (on a small machine the core a FUSE
+    daemon or a server would have used) and passes the moment the last arrives, where a
+    sleeping one would wait to be woken and scheduled. Ranks that outnumber the cores
+    yield while they poll, as Open MPI does when oversubscribed."""
+
+    def __init__(self, ctx: Any, parties: int) -> None:
+        self.parties = parties
+        self._arrived = ctx.Value("q", 0)  # its lock orders the arrivals
+        self._generation = ctx.RawValue("q", 0)
+        self._broken = ctx.RawValue("i", 0)
+        self._yield = parties > len(os.sched_getaffinity(0))
+
+    def wait(self) -> None:
+        gen = self._generation.value  # cannot move before this rank has arrived
+        with self._arrived.get_lock():
+            self._arrived.value += 1
+            last = self._arrived.value == self.parties
+            if last:
+                self._arrived.value = 0
+                self._generation.value = gen + 1
+        if last:
+            return
+        generation, broken, pause = self._generation, self._broken, self._yield
+        while generation.value == gen:
+            if broken.value:
+                raise threading.BrokenBarrierError
+            if pause:
+                os.sched_yield()
+        if broken.value:
+            raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        self._broken.value = 1
+
+    @property
+    def broken(self) -> bool:
+        return bool(self._broken.value)
+
+
 class SelfComm(Comm):
     def barrier(self) -> None:
         pass
