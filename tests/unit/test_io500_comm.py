@@ -1,4 +1,5 @@
 """The local ranks' barrier of ``pfs bench io500`` (pfs/bench/io500_comm.py)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
