@@ -21,8 +21,11 @@ does, read from their sources, with the same files, order, rank shifts and timin
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
-                      seconds of ctime; timed as pfind times itself, the slowest
-                      rank's walk from after the timestamp file's lstat and broadcast
+                      seconds of ctime; the ranks share the walk by pfind's job stealing
+                      (io500_find.py: a stack each, the top half to a rank that asks,
+                      idle ranks spin, a token ring ends it); timed as pfind times
+                      itself, the slowest rank's walk from after the timestamp file's
+                      lstat and broadcast
   ior-easy-read       IOR -C -Q 1 -R: the read shift of IOR's node mapping (none on one
                       node: each rank reads what it wrote); every byte compared
   mdtest-easy-stat    mdtest -N 1 shifts each phase once more: stat rank+1's files,
@@ -37,7 +40,8 @@ mdtest phases are timed as mdtest times them: the slowest rank's time from the b
 that opens the phase to after the one that closes it.
 
 The local ranks (``-n``) are bound to cores as mpirun binds the harness's (``--bind-to``:
-Open MPI puts each of at most 2 ranks on a core of its own). The timestamp file and the
+Open MPI puts each of at most 2 ranks on a core of its own), and wait at barriers as
+Open MPI's shared-memory ranks wait: polling, on the CPU (io500_comm.SpinBarrier). The timestamp file and the
 stonewall counts live in the results directory, on local disk, as io500 keeps them.
 
 mdtest sleeps one second before each of its runs (mdtest.c); every mdtest phase here does
@@ -78,6 +82,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -92,19 +97,22 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from pfs.bench import io500_loops, io500ref
+from pfs.bench import io500_find, io500_loops, io500ref
 from pfs.bench.common import drop_caches, log, machine_info, parse_size
 from pfs.bench.io500_comm import (
     WIDTH,
     Comm,
-    DirPool,
     MpiComm,
     ProcComm,
     SelfComm,
+    SpinBarrier,
     rank_cpus,
     under_mpi,
 )
+from pfs.bench.io500_find import LocalNet
 from pfs.bench.io500_store import PfsStore, PosixStore, Store, Target
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Comm", "Io500Config", "MpiComm", "PfsStore", "PosixStore", "ProcComm", "Rank",
            "SelfComm", "Store", "Target", "main", "run", "run_local", "under_mpi"]
@@ -251,6 +259,7 @@ class Rank:
         self._md_work: tuple[str, int, int] = ("", 0, 0)  # their directory, owner, count
         self._ior_file = ""  # the file the IOR phase that just ran wrote or read
         self._newer = 0  # find -newer: the timestamp file's ctime, whole seconds
+        self._net: io500_find.Net | None = None  # find's messages between the ranks
         self.pattern = bytearray()
         self._body: dict[int, bytes] = {}  # expected bytes after the header, by length
         self.reseed(cfg.seed)
@@ -603,52 +612,20 @@ class Rank:
         """pfind's work: every directory listed once, every entry that is not a
         directory counted (pfind's total_files, the rate's numerator), and only the
         names matching ``*01*`` lstat'ed and tested for ``-size 3901c`` and ``-newer``
-        (pfind compares whole seconds of ctime). pfind balances by job stealing; the
-        processes of one node take directories from a shared pool as they go. Under MPI
-        the tree is listed level by level, a directory to a rank round robin, until a
-        level has a directory for every rank; then each rank walks its directories'
-        subtrees alone."""
-        s = self.store
+        (pfind compares whole seconds of ctime). The ranks share the walk as pfind's do
+        (io500_find.py: a stack per rank, chunked reads, halves of a stack handed to a
+        rank that asks, spinning while idle, pfind's token ring to end)."""
         newer = self._newer
-        files = found = 0
-
-        c = self.c
-
-        def listing(d: str, below: list[str]) -> None:
-            nonlocal files, found
-            if c is not None:
-                nf, nfound, subdirs = c.find_dir(d, HARD_FILE_SIZE, newer)
-                files, found = files + nf, found + nfound
-                below.extend(subdirs)
-                return
-            for name, is_dir, hint in s.scan_with_hints(d):
-                if is_dir:
-                    below.append(f"{d}/{name}")
-                    continue
-                files += 1
-                if FIND_NAME not in name:
-                    continue
-                size, ctime_ns, _ = s.scan_stat(d, name, hint)
-                if size == HARD_FILE_SIZE and ctime_ns // 1_000_000_000 >= newer:
-                    found += 1
-
-        pool = self.comm.dir_pool()
-        if pool is not None:  # the ranks of this node share the directories as they go
-            while (d := pool.take()) is not None:
-                found_dirs: list[str] = []
-                listing(d, found_dirs)
-                pool.done(found_dirs)
-            return {"items": files, "found": found}
-        level = [self.data]
-        while level and len(level) < self.n:
-            below: list[str] = []
-            for d in level[self.r::self.n]:
-                listing(d, below)
-            level = sorted(p for part in self.comm.allgather_obj(below) for p in part)
-        stack = level[self.r::self.n]
-        while stack:
-            listing(stack.pop(), stack)
-        return {"items": files, "found": found}
+        lister: io500_find.Lister = (
+            io500_find.CLister(self.c, HARD_FILE_SIZE, newer) if self.c is not None else
+            io500_find.StoreLister(self.store, HARD_FILE_SIZE, newer, FIND_NAME))
+        net = self._net
+        assert net is not None  # run_phase made it
+        w = io500_find.Walker(self.r, self.n, lister, net)
+        w.run(self.data)
+        net.finish()
+        logger.debug("find rank %d: %s", self.r, w.mon)
+        return {"items": w.files, "found": w.found}
 
     def find_newer(self) -> int:
         """The timestamp file's ctime in whole seconds, known to every rank: pfind lstats
@@ -660,19 +637,18 @@ class Rank:
 
     # -- the run -------------------------------------------------------------------
     FIELDS = ("items", "bytes", "verify_errors", "found", "at_stonewall", "stonewall_hit",
-              "start", "end", "span")
+              "start", "end", "span", "cpu")
 
     def run_phase(self, name: str) -> dict[str, Any]:
+        cpu0 = time.process_time()  # the phase with its set-up, as --compare counts both
         fn = getattr(self, name.replace("-", "_"))
         if name in ("mdtest-easy-write", "mdtest-hard-write"):
             self._md_tree(True, name == "mdtest-easy-write")
         if name in ("ior-easy-write", "ior-hard-write"):
             self._ior_remove(name)
-        pool = self.comm.dir_pool()
         if name == "find":
             self._newer = self.find_newer()
-            if pool is not None and self.r == 0:
-                pool.start(self.data)  # before the barrier: no rank sees an empty pool early
+            self._net = self.comm.find_net()  # cleared before the barrier: no request lost
         self._paths, self._md_work = [], ("", 0, 0)
         if name in MD_READERS:
             self._md_work = self.md_work(name)
@@ -701,6 +677,7 @@ class Rank:
         if name in ("mdtest-easy-delete", "mdtest-hard-delete"):
             self.comm.barrier()
             self._md_tree(False, name == "mdtest-easy-delete")
+        rec["cpu"] = time.process_time() - cpu0
         got = self.comm.allgather([float(rec.get(k, 0)) for k in self.FIELDS])
         per = {k: [g[i] for g in got] for i, k in enumerate(self.FIELDS)}
         runtime = phase_time(name, per["start"], per["end"], per["span"])
@@ -711,6 +688,7 @@ class Rank:
         for k in ("items", "bytes", "verify_errors", "found"):
             out[k] = int(sum(per[k]))
         out["items_per_rank"] = [int(x) for x in per["items"]]
+        out["cpu_s"] = sum(per["cpu"])  # CPU seconds of every rank in this phase
         if name in STONEWALLED:
             out["at_stonewall_per_rank"] = [int(x) for x in per["at_stonewall"]]
             out["stonewall_hit"] = bool(max(per["stonewall_hit"]))
@@ -825,11 +803,11 @@ def _bound(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], pool: DirPool,
+def _child(rank: int, size: int, barrier: Any, slots: Any, inboxes: list[Any], net: LocalNet,
            errq: Any, cfg: Io500Config, target: Target, cpus: set[int] | None) -> None:
     try:
         with _bound(cpus):
-            rank_main(ProcComm(rank, size, barrier, slots, inboxes, pool), cfg, target)
+            rank_main(ProcComm(rank, size, barrier, slots, inboxes, net), cfg, target)
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the run is aborted
         errq.put((rank, traceback.format_exc()))
         barrier.abort()
@@ -847,13 +825,12 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
         assert res is not None
         return res
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(nprocs)
+    barrier = SpinBarrier(ctx, nprocs)
     slots = ctx.RawArray("d", nprocs * WIDTH)
     inboxes = [ctx.Queue() for _ in range(nprocs)]
-    workq = ctx.SimpleQueue()
-    pool = DirPool(workq, ctx.Value("q", 0), nprocs)
+    net = LocalNet.make(ctx, nprocs)
     errq = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, pool, errq,
+    procs = [ctx.Process(target=_child, args=(r, nprocs, barrier, slots, inboxes, net, errq,
                                               cfg, target, cpus[r] if cpus else None),
                          name=f"io500-rank{r}", daemon=True) for r in range(1, nprocs)]
     for p in procs:
@@ -863,7 +840,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     def watch() -> None:  # a rank that dies without reporting must not hang the others
         while not stop.wait(0.5):
             if any(p.exitcode not in (None, 0) for p in procs):
-                pool.stop()  # a rank waiting in find's walk wakes, then meets the abort
+                net.stop()  # a rank spinning in find's walk stops, then meets the abort
                 barrier.abort()
                 return
 
@@ -871,7 +848,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
     watcher.start()
     try:
         with _bound(cpus[0] if cpus else None):
-            res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, pool), cfg, target,
+            res = rank_main(ProcComm(0, nprocs, barrier, slots, inboxes, net), cfg, target,
                             hook)
         assert res is not None
         for p in procs:
@@ -888,7 +865,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
             ", ".join(f"{p.name} exit {p.exitcode}" for p in procs)
         raise RuntimeError(f"io500: a rank failed:\n{detail}") from None
     except BaseException:
-        pool.stop()
+        net.stop()
         barrier.abort()
         raise
     finally:
@@ -901,7 +878,7 @@ def run_local(cfg: Io500Config, target: Target, nprocs: int,
         for q in (errq, *inboxes):
             q.cancel_join_thread()  # leftovers of a failed run must not hang the exit
             q.close()
-        workq.close()
+        net.close()
 
 
 # -- output ------------------------------------------------------------------------
@@ -1006,6 +983,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "--config, a FUSE mount of the same pfs)")
     c.add_argument("--repeat", type=int, default=1,
                    help="with --compare: runs of each tool, interleaved (default 1)")
+    c.add_argument("--settle", choices=io500ref.SETTLE_MODES, default="sync",
+                   help="with --compare: before every run of either tool, sync: write back "
+                        "all dirty data and wait for the writeback (default); drop: then also "
+                        "drop the page cache (root, machine-wide); none: nothing")
     c.add_argument("--compare-results", nargs="+", metavar="DIR",
                    help="print the table of saved --compare results (their directories or "
                         "compare.json files), several pooled: every run's medians and every "
@@ -1173,18 +1154,28 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         resultdir=str((resdir / "harness").resolve()))
     refs: list[io500ref.Parsed] = []
     ours: list[io500ref.Parsed] = []
+    conditions: list[dict[str, Any]] = []
+
+    def settled(tool: str, k: int) -> None:
+        c = io500ref.settle(args.settle)
+        conditions.append({"tool": tool, "run": k, **c})
+        log(f"io500 --compare: {tool} run {k + 1}: load {c['load1']:.1f}, "
+            f"{c['dirty_mb']:.0f} MiB dirty, settle ({args.settle}) {c['sync_s']:.2f} s")
+
     for k in range(max(1, args.repeat)):
         params.resultdir = str((resdir / f"harness-{k}").resolve())
-        log(f"io500 --compare: harness run {k + 1}")
+        settled("harness", k)
         parsed, text = io500ref.run_reference(binary, params, resdir / f"harness-{k}")
         (resdir / f"harness-{k}" / "stdout.txt").write_text(text)
         refs.append(parsed)
-        log(f"io500 --compare: pfs bench io500 run {k + 1}")
+        settled("pfs bench io500", k)
         mine = argparse.Namespace(**vars(args))
         mine.timestamp, mine.results, mine.json = f"{stamp}-{k}", str(resdir / f"pfs-{k}"), None
         res = run(mine)
         assert res is not None
-        ours.append(io500ref.parse_output("\n".join(summary_lines(res))))
+        mine_parsed = io500ref.parse_output("\n".join(summary_lines(res)))
+        mine_parsed.cpu = {p["name"]: p["cpu_s"] for p in res["phases"] if "cpu_s" in p}
+        ours.append(mine_parsed)
         try:
             os.rmdir(Path(ref_path) / "io500-reference")
         except OSError:
@@ -1192,10 +1183,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     a, b = io500ref.medians(refs), io500ref.medians(ours)
     pairs = io500ref.paired_ratios(refs, ours)
     table = io500ref.compare_table(a, b, len(refs), len(ours), io500ref.spread(refs), pairs)
+    table += io500ref.cpu_table(refs, ours)
     print("\n".join(table), flush=True)
     out = {"params": asdict(params), "harness": [asdict(r) for r in refs],
            "pfs": [asdict(r) for r in ours], "median_harness": a, "median_pfs": b,
-           "paired_ratios": pairs, "table": table}
+           "paired_ratios": pairs, "table": table, "settle": args.settle,
+           "conditions": conditions}
     (resdir / "compare.json").write_text(json.dumps(out, indent=2) + "\n")
     (resdir / "compare.txt").write_text("\n".join(table) + "\n")
     log(f"io500 --compare: results in {resdir}")

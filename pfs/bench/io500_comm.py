@@ -1,7 +1,7 @@
 """The ranks of ``pfs bench io500``: one process, processes of this node, or MPI ranks.
 
 Each gives a barrier, an allgather of a few numbers (the per-phase counts) and an
-allgather of small picklable objects (find's directory lists, host names)."""
+allgather of small picklable objects (host names), and find's messages (io500_find.py)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
+
+from pfs.bench.io500_find import LocalNet, MpiNet, Net, SoloNet
 
 WIDTH = 12  # numbers per rank in one allgather
 
@@ -35,53 +37,55 @@ class Comm(ABC):
     @abstractmethod
     def allgather_obj(self, obj: Any) -> list[Any]: ...
 
-    def dir_pool(self) -> DirPool | None:
-        """A pool of directories the ranks take work from as they go (find's work
-        sharing, as pfind's job stealing); None where there is none (then find deals
-        the directories out statically)."""
-        return None
+    @abstractmethod
+    def find_net(self) -> Net:
+        """pfind's messages between the ranks (io500_find.py), cleared for a walk."""
 
     def hosts(self) -> list[str]:
         """The host name of every rank, by rank (IOR's node mapping)."""
         return [str(h) for h in self.allgather_obj(socket.gethostname())]
 
 
-class DirPool:
-    """Directories waiting to be listed, shared by the processes of this node: a queue
-    and the count of directories put in and not yet listed (zero: the walk is over).
-    The rank that lists the last directory puts an end mark for every rank, so that the
-    waiting ones stop at once (pfind's ranks learn it within microseconds; a find phase
-    on a local disk lasts a few milliseconds). The queue is a SimpleQueue: a put is a
-    write to its pipe, not a hand-over to a feeder thread, a third of the round trip."""
+class SpinBarrier:
+    """A barrier for the processes of one node that waits as MPI_Barrier does between
+    Open MPI's shared-memory ranks: by polling, on the CPU, not asleep in the kernel. A
+    rank that arrives early keeps its core busy (on a small machine the core a FUSE
+    daemon or a server would have used) and passes the moment the last arrives, where a
+    sleeping one would wait to be woken and scheduled. Ranks that outnumber the cores
+    yield while they poll, as Open MPI does when oversubscribed."""
 
-    def __init__(self, queue_: Any, pending: Any, nprocs: int) -> None:
-        self._q, self._pending, self._n = queue_, pending, nprocs
+    def __init__(self, ctx: Any, parties: int) -> None:
+        self.parties = parties
+        self._arrived = ctx.Value("q", 0)  # its lock orders the arrivals
+        self._generation = ctx.RawValue("q", 0)
+        self._broken = ctx.RawValue("i", 0)
+        self._yield = parties > len(os.sched_getaffinity(0))
 
-    def start(self, root: str) -> None:
-        with self._pending.get_lock():
-            self._pending.value = 1
-        self._q.put(root)
-
-    def stop(self) -> None:
-        """End every rank's walk now (a rank failed: the waiting ones must not hang)."""
-        for _ in range(self._n):
-            self._q.put(None)
-
-    def take(self) -> str | None:
-        """A directory to list, or None once every directory has been listed."""
-        d = self._q.get()  # each rank takes exactly one end mark, then stops taking
-        return None if d is None else str(d)
-
-    def done(self, below: list[str]) -> None:
-        """One directory listed; ``below`` are its subdirectories, still to list."""
-        for d in below:
-            self._q.put(d)
-        with self._pending.get_lock():  # after the puts: never 0 while work is queued
-            self._pending.value += len(below) - 1
-            last = self._pending.value == 0
+    def wait(self) -> None:
+        gen = self._generation.value  # cannot move before this rank has arrived
+        with self._arrived.get_lock():
+            self._arrived.value += 1
+            last = self._arrived.value == self.parties
+            if last:
+                self._arrived.value = 0
+                self._generation.value = gen + 1
         if last:
-            for _ in range(self._n):
-                self._q.put(None)
+            return
+        generation, broken, pause = self._generation, self._broken, self._yield
+        while generation.value == gen:
+            if broken.value:
+                raise threading.BrokenBarrierError
+            if pause:
+                os.sched_yield()
+        if broken.value:
+            raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        self._broken.value = 1
+
+    @property
+    def broken(self) -> bool:
+        return bool(self._broken.value)
 
 
 class SelfComm(Comm):
@@ -94,16 +98,19 @@ class SelfComm(Comm):
     def allgather_obj(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def find_net(self) -> Net:
+        return SoloNet()
+
 
 class ProcComm(Comm):
     """Processes of this node: a shared barrier, a shared array of doubles, and a queue
     per rank for objects."""
 
     def __init__(self, rank: int, size: int, barrier: Any, slots: Any,
-                 inboxes: Sequence[Any], pool: DirPool | None = None) -> None:
+                 inboxes: Sequence[Any], net: LocalNet) -> None:
         self.rank, self.size = rank, size
         self._barrier, self._slots, self._inboxes = barrier, slots, inboxes
-        self._pool = pool
+        self._net = net
         self._round = 0
         self._early: dict[tuple[int, int], Any] = {}  # (round, rank) -> obj from a rank ahead
 
@@ -121,8 +128,8 @@ class ProcComm(Comm):
         self.barrier()  # nobody overwrites a slot before everyone has read it
         return out
 
-    def dir_pool(self) -> DirPool | None:
-        return self._pool
+    def find_net(self) -> Net:
+        return self._net.at(self.rank)
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         self._round += 1
@@ -165,6 +172,9 @@ class MpiComm(Comm):
 
     def allgather(self, values: Sequence[float]) -> list[list[float]]:
         return [list(v) for v in self.comm.allgather([float(x) for x in values])]
+
+    def find_net(self) -> Net:
+        return MpiNet(self.comm)
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         return list(self.comm.allgather(obj))

@@ -227,105 +227,167 @@ int io5_md_unlink(const char *dir, int owner, int64_t count, int64_t *done, char
     return 0;
 }
 
-/* pfind's find_do_readdir + find_do_lstat for one directory: readdir every entry; a
- * directory goes to `*subdirs` (names, each ended by '\0', malloc'ed: free with io5_free);
- * an entry of unknown type is fstatat'ed; every other entry is counted in `*files`, and
- * those whose name matches the pattern (pfind turns -name "*01*" into the basic regex
- * ".*01.*") are lstat'ed by path and matched with -size and -newer (whole seconds of
- * ctime), counted in `*found`. */
-static int find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
-                    int64_t *files, int64_t *found, char **subdirs, size_t *sublen,
-                    char *err, size_t errlen);
+/* pfind's find_do_readdir, a chunk at a time: a cursor holds the open directory between
+ * calls (pfind's current_dir) and the compiled name pattern (pfind turns -name "*01*"
+ * into the basic regex ".*01.*" and never calls setlocale: the "C" locale, where
+ * Python's process is in the user's UTF-8 one and glibc's regexec would take the
+ * multibyte path). */
+typedef struct {
+    DIR *d;
+    regex_t re;
+    locale_t c_locale;
+    int64_t size, newer;
+    char dir[PATH_MAX];
+} find_cursor;
 
-int io5_find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
-                 int64_t *files, int64_t *found, char **subdirs, size_t *sublen, char *err,
-                 size_t errlen) {
-    /* pfind never calls setlocale: its regex runs in the "C" locale. Python's process
-     * is in the user's (UTF-8) one, where glibc's regexec takes the multibyte path */
-    locale_t c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
-    if (c_locale == (locale_t)0) return fail(err, errlen, "newlocale");
-    locale_t old_locale = uselocale(c_locale);
-    int rc = find_dir(dir, regex, size, newer, files, found, subdirs, sublen, err, errlen);
-    uselocale(old_locale);
-    freelocale(c_locale);
-    return rc;
+void io5_find_close(void *h) {
+    find_cursor *c = h;
+    if (c == NULL) return;
+    if (c->d) closedir(c->d);
+    regfree(&c->re);
+    freelocale(c->c_locale);
+    free(c);
 }
 
-static int find_dir(const char *dir, const char *regex, int64_t size, int64_t newer,
-                    int64_t *files, int64_t *found, char **subdirs, size_t *sublen,
+/* opendir `dir` for io5_find_chunk; NULL with `*rc` an errno (and `err` the path) */
+void *io5_find_open(const char *dir, const char *regex, int64_t size, int64_t newer, int *rc,
                     char *err, size_t errlen) {
-    regex_t re;
-    if (regcomp(&re, regex, 0) != 0) {
+    find_cursor *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        *rc = ENOMEM;
+        return NULL;
+    }
+    c->c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+    if (c->c_locale == (locale_t)0) {
+        *rc = fail(err, errlen, "newlocale");
+        free(c);
+        return NULL;
+    }
+    locale_t old = uselocale(c->c_locale);
+    int bad = regcomp(&c->re, regex, 0);
+    uselocale(old);
+    if (bad) {
         snprintf(err, errlen, "%s", regex);
-        return EINVAL;
+        freelocale(c->c_locale);
+        free(c);
+        *rc = EINVAL;
+        return NULL;
     }
-    *subdirs = NULL;
-    *sublen = 0;
-    size_t cap = 0;
-    int rc = 0;
-    char path[PATH_MAX], job[PATH_MAX];
+    c->size = size;
+    c->newer = newer;
+    snprintf(c->dir, sizeof c->dir, "%s", dir);
+    c->d = opendir(dir);
+    if (c->d == NULL) {
+        *rc = fail(err, errlen, dir);
+        io5_find_close(c);
+        return NULL;
+    }
+    *rc = 0;
+    return c;
+}
+
+static int put_item(char **items, size_t *len, size_t *cap, char kind, const char *name) {
+    size_t n = strlen(name) + 2;
+    if (*len + n > *cap) {
+        size_t want = (*cap + n) * 2;
+        char *grown = realloc(*items, want);
+        if (grown == NULL) return ENOMEM;
+        *items = grown;
+        *cap = want;
+    }
+    (*items)[*len] = kind;
+    memcpy(*items + *len + 1, name, n - 1);
+    *len += n;
+    return 0;
+}
+
+/* lstat `path` as pfind's find_do_lstat + check_buf: 1 if it matches -size and -newer
+ * (whole seconds of ctime), 0 if not, -errno on an error */
+static int match_lstat(const char *path, int64_t size, int64_t newer) {
     struct stat st;
-    DIR *d = opendir(dir);
-    if (d == NULL) {
-        regfree(&re);
-        return fail(err, errlen, dir);
-    }
+    if (lstat(path, &st) != 0) return -(errno ? errno : EIO);
+    return (int64_t)st.st_ctime >= newer && (int64_t)st.st_size == size;
+}
+
+/* One call of pfind's find_do_readdir on the cursor: read entries until more than `max`
+ * were processed (pfind's max_entries_per_iter, 1000: it stops at the 1,001st's turn),
+ * the directory ends, or the queue is full. Every entry that is not a directory and does
+ * not match the name is counted in `*files`; a directory ('d') and a matching file ('f')
+ * go to `*items` ("<kind><name>\0" each, malloc'ed: free with io5_free) in readdir
+ * order, as pfind enqueues them for later; an entry of unknown type is fstatat'ed and, if
+ * not a directory, counted and matched at once. When `room` items are queued, the next
+ * one that pfind could not enqueue is marked 'D' or 'F' (a directory for its excess list,
+ * a file it lstats at once) and the call returns. `*finished`: the directory was
+ * closed (io5_find_close is still due). */
+int io5_find_chunk(void *h, int64_t max, int64_t room, int64_t *files, int64_t *found,
+                   char **items, size_t *itemlen, int *finished, char *err, size_t errlen) {
+    find_cursor *c = h;
+    size_t cap = 0;
+    int64_t processed = 0, queued = 0;
+    int rc = 0;
+    struct stat st;
+    char path[PATH_MAX];
+    *items = NULL;
+    *itemlen = 0;
+    *finished = 0;
+    locale_t old = uselocale(c->c_locale);
     for (;;) {
+        if (processed > max) goto out; /* pfind: "interrupting readdir" */
         errno = 0;
-        struct dirent *e = readdir(d);
+        struct dirent *e = readdir(c->d);
         if (e == NULL) {
-            if (errno) rc = fail(err, errlen, dir);
+            if (errno) rc = fail(err, errlen, c->dir);
             break;
         }
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        int is_dir = e->d_type == DT_DIR;
-        if (e->d_type == DT_UNKNOWN) { /* pfind: fstatat, then the name test */
-            if (fstatat(dirfd(d), e->d_name, &st, 0) != 0) {
-                snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        processed++;
+        char kind = e->d_type == DT_DIR ? 'd' : 'f';
+        if (e->d_type == DT_UNKNOWN) {
+            if (fstatat(dirfd(c->d), e->d_name, &st, 0) != 0) {
+                snprintf(path, sizeof path, "%s/%s", c->dir, e->d_name);
                 rc = fail(err, errlen, path);
                 break;
             }
-            is_dir = S_ISDIR(st.st_mode);
-            if (!is_dir) {
+            if (!S_ISDIR(st.st_mode)) {
                 (*files)++;
-                if (regexec(&re, e->d_name, 0, NULL, 0) == 0 && (int64_t)st.st_size == size &&
-                    (int64_t)st.st_ctime >= newer)
+                if (regexec(&c->re, e->d_name, 0, NULL, 0) == 0 &&
+                    (int64_t)st.st_ctime >= c->newer && (int64_t)st.st_size == c->size)
                     (*found)++;
                 continue;
             }
-        }
-        if (is_dir) {
-            size_t n = strlen(e->d_name) + 1;
-            if (*sublen + n > cap) {
-                cap = (cap + n) * 2;
-                char *grown = realloc(*subdirs, cap);
-                if (grown == NULL) {
-                    rc = ENOMEM;
-                    break;
-                }
-                *subdirs = grown;
-            }
-            memcpy(*subdirs + *sublen, e->d_name, n);
-            *sublen += n;
-            continue;
-        }
-        if (regexec(&re, e->d_name, 0, NULL, 0) != 0) {
+            kind = 'd';
+        } else if (kind == 'f' && regexec(&c->re, e->d_name, 0, NULL, 0) != 0) {
             (*files)++;
             continue;
         }
-        /* enqueue_work names the job "dir/name"; find_do_lstat formats the path again */
-        snprintf(job, sizeof job, "%s/%s", dir, e->d_name);
-        snprintf(path, sizeof path, "%s", job);
-        (*files)++;
-        if (lstat(path, &st) != 0) {
-            rc = fail(err, errlen, path);
+        if (queued >= room) { /* pfind's enqueue_work failed: the queue is full */
+            rc = put_item(items, itemlen, &cap, kind == 'd' ? 'D' : 'F', e->d_name);
+            if (rc == 0) goto out;
             break;
         }
-        if ((int64_t)st.st_size == size && (int64_t)st.st_ctime >= newer) (*found)++;
+        if ((rc = put_item(items, itemlen, &cap, kind, e->d_name)) != 0) break;
+        queued++;
     }
-    closedir(d);
-    regfree(&re);
+    closedir(c->d);
+    c->d = NULL;
+    *finished = 1;
+out:
+    uselocale(old);
     return rc;
+}
+
+/* pfind's find_do_lstat of a queued file: counted in `*files`, lstat'ed by path, and
+ * counted in `*found` if it matches -size and -newer */
+int io5_find_lstat(const char *path, int64_t size, int64_t newer, int64_t *files,
+                   int64_t *found, char *err, size_t errlen) {
+    (*files)++;
+    int m = match_lstat(path, size, newer);
+    if (m < 0) {
+        snprintf(err, errlen, "%s", path);
+        return -m;
+    }
+    *found += m;
+    return 0;
 }
 
 void io5_free(void *p) { free(p); }

@@ -44,16 +44,23 @@ class CLoops:
         lib.io5_md_read.argtypes = [c, ctypes.c_int, _i64, vp, sz, c, ctypes.c_uint64,
                                     ctypes.c_int, _p64, _p64, _p64, c, sz]
         lib.io5_md_unlink.argtypes = [c, ctypes.c_int, _i64, _p64, c, sz]
-        lib.io5_find_dir.argtypes = [c, c, _i64, _i64, _p64, _p64,
-                                     ctypes.POINTER(ctypes.c_void_p),
-                                     ctypes.POINTER(ctypes.c_size_t), c, sz]
+        lib.io5_find_open.argtypes = [c, c, _i64, _i64, ctypes.POINTER(ctypes.c_int), c, sz]
+        lib.io5_find_open.restype = vp
+        lib.io5_find_chunk.argtypes = [vp, _i64, _i64, _p64, _p64,
+                                       ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.POINTER(ctypes.c_size_t),
+                                       ctypes.POINTER(ctypes.c_int), c, sz]
+        lib.io5_find_lstat.argtypes = [c, _i64, _i64, _p64, _p64, c, sz]
+        lib.io5_find_close.argtypes = [vp]
+        lib.io5_find_close.restype = None
         lib.io5_ior_read.argtypes = [ctypes.c_int, vp, sz, _i64, _i64, _i64, ctypes.c_int,
                                      ctypes.c_uint64, c, ctypes.c_int, _p64, _p64, _p64, c, sz]
         lib.io5_free.argtypes = [vp]
         for f in ("io5_md_create", "io5_md_stat", "io5_md_read", "io5_md_unlink",
-                  "io5_find_dir", "io5_ior_read"):
+                  "io5_find_chunk", "io5_find_lstat", "io5_ior_read"):
             getattr(lib, f).restype = ctypes.c_int
         lib.io5_free.restype = None
+        self._lstat_args = (_i64(0), _i64(0), ctypes.create_string_buffer(_ERRLEN))
 
     @staticmethod
     def _raise(rc: int, err: ctypes.Array[ctypes.c_char]) -> None:
@@ -121,21 +128,64 @@ class CLoops:
         self._raise(rc, err)
         return done.value, got.value, bad.value
 
-    def find_dir(self, d: str, size: int, newer: int) -> tuple[int, int, list[str]]:
-        """pfind's work on one directory: (files counted, files found, subdirectories)."""
-        files, found = _i64(0), _i64(0)
-        sub, sublen = ctypes.c_void_p(), ctypes.c_size_t(0)
+    def find_open(self, d: str, size: int, newer: int) -> FindCursor:
+        """pfind's opendir of ``d`` for :meth:`FindCursor.chunk`; matches are files named
+        ``*01*`` of ``size`` bytes whose ctime is at least ``newer`` (whole seconds)."""
+        rc = ctypes.c_int(0)
         err = ctypes.create_string_buffer(_ERRLEN)
-        rc = self.lib.io5_find_dir(os.fsencode(d), FIND_REGEX.encode(), size, newer,
-                                   ctypes.byref(files), ctypes.byref(found),
-                                   ctypes.byref(sub), ctypes.byref(sublen), err, _ERRLEN)
+        h = self.lib.io5_find_open(os.fsencode(d), FIND_REGEX.encode(), size, newer,
+                                   ctypes.byref(rc), err, _ERRLEN)
+        self._raise(rc.value, err)
+        return FindCursor(self, d, h, size, newer)
+
+    def find_lstat(self, path: str, size: int, newer: int) -> int:
+        """pfind's find_do_lstat of a queued file: 1 if it matches, else 0 (one call per
+        job: the counters and the error buffer are made once)."""
+        files, found, err = self._lstat_args
+        found.value = 0
+        rc = self.lib.io5_find_lstat(os.fsencode(path), size, newer, ctypes.byref(files),
+                                     ctypes.byref(found), err, _ERRLEN)
+        self._raise(rc, err)
+        return found.value
+
+
+class FindCursor:
+    """An open directory that pfind reads a chunk at a time (its current_dir)."""
+
+    def __init__(self, loops: CLoops, d: str, handle: int, size: int, newer: int) -> None:
+        self._loops, self.dir, self._h = loops, d, handle
+        self.size, self.newer = size, newer
+
+    def chunk(self, max_entries: int, room: int
+              ) -> tuple[int, int, list[tuple[str, str, None]], bool]:
+        """One find_do_readdir call: (files counted, files found, [(kind, path, None)] to
+        queue in readdir order, finished). Kinds: "d" and "f" queued; "D" and "F" (last, at
+        most one) the entry that found the queue full."""
+        lib = self._loops.lib
+        files, found = _i64(0), _i64(0)
+        raw, rawlen, fin = ctypes.c_void_p(), ctypes.c_size_t(0), ctypes.c_int(0)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        rc = lib.io5_find_chunk(self._h, max_entries, room, ctypes.byref(files),
+                                ctypes.byref(found), ctypes.byref(raw), ctypes.byref(rawlen),
+                                ctypes.byref(fin), err, _ERRLEN)
         try:
-            self._raise(rc, err)
-            raw = ctypes.string_at(sub.value, sublen.value) if sub.value else b""
+            if rc:
+                self.close()
+            self._loops._raise(rc, err)
+            blob = ctypes.string_at(raw.value, rawlen.value) if raw.value else b""
         finally:
-            self.lib.io5_free(sub)
-        names = [os.fsdecode(n) for n in raw.split(b"\0")[:-1]]
-        return files.value, found.value, [f"{d}/{n}" for n in names]
+            lib.io5_free(raw)
+        d = self.dir
+        items = [(chr(n[0]), f"{d}/{os.fsdecode(n[1:])}", None)
+                 for n in blob.split(b"\0")[:-1]]
+        if fin.value:
+            self.close()
+        return files.value, found.value, items, bool(fin.value)
+
+    def close(self) -> None:
+        if self._h:
+            self._loops.lib.io5_find_close(self._h)
+            self._h = 0
 
 
 _loaded: tuple[CLoops | None, str] | None = None

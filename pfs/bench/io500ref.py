@@ -15,6 +15,7 @@ import re
 import shlex
 import statistics
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ class Parsed:
     md: float = 0.0
     total: float = 0.0
     valid: bool = False
+    cpu: dict[str, float] = field(default_factory=dict)  # phase -> CPU seconds, all ranks
 
 
 def parse_output(text: str) -> Parsed:
@@ -140,7 +142,7 @@ def pooled_table(paths: Sequence[Path]) -> list[str]:
         for name, ratios in paired_ratios(a, b).items():  # pairs stay within their set
             pairs.setdefault(name, []).extend(ratios)
     return compare_table(medians(refs), medians(ours), len(refs), len(ours), spread(refs),
-                         pairs)
+                         pairs) + cpu_table(refs, ours)
 
 
 def find_reference(explicit: str | None) -> str | None:
@@ -165,9 +167,34 @@ def mpirun_argv(procs: int) -> list[str]:
     return [*argv, "--oversubscribe", "--mca", "btl", "self,vader", "-np", str(procs)]
 
 
+def tree_cpu(root: int) -> float:
+    """utime + stime of ``root``'s live descendants (mpirun's ranks), in seconds."""
+    from pfs.bench.common import proc_cpu
+
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    total, todo = 0.0, list(kids.get(root, []))
+    while todo:
+        pid = todo.pop()
+        total += proc_cpu(pid)
+        todo += kids.get(pid, [])
+    return total
+
+
 def run_reference(binary: str, p: RefParams, workdir: Path, timeout: float = 3600.0
                   ) -> tuple[Parsed, str]:
-    """Run the harness once with ``p``; return what it printed, parsed and raw."""
+    """Run the harness once with ``p``; return what it printed, parsed and raw, with the
+    CPU time its ranks spent up to each phase's result line (the phase and what led to
+    it): on a machine shared with others the rate moves with the share of the CPUs the
+    run got, the CPU it needed does not."""
     # absolute: the harness runs in ``workdir`` and must still find its config there
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -177,12 +204,29 @@ def run_reference(binary: str, p: RefParams, workdir: Path, timeout: float = 360
     argv = [*mpirun_argv(p.procs), binary, str(ini)]
     log.info("io500 reference: %s", shlex.join(argv))
     # the harness resolves ./ior etc. only for display; run it where its config lies
-    proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    text = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        raise RuntimeError(f"io500 reference exited {proc.returncode}:\n{text[-4000:]}")
-    return parse_output(text), text
+    lines: list[str] = []
+    cpu: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    with subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        assert proc.stdout is not None
+        last = 0.0
+        for line in proc.stdout:
+            lines.append(line)
+            m = RESULT.match(line.rstrip())
+            if m:
+                now = tree_cpu(proc.pid)
+                cpu[m["name"]], last = max(0.0, now - last), now
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"io500 reference: no end after {timeout:g} s")
+        rc = proc.wait()
+    text = "".join(lines)
+    if rc != 0:
+        raise RuntimeError(f"io500 reference exited {rc}:\n{text[-4000:]}")
+    out = parse_output(text)
+    out.cpu = cpu
+    return out, text
 
 
 def medians(runs: Sequence[Parsed]) -> dict[str, float]:
@@ -208,6 +252,59 @@ def spread(runs: Sequence[Parsed]) -> dict[str, tuple[float, float]]:
 
 
 TOLERANCE = 0.2  # the agreement asked of each phase: within 20% of the harness
+
+SETTLE_MODES = ("none", "sync", "drop")
+SETTLE_DIRTY = 16 << 20  # dirty + writeback bytes below which the page cache is settled
+SETTLE_WAIT_S = 30.0
+
+
+def meminfo_bytes(*keys: str) -> dict[str, int]:
+    """Fields of /proc/meminfo in bytes (0 where there is none)."""
+    out = dict.fromkeys(keys, 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in out:
+                    out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def loadavg() -> float:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def settle(mode: str) -> dict[str, float]:
+    """Before a run of either tool, what an operator does between benchmark runs: "sync"
+    writes back every dirty page (the previous run's cleanup among them, which would
+    otherwise be flushed inside the next run's first fsync or mdtest's timed sync()) and
+    waits until writeback is done; "drop" then drops the page cache, dentries and inodes
+    too (root; it costs other users of the machine their caches). Returns the conditions
+    the run starts under: load average, dirty bytes before, seconds the sync took."""
+    from pfs.bench.common import drop_caches
+
+    before = meminfo_bytes("Dirty", "Writeback")
+    out = {"load1": loadavg(), "dirty_mb": (before["Dirty"] + before["Writeback"]) / 2**20,
+           "sync_s": 0.0}
+    if mode == "none":
+        return out
+    t0 = time.monotonic()
+    os.sync()
+    while time.monotonic() - t0 < SETTLE_WAIT_S:
+        now = meminfo_bytes("Dirty", "Writeback")
+        if now["Dirty"] + now["Writeback"] < SETTLE_DIRTY:
+            break
+        time.sleep(0.1)
+    out["sync_s"] = time.monotonic() - t0
+    if mode == "drop":
+        out["dropped"] = float(drop_caches())
+    return out
 
 
 def paired_ratios(refs: Sequence[Parsed], ours: Sequence[Parsed]) -> dict[str, list[float]]:
@@ -258,6 +355,24 @@ def agreement(ref: dict[str, float], ours: dict[str, float],
         by_pairs = {n: quartiles(pairs[n])[1] if pairs.get(n) else float("nan")
                     for n in names}
         lines.append(line("median of paired ratios", by_pairs))
+    return lines
+
+
+def cpu_table(refs: Sequence[Parsed], ours: Sequence[Parsed]) -> list[str]:
+    """Per phase, the median CPU seconds both tools' ranks spent (the harness's: up to
+    the phase's result line; pfs bench's: its phase with its set-up) and their ratio:
+    the work done, unmoved by the share of a busy machine a run got."""
+    names = [n for n in SCORED if any(n in r.cpu for r in refs) and any(n in r.cpu
+                                                                         for r in ours)]
+    if not names:
+        return []
+    lines = [f"{'CPU s (all ranks)':<20s} {'':>6s} {'harness':>12s} {'pfs bench':>12s} "
+             f"{'ratio':>7s}   (medians)"]
+    for n in names:
+        a = statistics.median(r.cpu[n] for r in refs if n in r.cpu)
+        b = statistics.median(r.cpu[n] for r in ours if n in r.cpu)
+        ratio = b / a if a > 0 else float("nan")
+        lines.append(f"{n:<20s} {'':>6s} {a:12.3f} {b:12.3f} {ratio:7.2f}")
     return lines
 
 

@@ -130,25 +130,73 @@ def test_c_errors_are_oserrors_naming_the_path(tmp_path: Path,
     with pytest.raises(FileNotFoundError) as e:
         c_loops.md_create(f"{d}/missing", 0, 0, 1, float("inf"), bytearray(), 0)
     assert e.value.filename == f"{d}/missing/file.mdtest.0.0"
-    with pytest.raises(FileNotFoundError):
-        c_loops.find_dir(f"{d}/missing", HARD_FILE_SIZE, 0)
+    with pytest.raises(FileNotFoundError) as e:
+        c_loops.find_open(f"{d}/missing", HARD_FILE_SIZE, 0)
+    assert e.value.filename == f"{d}/missing"
+    with pytest.raises(FileNotFoundError) as e:
+        c_loops.find_lstat(f"{d}/missing01", HARD_FILE_SIZE, 0)
+    assert e.value.filename == f"{d}/missing01"
 
 
-def test_find_dir_counts_as_the_python_walk(tmp_path: Path,
-                                            c_loops: io500_loops.CLoops) -> None:
+def whole_dir(c_loops: io500_loops.CLoops, d: str, newer: int) -> tuple[int, int, list[Any]]:
+    """A directory read to its end (chunks of 1,001 entries) with its files lstat'ed."""
+    cur = c_loops.find_open(d, HARD_FILE_SIZE, newer)
+    files = found = 0
+    queued: list[Any] = []
+    fin = False
+    while not fin:
+        nf, nfound, items, fin = cur.chunk(1000, 1 << 30)
+        files, found, queued = files + nf, found + nfound, queued + items
+    for kind, path, _ in queued:
+        if kind == "f":
+            files, found = files + 1, found + c_loops.find_lstat(path, HARD_FILE_SIZE, newer)
+    return files, found, queued
+
+
+def test_find_chunks_count_as_the_python_walk(tmp_path: Path,
+                                              c_loops: io500_loops.CLoops) -> None:
     (tmp_path / "sub01").mkdir()  # a directory is never counted, whatever its name
     (tmp_path / "sub").mkdir()
     (tmp_path / "a01").write_bytes(b"x" * HARD_FILE_SIZE)  # found
     (tmp_path / "b01").write_bytes(b"x" * 10)  # matches the name, not the size
-    (tmp_path / "c").write_bytes(b"x" * HARD_FILE_SIZE)  # not the name
+    (tmp_path / "c").write_bytes(b"x" * HARD_FILE_SIZE)  # not the name: counted at once
     os.symlink("a01", tmp_path / "l01")  # lstat: a link, not 3901 bytes
-    files, found, subdirs = c_loops.find_dir(str(tmp_path), HARD_FILE_SIZE, 0)
+    files, found, queued = whole_dir(c_loops, str(tmp_path), 0)
     assert (files, found) == (4, 1)
-    assert sorted(subdirs) == [f"{tmp_path}/sub", f"{tmp_path}/sub01"]
+    assert sorted(queued) == sorted([("d", f"{tmp_path}/sub", None),
+                                     ("d", f"{tmp_path}/sub01", None),
+                                     ("f", f"{tmp_path}/a01", None),
+                                     ("f", f"{tmp_path}/b01", None),
+                                     ("f", f"{tmp_path}/l01", None)])
     # -newer: ctime in whole seconds at or after the timestamp's
     ctime = int(os.lstat(tmp_path / "a01").st_ctime)
-    assert c_loops.find_dir(str(tmp_path), HARD_FILE_SIZE, ctime)[1] == 1
-    assert c_loops.find_dir(str(tmp_path), HARD_FILE_SIZE, ctime + 1)[1] == 0
+    assert whole_dir(c_loops, str(tmp_path), ctime)[1] == 1
+    assert whole_dir(c_loops, str(tmp_path), ctime + 1)[1] == 0
+
+
+def test_find_chunk_sizes_and_a_full_queue(tmp_path: Path,
+                                           c_loops: io500_loops.CLoops) -> None:
+    """pfind reads at most max_entries_per_iter + 1 entries a turn, and stops at the
+    first entry it cannot queue, marking it for its excess list (D) or an lstat now (F)."""
+    for i in range(2500):
+        (tmp_path / f"x{i}").touch()
+    cur = c_loops.find_open(str(tmp_path), HARD_FILE_SIZE, 0)
+    got = [cur.chunk(1000, 1 << 30) for _ in range(3)]
+    # entries processed: those counted and those queued (names with "01" are lstat jobs)
+    assert [(g[0] + len(g[2]), g[3]) for g in got] == [(1001, False), (1001, False),
+                                                        (498, True)]
+    full = tmp_path / "full"
+    for i in range(3):
+        (full / f"d{i}").mkdir(parents=True)
+    (full / "a01").touch()
+    cur = c_loops.find_open(str(full), HARD_FILE_SIZE, 0)
+    _, _, items, fin = cur.chunk(1000, 2)  # room for two: the third is marked
+    assert [k in "df" for k, _, _ in items] == [True, True, False] and not fin
+    _, _, items2, fin2 = cur.chunk(1000, 0)  # no room: the next entry is marked at once
+    assert len(items2) == 1 and items2[0][0] in "DF" and not fin2
+    assert {p for _, p, _ in items + items2} == {f"{full}/{n}" for n in ("d0", "d1", "d2", "a01")}
+    assert cur.chunk(1000, 0) == (0, 0, [], True)
+    cur.close()
 
 
 def test_fallback_when_the_library_cannot_be_built(tmp_path: Path,

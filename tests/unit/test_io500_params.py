@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -93,20 +92,23 @@ def test_reference_ini_and_argv() -> None:
 def test_reference_runs_where_its_config_lies(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A relative results directory (the default, ./io500-results/...) still gives the
-    harness a config path that exists from the directory it runs in."""
-    seen: dict[str, object] = {}
-
-    def fake_run(argv: list[str], cwd: Path, **kw: object) -> subprocess.CompletedProcess[str]:
-        seen["ini_found"] = (Path(cwd) / argv[-1]).is_file()
-        return subprocess.CompletedProcess(argv, 0, stdout="", stderr="")
-
+    harness a config path that exists from the directory it runs in; its output is read
+    as it comes, with its ranks' CPU time at each result line."""
+    sample = Path(__file__).with_name("io500_reference_output.txt")
+    fake = tmp_path / "fake-mpirun"
+    # as mpirun: "-np N BINARY INI"; the "rank" (a child) checks the config and prints
+    fake.write_text(f'#!/bin/sh\nsh -c \'test -f "$4" || exit 3; cat "{sample}"\' '
+                    f'x "$@"\n')
+    fake.chmod(0o755)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(io500ref.subprocess, "run", fake_run)
+    monkeypatch.setenv(io500ref.ENV_MPIRUN, str(fake))
     p = io500ref.RefParams(procs=2, stonewall=2, easy_size=1 << 20, hard_segments=10,
                            easy_files=10, hard_files=10, datadir=str(tmp_path / "data"),
                            resultdir=str(tmp_path / "r"))
-    io500ref.run_reference("/bin/true", p, Path("io500-results") / "compare-x" / "harness-0")
-    assert seen["ini_found"] is True
+    got, text = io500ref.run_reference("/bin/true", p,
+                                       Path("io500-results") / "compare-x" / "harness-0")
+    assert got.phases == io500ref.parse_output(sample.read_text()).phases
+    assert set(got.cpu) == set(got.phases) and all(v >= 0 for v in got.cpu.values())
 
 
 def test_mpirun_argv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,3 +244,28 @@ def test_pooled_table_of_saved_compare_results(tmp_path: Path) -> None:
     assert row.split()[2:5] == ["2.0000", "2.0000", "1.00"]
     assert row.split()[6] == "1.10"
     assert table[-1] == "within 20% (median of paired ratios): 12 of 12 phases"
+
+
+def test_settle_reports_the_conditions_and_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compare's settle before each run: "none" only reads the conditions, "sync"
+    syncs and waits until dirty + writeback is below the threshold."""
+    synced: list[int] = []
+    dirty = iter([64 << 20, 64 << 20, 1 << 20])  # before, still writing back, settled
+    monkeypatch.setattr(io500ref.os, "sync", lambda: synced.append(1))
+    monkeypatch.setattr(io500ref, "meminfo_bytes",
+                        lambda *k: {"Dirty": next(dirty), "Writeback": 0})
+    monkeypatch.setattr(io500ref.time, "sleep", lambda s: None)
+    got = io500ref.settle("sync")
+    assert synced == [1] and got["dirty_mb"] == 64.0 and got["sync_s"] >= 0.0
+    assert got["load1"] == got["load1"]  # a number (this machine has /proc/loadavg)
+    dirty = iter([8 << 20])
+    assert io500ref.settle("none")["sync_s"] == 0.0 and synced == [1]
+
+
+def test_cpu_table() -> None:
+    def run(cpu: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={"find": (1.0, 1.0, True)}, cpu={"find": cpu})
+
+    lines = io500ref.cpu_table([run(1.0), run(2.0), run(9.0)], [run(3.0), run(3.0)])
+    assert lines[1].split()[1:] == ["2.000", "3.000", "1.50"]
+    assert io500ref.cpu_table([io500ref.Parsed()], [io500ref.Parsed()]) == []
