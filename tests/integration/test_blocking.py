@@ -321,3 +321,34 @@ def test_a_release_after_close_opens_no_connection(client_toml: Path) -> None:
         meta.request_blocking(Release())
     assert err.value.errno == errno.ENOTCONN
     assert meta._blocking is None
+
+
+def test_a_connection_just_used_is_not_probed(scripted) -> None:
+    """Back-to-back calls cost no liveness system call: ``alive`` asks the socket only
+    once the connection was idle for ``PEER_CHECK_IDLE``, and then sees a peer that
+    went away before the next request is sent."""
+    import time
+
+    from pfs.core.wire import blocking
+
+    def script(sock: socket.socket) -> None:
+        for i, rid in enumerate(_requests(sock, Peer())):
+            sock.sendall(encode_frame(Kind.REPLY, rid, {}))
+            if i == 2:
+                return  # and close
+
+    c = scripted(script)
+    probes = []
+    real = c.conn.peer_gone
+
+    def counted() -> bool:
+        probes.append(1)
+        return real()
+
+    c.conn.peer_gone = counted  # type: ignore[method-assign]
+    for _ in range(3):
+        assert c.alive
+        c.call("hello")
+    assert c.alive and probes == [1]  # only the first, on a never-used connection
+    time.sleep(blocking.PEER_CHECK_IDLE + 0.05)  # idle: the next look asks the socket
+    assert not c.alive and len(probes) == 2

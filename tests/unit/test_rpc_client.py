@@ -4,6 +4,7 @@ cancellation and a lost peer behave the same whoever was reading."""
 from __future__ import annotations
 
 import errno
+import logging
 
 import pytest
 import trio
@@ -327,5 +328,67 @@ def test_peer_lost_while_a_caller_alone_waits() -> None:
             await cli.call("ping", timeout=30)
         assert ei.value.errno == errno.ECONNRESET
         assert not cli.alive
+
+    _run(body)
+
+
+class _InlineSvc(rpc.RpcService):
+    """Methods answered in the reader task: one that answers, one that fails as asked,
+    one with a bug."""
+
+    inline_methods = frozenset({"ok", "boom", "bug"})
+    max_in_flight = 1
+
+    async def rpc_ok(self, ctx, req):
+        return {"i": req.int("i")}
+
+    async def rpc_boom(self, ctx, req):
+        raise OSError(errno.ENOSPC, "disk full, as asked")
+
+    async def rpc_bug(self, ctx, req):
+        raise RuntimeError("a handler bug")
+
+
+def test_inline_requests_answer_errors_and_bugs_and_keep_the_connection(caplog) -> None:
+    """A request answered in the server's reader task (no slot, no task of its own)
+    answers its handler's OSError as it is and a bug as EIO (logged); the connection
+    serves on, and inline requests are answered past ``max_in_flight`` (they hold no
+    slot)."""
+
+    async def body(cli, srv, n) -> None:
+        n.start_soon(_InlineSvc().serve_connection, srv)
+        with pytest.raises(OSError) as ei:
+            await cli.call("boom")
+        assert ei.value.errno == errno.ENOSPC and "disk full" in str(ei.value)
+        with pytest.raises(OSError) as ei:
+            await cli.call("bug")
+        assert ei.value.errno == errno.EIO and "internal error in bug" in str(ei.value)
+        async with trio.open_nursery() as m:  # more at once than max_in_flight
+            for i in range(5):
+                m.start_soon(cli.call, "ok", {"i": i})
+        assert (await cli.call("ok", {"i": 7})).fields == {"i": 7}
+
+    with caplog.at_level(logging.ERROR):
+        _run(body)
+    assert "bug failed" in caplog.text and "a handler bug" in caplog.text
+
+
+def test_a_server_waits_for_a_slow_peers_next_request_before_receiving() -> None:
+    """After an inline reply a server reads the peer's next request as a client reads
+    its reply: from a peer whose requests are never there straight after the reply (a
+    client alone, over a network) it waits for the socket after LATE_TO_WAIT of them
+    instead of a receive failing with EAGAIN first; every answer still comes."""
+    calls = transport.PROBE_LATE - 1
+
+    async def body(cli, srv, n) -> None:
+        counting = _CountingSocket(srv._raw)
+        srv._raw = counting
+        n.start_soon(_InlineSvc().serve_connection, srv)
+        for i in range(calls):
+            assert (await cli.call("ok", {"i": i})).fields == {"i": i}
+            await trio.sleep(0.001)  # the next request comes later
+        # LATE_TO_WAIT after replies (and the connection's first read, if it came
+        # before the first request); before, one after every reply
+        assert transport.LATE_TO_WAIT <= counting.eagain <= transport.LATE_TO_WAIT + 1
 
     _run(body)

@@ -22,6 +22,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from typing import Any
 
 from pfs.core.errors import ProtocolError, from_wire
@@ -33,6 +34,7 @@ from pfs.core.wire.protocol import (
     Kind,
     Limits,
     encode_head,
+    packer,
 )
 from pfs.core.wire.seal import TAG, FrameAuthError, Sealer, Session
 
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 HEAD_RECV = 16 << 10
 SOCK_BUF = 4 << 20  # as the trio transport's: a large reply in fewer, larger receives
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
+# seconds a connection must have been idle before ``alive`` asks the socket whether the
+# peer went away (as :data:`pfs.core.wire.rpc.PEER_CHECK_IDLE`): back-to-back calls skip
+# the system call, and a peer gone within that window shows as the call's error
+PEER_CHECK_IDLE = 0.01
 
 
 class BlockingConnection:
@@ -59,6 +65,9 @@ class BlockingConnection:
         self.peer_cert: dict[str, Any] | None = None
         self.closed = False
         self._decoder = FrameDecoder(self.limits)
+        # maps encoded with one reused packer (``packb`` builds one per call: half its
+        # cost); frames are sent one at a time (the client's lock, or the handshake)
+        self._pk = packer()
         self._chunk = bytearray(HEAD_RECV)
         self._chunk_view = memoryview(self._chunk)
         self.session: Session | None = None  # sealed frames (key mode, after the handshake)
@@ -167,7 +176,7 @@ class BlockingConnection:
     def send_frame(self, kind: Kind, rid: int, fields: dict[str, Any],
                    payload: bytes | bytearray | memoryview | None = None) -> None:
         data = encode_head(kind, rid, fields, len(payload) if payload else 0, self.limits,
-                           self._decoder.version)
+                           self._decoder.version, self._pk)
         sealer = self._sealer
         if sealer is not None:
             data = sealer.head(data, HEADER_SIZE)
@@ -288,10 +297,14 @@ class BlockingRpcClient:
         self.conn = conn
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._used = -1e18  # time.monotonic() when the last reply came (``alive``)
 
     @property
     def alive(self) -> bool:
-        """Open, and not closed by the peer while idle (checked: one syscall)."""
+        """Open, and not closed by the peer while idle (checked: one syscall, when idle
+        for ``PEER_CHECK_IDLE`` or longer)."""
+        if time.monotonic() - self._used < PEER_CHECK_IDLE:
+            return not self.conn.closed
         if not self._lock.acquire(blocking=False):
             # a call in flight (another thread) owns the socket: probing it could take
             # bytes of its reply (TLS); that call finds out whether the peer is there
@@ -364,6 +377,7 @@ class BlockingRpcClient:
                 except ProtocolError as exc:
                     raise OSError(getattr(exc, "errno", None) or errno.EPROTO,
                                   f"connection to {conn.name} failed: {exc}") from None
+            self._used = time.monotonic()
             if head.kind == Kind.ERROR:
                 raise from_wire(head.fields.get("errno"), head.fields.get("msg"))
             if head.kind != Kind.REPLY or head.payload_len:

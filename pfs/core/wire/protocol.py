@@ -54,6 +54,7 @@ class Kind(enum.IntEnum):
 
 # a header's kind byte -> Kind (a dict lookup costs a tenth of ``Kind(n)``)
 _KINDS = {int(k): k for k in Kind}
+_tuple_new = tuple.__new__  # a FrameHead without its Python-level __new__ (every frame)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +203,7 @@ class FrameDecoder:
             fields = self._unpack(bytes(buf[HEADER_SIZE:end]))
         del buf[:end]
         self.pending_payload = payload_len
-        return FrameHead(kind_v, rid, fields, payload_len)
+        return _tuple_new(FrameHead, (kind_v, rid, fields, payload_len))  # type: ignore[no-any-return]
 
     def _check_header(self, magic: bytes, version: int, kind: int, map_len: int,
                       payload_len: int) -> Kind:

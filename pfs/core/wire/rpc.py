@@ -793,8 +793,15 @@ class RpcService:
                     inflight = ctx.inflight
                     limit = self.max_in_flight
                     frame_timeout = self.frame_timeout
+                    dec = conn.decoder
+                    answered = False  # a reply was just sent by this task
                     while True:
-                        head = await conn.recv_head(frame_timeout)
+                        # after a reply, with nothing buffered: the next request is
+                        # read as a client reads its reply (``just_sent``: a peer that
+                        # is never this quick gets a wait, not a receive that fails)
+                        head = await conn.recv_head(
+                            frame_timeout, just_sent=answered and not dec.buffered)
+                        answered = False
                         if head is None:
                             break
                         kind, rid, fields, n = head
@@ -817,13 +824,19 @@ class RpcService:
                             await self._send_error(conn, rid, OSError(
                                 errno.EINVAL, "request has no method name ('m')"))
                             continue
+                        req = Request(method, fields, payload)
+                        inline = ctx.identity is not None and self.is_inline(req)
+                        if inline and not n:
+                            # answered before the next frame is read: no slot to hold
+                            await self._answer_inline(ctx, rid, req)
+                            answered = True
+                            continue
                         while len(inflight) >= limit:
                             freed = ctx.slot_freed = trio.Event()
                             await freed.wait()
                         inflight.add(rid)
-                        req = Request(method, fields, payload)
                         held = (mine, budget, n) if n else None
-                        if ctx.identity is not None and self.is_inline(req):
+                        if inline:
                             await self._handle(ctx, rid, req, held)
                         else:
                             workers.submit((ctx, rid, req, held))
@@ -854,6 +867,29 @@ class RpcService:
             mine.release(n)
             budget.release(n)
 
+    async def _answer_inline(self, ctx: ConnContext, rid: int, req: Request) -> None:
+        """Answer an inline request that came without a payload, in the reader task (a
+        stat, a lookup): what ``_handle`` does, less the in-flight slot (the reader reads
+        nothing else meanwhile) and the metrics' clock when no metrics are kept."""
+        timed = metrics.enabled()
+        started = time.perf_counter() if timed else 0.0
+        err, sent = None, 0
+        conn = ctx.conn
+        try:
+            try:
+                reply = await self.dispatch(ctx, req)
+            except Exception as exc:  # noqa: BLE001 - answered, as in ``_handle``
+                err = await self._answer_error(conn, rid, req, exc)
+            else:
+                if type(reply) is dict:  # a typed reply, encoded
+                    await conn.send_frame(Kind.REPLY, rid, reply, None)
+                else:
+                    sent = await self._send_reply(conn, rid, reply)
+        except ConnectionClosed:
+            pass
+        if timed:
+            metrics.rpc_done(self.name, req.method, started, err, 0, sent)
+
     async def _handle(self, ctx: ConnContext, rid: int, req: Request,
                       held: tuple[ByteBudget, ByteBudget, int] | None = None) -> None:
         """Answer ``req``: its reply or its error sent, its slot and payload bytes
@@ -864,34 +900,13 @@ class RpcService:
         try:
             try:
                 reply = await self.dispatch(ctx, req)
-            except OSError as exc:
-                err = exc.errno or errno.EIO
-                await self._send_error(conn, rid, exc)
-                return
-            except Exception:  # a handler bug must not kill the connection or hang the peer
-                err = errno.EIO
-                log.exception("%s: %s failed", self.name, req.method)
-                await self._send_error(conn, rid, OSError(
-                    errno.EIO, f"internal error in {req.method}; see the server log"))
+            except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the connection
+                err = await self._answer_error(conn, rid, req, exc)
                 return
             if type(reply) is dict:  # a typed reply, encoded
                 await conn.send_frame(Kind.REPLY, rid, reply, None)
                 return
-            assert isinstance(reply, Reply)
-            sent = reply.file[2] if reply.file else len(reply.payload or b"")
-            try:
-                fields = reply.fields
-                assert isinstance(fields, dict)  # encoded by ``encode``
-                if reply.fds:
-                    await conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
-                elif reply.file is not None:
-                    fd, off, count = reply.file
-                    await conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
-                else:
-                    await conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
-            finally:
-                if reply.release is not None:
-                    reply.release()
+            sent = await self._send_reply(conn, rid, reply)
         except ConnectionClosed:
             pass
         finally:
@@ -904,6 +919,39 @@ class RpcService:
             if held is not None:
                 req.payload = None
                 self._release_payload(*held)
+
+    async def _answer_error(self, conn: Connection, rid: int, req: Request,
+                            exc: Exception) -> int:
+        """A handler's failure as the peer gets it: an ``OSError`` as its errno, anything
+        else (a bug: logged here, or the peer would hang) as ``EIO``; the errno sent."""
+        if isinstance(exc, OSError):
+            await self._send_error(conn, rid, exc)
+            return exc.errno or errno.EIO
+        log.error("%s: %s failed", self.name, req.method, exc_info=exc)
+        await self._send_error(conn, rid, OSError(
+            errno.EIO, f"internal error in {req.method}; see the server log"))
+        return errno.EIO
+
+    @staticmethod
+    async def _send_reply(conn: Connection, rid: int, reply: Any) -> int:
+        """A :class:`Reply` sent (its payload, file or descriptors with it); the payload
+        bytes sent."""
+        assert isinstance(reply, Reply)
+        sent = reply.file[2] if reply.file else len(reply.payload or b"")
+        try:
+            fields = reply.fields
+            assert isinstance(fields, dict)  # encoded by ``encode``
+            if reply.fds:
+                await conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
+            elif reply.file is not None:
+                fd, off, count = reply.file
+                await conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
+            else:
+                await conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
+        finally:
+            if reply.release is not None:
+                reply.release()
+        return sent
 
     @staticmethod
     async def _send_error(conn: Connection, rid: int, exc: OSError) -> None:

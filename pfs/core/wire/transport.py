@@ -49,6 +49,8 @@ YIELD_EVERY = 16
 # already (the send ran the server), over a network never. After this many calls in a
 # row whose first receive found nothing, wait for the socket before receiving (no
 # receive failing with EAGAIN), trying the receive first again every PROBE_LATE calls.
+# A server reads a client's next request after its reply the same way: a busy client
+# (several clients, pipelined calls) has it there, one alone never.
 LATE_TO_WAIT = 4
 PROBE_LATE = 16
 # Below this a payload is glued to its header and sent in one syscall.
@@ -498,8 +500,9 @@ class Connection:
         sends a header and stops is dropped); waiting between frames is not limited.
         ``fair=False``: never yield once a head is decoded (a caller that may be
         cancelled reads its own reply: a cancellation there would lose the head).
-        ``just_sent``: a request was just sent and this reads its reply (plain sockets:
-        see LATE_TO_WAIT). ``nowait`` (plain sockets): ``NOT_READY`` instead of waiting
+        ``just_sent``: a request was just sent and this reads its reply, or a server
+        just answered and reads the peer's next request, nothing buffered (plain
+        sockets: see LATE_TO_WAIT). ``nowait`` (plain sockets): ``NOT_READY`` instead of waiting
         for more (what did arrive stays buffered); ``wait_first``: wait for the socket
         before the first receive (one just found nothing)."""
         dec = self.decoder
