@@ -295,4 +295,4 @@ class ChainTable:
         for s, chain in enumerate(chains):
             placed = placed_all[s] if s < len(placed_all) else []
             servers.append(list(dict.fromkeys((*placed, *chain.members, *chain.stale))))
-        return {**self.resolved(layout, chains), "servers": servers}
+        return {**layout, "servers": servers, "versions": [c.version for c in chains]}

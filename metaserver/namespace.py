@@ -716,6 +716,15 @@ class Namespace:
         path-based calls; the directories on the way need search permission."""
         if not path.startswith(b"/"):
             raise _err(errno.EINVAL, "path must be absolute inside pfs")
+        head, _, name = path.rpartition(b"/")
+        if (name and name != b"." and name != b".." and len(path) < PATH_MAX
+                and b"\0" not in path):
+            # the common case: only the directories are walked; the last component is
+            # the caller's to look up (its change reads it again in the write anyway)
+            parent = self._dir_of(txn, cred, head or b"/")
+            if len(name) > NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, f"component {name[:32]!r}...")
+            return parent, name
         # a trailing slash must not make the walk follow a symlink in the last component
         # (rmdir "link/" would remove the directory it points to): it only asks for a
         # directory
@@ -727,6 +736,18 @@ class Namespace:
         if not name:
             raise _err(errno.EBUSY, "the root directory has no parent entry")
         return parent, name
+
+    def _dir_of(self, txn: Txn, cred: Cred, head: bytes) -> int:
+        """:meth:`entry_of`'s directory for a last component that is a plain name:
+        ``head`` walked (symlinks followed, as on the way to any component), with the
+        checks the full walk makes before it looks a name up in the directory."""
+        _, comp, ino, rec = self._walk_rec(txn, cred, K.ROOT_INO, head, True)
+        if ino is None or rec is None:
+            raise _err(errno.ENOENT, f"{comp!r}")
+        if not stat.S_ISDIR(rec["mode"]):
+            raise _err(errno.ENOTDIR, f"{comp!r}" if comp else f"inode {ino}")
+        self.check_perm(cred, rec, X_OK)
+        return ino
 
     def readlink(self, txn: Txn, ino: int) -> bytes:
         rec = self._rec(txn, ino)

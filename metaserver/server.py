@@ -204,8 +204,8 @@ class MetaService(RpcService):
         if hasattr(layout, "to_wire"):
             layout = layout.to_wire()
         who = ctx.identity.name if ctx.identity is not None else ""
-        return self.signer.issue(ino, rights, who=who, placement=caps.placement_of(layout),
-                                 max_off=self.config.max_object_size)
+        return self.signer.issue_file(ino, rights, who, caps.stripes_of(layout),
+                                      self.config.max_object_size)
 
     # ------------------------------------------------------------------ who may do what
     async def dispatch(self, ctx: ConnContext, req: Request) -> Reply | dict[str, Any]:

@@ -131,18 +131,36 @@ class _LmdbTxn:
         except lmdb.Error as exc:
             raise _store_error(exc) from exc
 
-    @contextmanager
-    def nested(self) -> Iterator[_LmdbTxn]:
-        child = self.env.begin(write=True, parent=self.txn)
-        try:
-            yield _LmdbTxn(self.env, child)
-        except BaseException:
+    def nested(self) -> _LmdbNested:
+        return _LmdbNested(self)
+
+
+class _LmdbNested:
+    """``_LmdbTxn.nested()``: a child transaction, committed into its parent when the
+    block ends normally, aborted when it raises. A class, not a generator context
+    manager: the commit queue opens one per operation."""
+
+    __slots__ = ("_parent", "_child")
+
+    def __init__(self, parent: _LmdbTxn) -> None:
+        self._parent = parent
+        self._child: lmdb.Transaction | None = None
+
+    def __enter__(self) -> _LmdbTxn:
+        env = self._parent.env
+        self._child = env.begin(write=True, parent=self._parent.txn)
+        return _LmdbTxn(env, self._child)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        child, self._child = self._child, None
+        assert child is not None
+        if exc_type is not None:
             child.abort()
-            raise
+            return
         try:
             child.commit()
-        except lmdb.Error as exc:
-            raise _store_error(exc) from exc
+        except lmdb.Error as err:
+            raise _store_error(err) from err
 
 
 class _LmdbRead:

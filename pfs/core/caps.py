@@ -48,7 +48,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ SIG_LEN = 64
 MAX_CAP = 16 << 10  # bytes; a capability naming many stripes stays well below
 KEY_FILE = "capability.key"
 CACHE_MAX = 4096  # verified capabilities kept per connection
+TAILS_KEPT = 4096  # encoded capability tails a signer keeps (CapSigner.issue_file)
 # the default largest object (MetaConfig.max_object_size): a file of ``count`` stripes
 # grows to ``count`` times this; a write capability reaches no further
 MAX_OBJECT_SIZE = 1 << 40
@@ -79,12 +80,16 @@ def _eacces(why: str) -> OSError:
     return OSError(errno.EACCES, f"capability refused: {why}")
 
 
+def stripes_of(layout: Mapping[str, Any] | None) -> tuple[tuple[str, ...], ...]:
+    """The servers that may hold each stripe of a file's layout, by stripe
+    (``layout["servers"][stripe]``, its replicas). The one place that reads a layout for
+    a capability; hashable, so a signer keeps the encoding of each it has seen."""
+    return tuple(map(tuple, (layout or {}).get("servers") or ()))
+
+
 def placement_of(layout: Mapping[str, Any] | None) -> dict[int, tuple[str, ...]]:
-    """The objects a file's layout names and the servers that may hold each: stripe ->
-    server ids (``layout["servers"][stripe]``, its replicas). The one place that reads a
-    layout for a capability."""
-    servers = (layout or {}).get("servers") or ()
-    return {stripe: tuple(sids) for stripe, sids in enumerate(servers)}
+    """:func:`stripes_of` as a mapping: stripe -> server ids."""
+    return dict(enumerate(stripes_of(layout)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +160,7 @@ class CapSigner:
         self.ttl = ttl
         self._last_gen = 0
         self._lock = threading.Lock()
+        self._tails: dict[tuple[str, int, tuple[tuple[str, ...], ...]], bytes] = {}
         self.public_bytes = key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -195,20 +201,53 @@ class CapSigner:
         the objects of ``placement`` (stripe -> the servers that may hold it, from
         :func:`placement_of`) or, without one, every stripe on ``servers`` (or ``sid``;
         none named: any server)."""
-        life = self.ttl if ttl is None else ttl
         if placement is None:
             names = list(dict.fromkeys([*servers, *([sid] if sid else [])]))
             wire: list[list[int]] | None = None
         else:
-            index: dict[str, int] = {}
-            wire = []
-            for stripe, sids in sorted(placement.items()):
-                wire.append([stripe, *(index.setdefault(s, len(index)) for s in sids)])
-            names = list(index)
-        body = msgpack.packb([VERSION, ino, rights, int(time.time() + life) + 1,
-                              self.next_gen(), who, max_off, names, wire],
-                             use_bin_type=True)
+            names, wire = _placement_wire(sorted(placement.items()))
+        return self._sign(ino, rights, _tail(who, max_off, names, wire), ttl)
+
+    def issue_file(self, ino: int, rights: int, who: str,
+                   stripes: tuple[tuple[str, ...], ...], max_off: int) -> tuple[bytes, float]:
+        """:meth:`issue` for a file's capability: the objects of ``stripes`` (from
+        :func:`stripes_of`). The same bytes; the encoding of everything but the inode,
+        rights, expiry and generation is kept per (``who``, ``max_off``, ``stripes``):
+        every open and create signs one, and the layouts of a cluster's files repeat."""
+        key = (who, max_off, stripes)
+        tail = self._tails.get(key)
+        if tail is None:
+            tail = _tail(who, max_off, *_placement_wire(enumerate(stripes)))
+            if len(self._tails) >= TAILS_KEPT:
+                self._tails.clear()
+            self._tails[key] = tail
+        return self._sign(ino, rights, tail, None)
+
+    def _sign(self, ino: int, rights: int, tail: bytes, ttl: float | None
+              ) -> tuple[bytes, float]:
+        life = self.ttl if ttl is None else ttl
+        # the body ``[VERSION, ino, rights, expiry, gen, *tail]``: a 9-element array is
+        # its one-byte header and the elements' encodings, one after another
+        head = msgpack.packb([VERSION, ino, rights, int(time.time() + life) + 1,
+                              self.next_gen()])
+        body = b"\x99" + head[1:] + tail
         return body + self._key.sign(body), life
+
+
+def _placement_wire(placement: Iterable[tuple[int, Sequence[str]]]
+                    ) -> tuple[list[str], list[list[int]]]:
+    """A capability's ``servers`` and ``placement`` fields: each server named once,
+    each stripe as ``[stripe, index of each of its servers...]``."""
+    index: dict[str, int] = {}
+    wire = []
+    for stripe, sids in placement:
+        wire.append([stripe, *(index.setdefault(s, len(index)) for s in sids)])
+    return list(index), wire
+
+
+def _tail(who: str, max_off: int, names: list[str], wire: list[list[int]] | None) -> bytes:
+    """The encodings of a body's last four elements, one after another."""
+    return msgpack.packb([who, max_off, names, wire], use_bin_type=True)[1:]
 
 
 def _parse_v1(v: list[Any]) -> Capability:

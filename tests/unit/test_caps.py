@@ -66,6 +66,28 @@ def test_a_large_layout_fits() -> None:
     cap.check("read", caps.READ, (9, 255), f"{0:032x}", ALICE)
 
 
+def test_a_files_capability_is_the_same_body_with_its_encoding_kept() -> None:
+    """``issue_file`` (what open and create sign) encodes what ``issue`` does; the part
+    it keeps per layout and identity is not shared between identities or limits."""
+    signer = caps.CapSigner.generate()
+    v = caps.CapVerifier(signer.public_bytes)
+    layout = {"servers": [["s1", "s2"], ["s3", "s1"], ["s2"]]}
+    full = msgpack.unpackb(signer.issue(7, caps.WRITE, who="alice", max_off=1 << 30,
+                                        placement=caps.placement_of(layout))[0][:-64])
+    for who, max_off in (("alice", 1 << 30), ("alice", 1 << 30), ("bob", 1 << 30),
+                         ("alice", 1 << 20)):
+        raw, ttl = signer.issue_file(7, caps.WRITE, who, caps.stripes_of(layout), max_off)
+        body = msgpack.unpackb(raw[:-64])
+        assert ttl == signer.ttl and body[4] > full[4]  # a later generation
+        assert body[:4] == full[:4] and body[7:] == full[7:]
+        assert body[5:7] == [who, max_off]
+        cap = v.verify(raw)
+        assert cap.who == who and cap.max_off == max_off and cap.covers(7, 2)
+        cap.check("write", caps.WRITE, (7, 1), "s1", Identity(who, "client"))
+    assert caps.placement_of(layout) == {0: ("s1", "s2"), 1: ("s3", "s1"), 2: ("s2",)}
+    assert caps.stripes_of(None) == () and caps.placement_of({}) == {}
+
+
 def _v1(signer: caps.CapSigner, body: list[object]) -> bytes:
     raw = msgpack.packb(body, use_bin_type=True)
     return raw + signer._key.sign(raw)

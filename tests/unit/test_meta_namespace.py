@@ -302,6 +302,34 @@ def test_entry_of_trailing_slash_does_not_follow_a_symlink(fs: FS) -> None:
     assert fs.names(d) == [b"victim"]
 
 
+def test_entry_of_walks_the_directories_with_every_check(fs: FS) -> None:
+    """``entry_of`` of a plain last name walks only the directories above it (the
+    caller looks the name up), and still refuses what a full walk refuses: a missing or
+    non-directory component, a directory the caller may not search, a name too long;
+    a symlink on the way is followed; ``.`` and ``..`` go the full way."""
+    d = fs.mkdir(ROOT, 1, b"d", 0o755)["ino"]
+    sub = fs.mkdir(ROOT, d, b"sub", 0o755)["ino"]
+    fs.mkdir(ROOT, 1, b"locked", 0o700)
+    fs.file(d, b"f")
+    fs.symlink(ROOT, 1, b"ld", b"d/sub")
+    fs.symlink(ROOT, 1, b"dangling", b"d/none")
+    assert fs.entry_of(USER, b"/x") == (1, b"x")
+    assert fs.entry_of(USER, b"/d/sub/new") == (sub, b"new")  # missing: still its entry
+    assert fs.entry_of(USER, b"/d/f") == (d, b"f")
+    assert fs.entry_of(USER, b"/ld/x") == (sub, b"x")
+    assert fs.entry_of(USER, b"/d//sub/x") == (sub, b"x")
+    assert fs.entry_of(USER, b"/d/sub/../x") == (d, b"x")
+    assert fs.entry_of(USER, b"/d/sub/..") == (sub, b"..")
+    assert fs.entry_of(USER, b"/d/.") == (d, b".")
+    err(errno.ENOENT, fs.entry_of, USER, b"/none/x")
+    err(errno.ENOENT, fs.entry_of, USER, b"/dangling/x")
+    err(errno.ENOTDIR, fs.entry_of, USER, b"/d/f/x")
+    err(errno.EACCES, fs.entry_of, USER, b"/locked/x")
+    assert fs.entry_of(ROOT, b"/locked/x")[1] == b"x"
+    err(errno.ENAMETOOLONG, fs.entry_of, USER, b"/d/" + b"n" * 300)
+    err(errno.EINVAL, fs.entry_of, USER, b"/d/a\0b")
+
+
 def test_rename_rules(fs: FS) -> None:
     a = fs.mkdir(ROOT, 1, b"a", 0o755)["ino"]
     b = fs.mkdir(ROOT, 1, b"b", 0o755)["ino"]
