@@ -38,6 +38,7 @@ from pfs.core.wire.pool import ConnectionPool
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
 from pfs.dataserver import checksums as ck
+from pfs.dataserver.cuts import Marks
 from pfs.dataserver.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,26 @@ class Replicator:
                     await self.copy_to(obj, target, pace)
                     copied += 1
             if end or not page:
-                return copied, sent
+                break
+        await self.send_tombstones(cid, target)
+        return copied, sent
+
+    async def send_tombstones(self, cid: int, target: str) -> int:
+        """Every tombstone held here to ``target`` (``install_tombs``): without them a
+        member that joined after a deletion reads the deleted file, named again by a
+        metadata restore, as holes. All of them, not only chain ``cid``'s: a record
+        names no chain (its object, which did, is gone); a tombstone of a dead inode
+        is harmless anywhere. The ones new there."""
+        objs = self.store.tombs.objects()  # a copy: deletions meanwhile go to it too
+        new = 0
+        for i in range(0, len(objs), D.MAX_DELETE):
+            reply = await self.peers.request(
+                target, D.InstallTombs(chain=cid, objs=objs[i:i + D.MAX_DELETE]),
+                timeout=META_TIMEOUT)
+            new += reply.n
+        if new:
+            log.info("chain %d: %d tombstones copied to %s", cid, new, target)
+        return new
 
     async def copy_to(self, obj: tuple[int, int], target: str,
                       pace: Callable[[int], Awaitable[None]] | None = None) -> int:
@@ -325,7 +345,9 @@ class Replicator:
                 async def send(off: int, chunk: bytes, last: bool) -> None:
                     await self.peers.request(target, D.Install(
                         obj=obj, off=off, size=size, chain=rec[0] or 1, ver=rec[1],
-                        seq=rec[2], last=last, crc=crc32c.crc32c(chunk) if chunk else None),
+                        seq=rec[2], last=last, crc=crc32c.crc32c(chunk) if chunk else None,
+                        cuts=[list(m) for m in self.store.cuts.marks(obj)] or None
+                        if last else None),
                         payload=chunk or None, timeout=META_TIMEOUT)
                     if pace is not None:
                         await pace(len(chunk))
@@ -348,10 +370,25 @@ class Replicator:
             n = await apply(obj, req.off, req.payload) if req.payload else 0
             if req.last:
                 self.store.truncate(obj, req.size)
+                if obj in self.store.tombs:  # the head holds it: defined, not deleted data
+                    await trio.to_thread.run_sync(self.store.tombs.write, [obj], True)
+                    self.store.tombs.discard(obj)
+                # the head's truncation records (dataserver/cuts.py) replace this replica's
+                marks = [(m[0], m[1]) for m in req.cuts or [] if len(m) == 2]
+                if marks or self.store.cuts.has(obj):
+                    await put_cuts(self.store, obj, marks, True)
                 if req.size or self.store.chain_record(obj) is not None:
                     self.store.set_chain_record(obj, (req.chain, req.ver, req.seq))
                 self._saw(req.chain, req.ver)
         return n
+
+
+async def put_cuts(store: ObjectStore, obj: tuple[int, int], marks: Marks,
+                   clear: bool) -> None:
+    """Record ``obj``'s truncation records ``marks`` (after dropping its others, with
+    ``clear``): durable first, then in memory."""
+    await trio.to_thread.run_sync(store.cuts.write, obj, marks, clear)
+    store.cuts.put(obj, marks, clear)
 
 
 async def copy_object(read_from: Callable[[int, int], Awaitable[bytes]], size: int,
