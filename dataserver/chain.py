@@ -50,6 +50,9 @@ DEAD_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
                          errno.ECONNABORTED, errno.EHOSTDOWN})
 META_TIMEOUT = 10.0
 COPY_CHUNK = 4 << 20  # bytes per request of a copy
+# a restore moves every chain's version 2**20 ahead (metaserver/backup.py VERSION_GAP);
+# membership changes move it by one
+RESTORE_JUMP = 1 << 19
 MAX_OBJ = (1 << 63) - 1  # the whole object, for its lock
 
 Apply = Callable[[tuple[int, int], int, Any], Awaitable[int]]
@@ -241,12 +244,25 @@ class Replicator:
 
     async def learn(self, cid: int) -> None:
         """The chain's version now, from the metaserver (a client named one newer than
-        this server had seen: after a membership change, or after a restart)."""
+        this server had seen: after a membership change, or after a restart), and its
+        restore windows (dataserver/cuts.py)."""
         reply = await self.peers.meta_request(M.GetChain(chain=cid))
+        if reply.restores is not None:
+            self.store.cuts.set_windows((w[0], w[1]) for w in reply.restores if len(w) == 2)
         _cid, ver, members = reply.chain
         if self.sid not in members:
             raise stale(f"this server is not in chain {cid}")
         self._saw(cid, int(ver))
+
+    async def check_restore(self, cid: int | None, ver: int | None) -> None:
+        """A request naming a chain version a restore's jump ahead of what this server
+        saw while it is not registered (the caller checks): the metadata was restored
+        and the metaserver started again, and this server has not registered with it
+        yet. Its restore windows first (learn), or a range cut after the backup would be
+        served as a hole meanwhile. A registered server knows them: the data path never
+        waits on the metaserver then."""
+        if cid and ver is not None and ver >= self.view.get(cid, 0) + RESTORE_JUMP:
+            await self.learn(cid)
 
     async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
         """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the

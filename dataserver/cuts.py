@@ -9,7 +9,8 @@ that was cut is still named by the live namespace, which may extend it again (a 
 hole past the cut), so a record is *enforced* only where the namespace may not know of
 the cut: when it was made within a *restore window* ``[backup start - margin, restore
 time)`` (metaserver/backup.py records one at each restore; a data server learns them
-at registration). There the object's *deleted range* is ``[size now, end)``, ``end``
+at registration, or sooner from ``get_chain`` when a request names a restored chain
+version: chain.py ``check_restore``). There the object's *deleted range* is ``[size now, end)``, ``end``
 the largest size it had before a cut in the window, and
 
 - a read reaching into it is ``EIO`` (:func:`cut_error`), never zeros; a short-circuit

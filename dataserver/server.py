@@ -79,6 +79,9 @@ class DataService(RpcService):
         if self.sid is not None:
             self.sid_known.set()
         self.registrations = 0  # successful registrations so far
+        # registered over the metaserver connection in use: while not (it restarts, its
+        # store maybe restored), restore windows may be unknown here (cuts.py)
+        self.meta_up = not meta
         self.own_auth = own_auth or ClientAuth()
         secured = auth is not None and auth.mode != "open"
         # capabilities are checked on a secured server; ``verify_caps=False`` is the
@@ -197,6 +200,8 @@ class DataService(RpcService):
     async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
+        if not self.meta_up:  # (registered: its restore windows are known)
+            await self.replicator.check_restore(req.chain, req.ver)
         self.replicator.check_read(obj, req.chain, req.ver)
         self.store.check_readable(obj)
         if self.store.cuts.enforced:
@@ -396,6 +401,11 @@ class DataService(RpcService):
         self.store.check_readable(obj)
         if self.store.cuts.enforced:  # a reader past the end would see a hole
             self._check_cut(obj, 0, MAX_ID)
+        if not self.meta_up and self.store.cuts.has(obj):
+            # a restore's window may be unknown yet: over TCP, a read names its chain
+            # version, and a restored one makes this server ask (check_restore)
+            raise OSError(errno.EAGAIN, f"object {list(obj)}: read it over TCP until this "
+                                        "server has registered with the metaserver again")
         got = self.store.acquire_checked(obj)
         if got is None:
             if obj in self.store.tombs:  # the client reads it over TCP: EIO there
@@ -444,6 +454,8 @@ class DataService(RpcService):
             self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if obj in self.store.tombs:  # it would be new bytes among zeros: truncate to 0 first
             raise deleted_error(obj)
+        if not self.meta_up:
+            await self.replicator.check_restore(req.chain, req.ver)
         if self.store.cuts.enforced:
             self._check_cut(obj, off, 0, writes=True)
         if not data:
@@ -885,6 +897,7 @@ class DataService(RpcService):
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised
+                self.meta_up = False
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "metaserver %s: %s; retrying (serving data meanwhile)",
@@ -925,6 +938,7 @@ class DataService(RpcService):
             self.sid_known.set()
         self.replicator.taken_out(res.stale or [])
         self.store.cuts.set_windows((w[0], w[1]) for w in res.restores or [] if len(w) == 2)
+        self.meta_up = True
         log.info("registered with the metaserver as %s (%s:%d)", sid, host, port)
         self.registrations += 1
 

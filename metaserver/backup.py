@@ -45,7 +45,7 @@ from pfs.metaserver.store import LmdbStore, store_format
 MANIFEST = "pfs-backup.json"  # beside the copy's data.mdb: what it is, from when
 INO_GAP = 1 << 32  # inode numbers skipped at each restore (u64: room for 2^32 restores)
 CHAIN_GAP = 1 << 20
-VERSION_GAP = 1 << 20
+VERSION_GAP = 1 << 20  # (a data server that sees such a jump asks for restore windows)
 CUT_MARGIN = 300 * 10**9  # ns: a cut this long before a backup may be unknown to it
 
 

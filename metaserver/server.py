@@ -663,7 +663,7 @@ class MetaService(RpcService):
             chain = self.ns.chains.get(txn, req.chain)
         if chain is None:
             raise OSError(errno.ENOENT, f"no chain {req.chain}")
-        return M.ChainReply(chain=chain.to_wire())
+        return M.ChainReply(chain=chain.to_wire(), restores=self._restores())
 
     async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
         cid, sid = req.chain, req.sid

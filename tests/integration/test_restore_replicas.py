@@ -47,16 +47,18 @@ def _read_from(c: Any, sid: str, path: str, off: int, n: int) -> bytes:
     return bytes(buf)
 
 
-def _deleted_after_backup(d: Path, backup: Path, servers: int) -> Path:
+def _deleted_after_backup(d: Path, backup: Path, servers: int) -> tuple[Path, dict[str, str]]:
     """/A, /B and /T (one stripe, two replicas); a backup; /B deleted and reclaimed, /T
-    cut to one unit; the backup restored and the cluster up again."""
+    cut to one unit; the backup restored and the cluster up again: its client config
+    and its data servers (sid: process name)."""
     toml = cluster.up(d, data_servers=servers)
     with pfs.connect(config=toml) as c:
         c.set_layout("/", count=1, unit=UNIT, replicas=2)
         for name in ("A", "B", "T"):
             c.write_file(f"/{name}", content(name, 3 * UNIT))
     assert cli("admin", "backup", str(backup), "--cluster", str(d)).returncode == 0
-    return delete_and_restore(d, toml, backup, lambda c: c.truncate("/T", UNIT))[0]
+    toml = delete_and_restore(d, toml, backup, lambda c: c.truncate("/T", UNIT))[0]
+    return toml, _sids(d)
 
 
 def _eio_from(c: Any, sid: str, path: str, off: int) -> str:
@@ -71,8 +73,7 @@ def test_a_member_that_joined_after_the_deletion_answers_eio(
     private_cluster: Path, tmp_path: Path
 ) -> None:
     d = private_cluster
-    toml = _deleted_after_backup(d, tmp_path / "backup", 3)
-    names = _sids(d)
+    toml, names = _deleted_after_backup(d, tmp_path / "backup", 3)
     with pfs.connect(config=toml) as c:
         before = {p: _members(c, p) for p in ("/A", "/B", "/T")}
         # a server of both /B's and /T's chains (two of three servers each) is replaced:
@@ -99,8 +100,7 @@ def test_object_repair_copies_a_tombstone_not_an_empty_object(
     private_cluster: Path, tmp_path: Path
 ) -> None:
     d = private_cluster
-    toml = _deleted_after_backup(d, tmp_path / "backup", 2)
-    names = _sids(d)
+    toml, names = _deleted_after_backup(d, tmp_path / "backup", 2)
     with pfs.connect(config=toml) as c:
         head, tail = _members(c, "/B")
     cluster.down(d)  # the tail loses its tombstones (as a server from before them would)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +76,27 @@ def test_a_file_truncated_after_the_backup_reads_eio_past_the_cut(
         c.truncate("/V", 2)
         c.truncate("/V", SIZE)
         assert c.read_file("/V") == data["V"][:2] + bytes(SIZE - 2)
+
+
+def test_data_servers_that_kept_running_through_the_restore_answer_eio_at_once(
+    private_cluster: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The documented restore stops the metaserver only: a data server learns the
+    restore window from the first request naming a restored chain version, before it
+    registered again (not from its registration alone, which may come seconds later)."""
+    d = private_cluster
+    toml = cluster.up(d, data_servers=2)
+    with pfs.connect(config=toml) as c:
+        c.set_layout("/", count=2, unit=UNIT)
+        c.write_file("/T", content("T", SIZE))
+    r = cli("admin", "backup", str(tmp_path / "backup"), "--cluster", str(d))
+    assert r.returncode == 0, r.stderr
+    with pfs.connect(config=toml) as c:
+        c.truncate("/T", CUT)
+    cluster._stop(d, {"meta": cluster.running(d)["meta"]})
+    r = cli("admin", "restore", str(tmp_path / "backup"), "--cluster", str(d))
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(cluster, "_wait_registered", lambda *a: None)
+    toml = cluster.up(d)  # the metaserver alone; the data servers register when they do
+    with pfs.connect(config=toml) as c, c.open("/T", "rb") as f:
+        assert "cut by a truncation" in _eio(lambda: f.pread(100, 3 * UNIT))

@@ -182,6 +182,8 @@ class HeartbeatReply(ReplyMessage):
 
 class ChainReply(ReplyMessage):
     chain: list[Any] = List(doc="[chain id, version, [members, head first]]")
+    restores: list[Any] | None = List(List(Int(lo=0), max_len=2), default=None,
+                                      doc="as in `register`'s reply")
 
 
 # ------------------------------------------------------------------ requests
