@@ -38,6 +38,7 @@ from pfs.core.wire.pool import ConnectionPool
 from pfs.core.wire.protocol import Limits
 from pfs.core.wire.rpc import RpcClient
 from pfs.dataserver import checksums as ck
+from pfs.dataserver.cuts import Marks
 from pfs.dataserver.objects import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ DEAD_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN,
                          errno.ECONNABORTED, errno.EHOSTDOWN})
 META_TIMEOUT = 10.0
 COPY_CHUNK = 4 << 20  # bytes per request of a copy
+# a restore moves every chain's version 2**20 ahead (metaserver/backup.py VERSION_GAP);
+# membership changes move it by one
+RESTORE_JUMP = 1 << 19
 MAX_OBJ = (1 << 63) - 1  # the whole object, for its lock
 
 Apply = Callable[[tuple[int, int], int, Any], Awaitable[int]]
@@ -240,12 +244,25 @@ class Replicator:
 
     async def learn(self, cid: int) -> None:
         """The chain's version now, from the metaserver (a client named one newer than
-        this server had seen: after a membership change, or after a restart)."""
+        this server had seen: after a membership change, or after a restart), and its
+        restore windows (dataserver/cuts.py)."""
         reply = await self.peers.meta_request(M.GetChain(chain=cid))
+        if reply.restores is not None:
+            self.store.cuts.set_windows((w[0], w[1]) for w in reply.restores if len(w) == 2)
         _cid, ver, members = reply.chain
         if self.sid not in members:
             raise stale(f"this server is not in chain {cid}")
         self._saw(cid, int(ver))
+
+    async def check_restore(self, cid: int | None, ver: int | None) -> None:
+        """A request naming a chain version a restore's jump ahead of what this server
+        saw while it is not registered (the caller checks): the metadata was restored
+        and the metaserver started again, and this server has not registered with it
+        yet. Its restore windows first (learn), or a range cut after the backup would be
+        served as a hole meanwhile. A registered server knows them: the data path never
+        waits on the metaserver then."""
+        if cid and ver is not None and ver >= self.view.get(cid, 0) + RESTORE_JUMP:
+            await self.learn(cid)
 
     async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
         """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the
@@ -290,7 +307,26 @@ class Replicator:
                     await self.copy_to(obj, target, pace)
                     copied += 1
             if end or not page:
-                return copied, sent
+                break
+        await self.send_tombstones(cid, target)
+        return copied, sent
+
+    async def send_tombstones(self, cid: int, target: str) -> int:
+        """Every tombstone held here to ``target`` (``install_tombs``): without them a
+        member that joined after a deletion reads the deleted file, named again by a
+        metadata restore, as holes. All of them, not only chain ``cid``'s: a record
+        names no chain (its object, which did, is gone); a tombstone of a dead inode
+        is harmless anywhere. The ones new there."""
+        objs = self.store.tombs.objects()  # a copy: deletions meanwhile go to it too
+        new = 0
+        for i in range(0, len(objs), D.MAX_DELETE):
+            reply = await self.peers.request(
+                target, D.InstallTombs(chain=cid, objs=objs[i:i + D.MAX_DELETE]),
+                timeout=META_TIMEOUT)
+            new += reply.n
+        if new:
+            log.info("chain %d: %d tombstones copied to %s", cid, new, target)
+        return new
 
     async def copy_to(self, obj: tuple[int, int], target: str,
                       pace: Callable[[int], Awaitable[None]] | None = None) -> int:
@@ -325,7 +361,9 @@ class Replicator:
                 async def send(off: int, chunk: bytes, last: bool) -> None:
                     await self.peers.request(target, D.Install(
                         obj=obj, off=off, size=size, chain=rec[0] or 1, ver=rec[1],
-                        seq=rec[2], last=last, crc=crc32c.crc32c(chunk) if chunk else None),
+                        seq=rec[2], last=last, crc=crc32c.crc32c(chunk) if chunk else None,
+                        cuts=[list(m) for m in self.store.cuts.marks(obj)] or None
+                        if last else None),
                         payload=chunk or None, timeout=META_TIMEOUT)
                     if pace is not None:
                         await pace(len(chunk))
@@ -348,10 +386,25 @@ class Replicator:
             n = await apply(obj, req.off, req.payload) if req.payload else 0
             if req.last:
                 self.store.truncate(obj, req.size)
+                if obj in self.store.tombs:  # the head holds it: defined, not deleted data
+                    await trio.to_thread.run_sync(self.store.tombs.write, [obj], True)
+                    self.store.tombs.discard(obj)
+                # the head's truncation records (dataserver/cuts.py) replace this replica's
+                marks = [(m[0], m[1]) for m in req.cuts or [] if len(m) == 2]
+                if marks or self.store.cuts.has(obj):
+                    await put_cuts(self.store, obj, marks, True)
                 if req.size or self.store.chain_record(obj) is not None:
                     self.store.set_chain_record(obj, (req.chain, req.ver, req.seq))
                 self._saw(req.chain, req.ver)
         return n
+
+
+async def put_cuts(store: ObjectStore, obj: tuple[int, int], marks: Marks,
+                   clear: bool) -> None:
+    """Record ``obj``'s truncation records ``marks`` (after dropping its others, with
+    ``clear``): durable first, then in memory."""
+    await trio.to_thread.run_sync(store.cuts.write, obj, marks, clear)
+    store.cuts.put(obj, marks, clear)
 
 
 async def copy_object(read_from: Callable[[int, int], Awaitable[bytes]], size: int,

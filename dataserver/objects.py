@@ -12,7 +12,7 @@ is called (a reply may still be sending from it with ``sendfile``); one evicted 
 meanwhile is closed on release.
 
 An absent object reads as empty (size 0): no error (unless it has a tombstone, tombstones.py:
-its file was unlinked). Each data directory also holds
+its file was unlinked; the range a truncation cut off is checked likewise, cuts.py). Each data directory also holds
 ``server.id``, the id the metaserver gave this server, so a restart keeps its identity,
 and ``FORMAT``, the directory's format (``pfs.core.versions.OBJECT_FORMAT``, as text), written
 when the directory is first used. A directory in a format this pfs does not know, or in
@@ -44,6 +44,7 @@ from pfs.core.durable import fsync_dir
 from pfs.core.messages.records import ObjId  # checked off the wire by its message
 from pfs.core.versions import MIGRATE_DATA, OBJECT_FORMAT, FormatError, upgrade_steps
 from pfs.dataserver import checksums as dck
+from pfs.dataserver.cuts import Cuts
 from pfs.dataserver.tombstones import DEFAULT_KEEP, Tombstones
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,9 @@ class ObjectStore:
         self.objects = self._count()
         # objects deleted because their file was unlinked (tombstones.py): never a hole
         self.tombs = Tombstones(self.dirs, self._dir, tomb_keep)
+        # how far objects reached before truncations cut them (cuts.py): after a restore
+        # the cut-off range is EIO, never a hole
+        self.cuts = Cuts(self.dirs, self._dir, tomb_keep)
         log.info("object store on %s: %d objects", ", ".join(self.dirs), self.objects)
 
     # -- placement -----------------------------------------------------------
@@ -304,6 +308,7 @@ class ObjectStore:
                 if sid is not None:
                     _write_file(d, SID_FILE, sid + "\n")
                 self.tombs.rewrite_dir(d)
+                self.cuts.rewrite_dir(d)
             except OSError as exc:
                 log.error("data directory %s cannot be made again: %s", d, exc)
         return found

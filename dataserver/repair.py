@@ -40,7 +40,7 @@ import trio
 from pfs.core.messages import data as D
 from pfs.core.messages import meta as M
 from pfs.dataserver import checksums as ck
-from pfs.dataserver.chain import MAX_OBJ, Replicator, stale
+from pfs.dataserver.chain import MAX_OBJ, Replicator, put_cuts, stale
 from pfs.dataserver.objects import ChainRecord, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,8 @@ class ObjectRepair:
         this replica (ObjectStore.replace): a copy that fails midway changes nothing."""
         reply, data = await self._fetch(src, obj, 0)
         rec = tuple(reply.rec) if reply.rec else None
+        if reply.tomb or (rec is None and not reply.size and obj in self.store.tombs):
+            return await self._deleted(obj, src)
         if mine is not None and mine[0] == cid and (rec is None or rec[0] != cid
                                                     or rec[2] < mine[2]):
             raise OSError(errno.EAGAIN, f"{src} holds an older version of the object "
@@ -189,7 +191,23 @@ class ObjectRepair:
         final = (cid, int(rec[1]), int(rec[2])) if rec is not None else mine
         await trio.to_thread.run_sync(self.store.stage_checksums, staged)
         self.store.replace(obj, staged, final)
+        marks = [(m[0], m[1]) for m in reply.cuts or [] if len(m) == 2]
+        if marks or self.store.cuts.has(obj):  # the source's truncation records too
+            await put_cuts(self.store, obj, marks, True)
         return int(reply.size)
+
+    async def _deleted(self, obj: tuple[int, int], src: str) -> int:
+        """``obj`` was deleted (its file unlinked): tombstoned at ``src`` or here. The
+        replica is its tombstone, never an empty object (which would read as a hole,
+        zeros, where the file's deleted data was); one left here goes."""
+        tombs = self.store.tombs
+        if obj not in tombs:
+            await trio.to_thread.run_sync(tombs.write, [obj])
+            tombs.add([obj])
+            log.warning("object %s: deleted at %s; its tombstone recorded here",
+                        list(obj), src)
+        self.store.delete(obj)
+        return 0
 
     # -- lost drives ---------------------------------------------------------------
     async def watch(self, interval: float = WATCH_INTERVAL, *,

@@ -36,7 +36,8 @@ from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcClient, RpcService
 from pfs.core.wire.transport import local_socket_name
 from pfs.dataserver import capacity
 from pfs.dataserver import checksums as ck
-from pfs.dataserver.chain import Peers, Replicator
+from pfs.dataserver.chain import Peers, Replicator, put_cuts
+from pfs.dataserver.cuts import Marks, cut_error
 from pfs.dataserver.kvstore import KvStore, default_budget
 from pfs.dataserver.objects import DEFAULT_MAX_OPEN, ObjectStore
 from pfs.dataserver.repair import ObjectRepair, read_verified
@@ -78,6 +79,9 @@ class DataService(RpcService):
         if self.sid is not None:
             self.sid_known.set()
         self.registrations = 0  # successful registrations so far
+        # registered over the metaserver connection in use: while not (it restarts, its
+        # store maybe restored), restore windows may be unknown here (cuts.py)
+        self.meta_up = not meta
         self.own_auth = own_auth or ClientAuth()
         secured = auth is not None and auth.mode != "open"
         # capabilities are checked on a secured server; ``verify_caps=False`` is the
@@ -196,8 +200,12 @@ class DataService(RpcService):
     async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
+        if not self.meta_up:  # (registered: its restore windows are known)
+            await self.replicator.check_restore(req.chain, req.ver)
         self.replicator.check_read(obj, req.chain, req.ver)
         self.store.check_readable(obj)
+        if self.store.cuts.enforced:
+            self._check_cut(obj, off, length)
         if length > self.limits.max_payload:
             raise OSError(errno.EINVAL, f"read: len {length} out of range "
                                         f"[0, {self.limits.max_payload}]")
@@ -227,6 +235,18 @@ class DataService(RpcService):
             raise
         release()
         return Reply(D.ReadReply(n=n), payload=memoryview(buf)[:n])
+
+    def _check_cut(self, obj: tuple[int, int], off: int, length: int,
+                   writes: bool = False) -> None:
+        """EIO when a read of ``length`` bytes at ``off`` reaches into the range a
+        truncation cut off after the metadata backup (cuts.py), or a write starts past
+        the object's end while it has one (zeros would be left in it)."""
+        gone = self.store.cuts.deleted_range(obj, self.store.size(obj))
+        if gone is None:
+            return
+        lo, hi = gone
+        if (off > lo) if writes else (off < hi and off + length > lo):
+            raise cut_error(obj, max(off, lo) if not writes else lo, hi)
 
     def _check_missing(self, obj: tuple[int, int], off: int, length: int) -> None:
         """An absent object whose sidecar remains says data was written: EIO."""
@@ -379,6 +399,13 @@ class DataService(RpcService):
         self._cap(ctx, req, caps.READ, obj)
         self.replicator.check_read(obj, None, None)
         self.store.check_readable(obj)
+        if self.store.cuts.enforced:  # a reader past the end would see a hole
+            self._check_cut(obj, 0, MAX_ID)
+        if not self.meta_up and self.store.cuts.has(obj):
+            # a restore's window may be unknown yet: over TCP, a read names its chain
+            # version, and a restored one makes this server ask (check_restore)
+            raise OSError(errno.EAGAIN, f"object {list(obj)}: read it over TCP until this "
+                                        "server has registered with the metaserver again")
         got = self.store.acquire_checked(obj)
         if got is None:
             if obj in self.store.tombs:  # the client reads it over TCP: EIO there
@@ -427,6 +454,10 @@ class DataService(RpcService):
             self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if obj in self.store.tombs:  # it would be new bytes among zeros: truncate to 0 first
             raise deleted_error(obj)
+        if not self.meta_up:
+            await self.replicator.check_restore(req.chain, req.ver)
+        if self.store.cuts.enforced:
+            self._check_cut(obj, off, 0, writes=True)
         if not data:
             return D.CountReply(n=0)
         if off + len(data) > MAX_ID:
@@ -567,6 +598,26 @@ class DataService(RpcService):
         self.unsynced.add(req.obj)
         return D.CountReply(n=n)
 
+    async def rpc_install_tombs(self, ctx: ConnContext, req: D.InstallTombs
+                                ) -> D.CountReply:
+        if self.verify_caps and (ctx.identity is None or not ctx.identity.may_serve):
+            raise OSError(errno.EACCES, "install_tombs: only data servers copy tombstones "
+                                        "here")
+        new = [o for o in dict.fromkeys(req.objs) if o not in self.store.tombs]
+        if new:
+            await trio.to_thread.run_sync(self.store.tombs.write, new)
+            self.store.tombs.add(new)
+        # a replica of the chain the head deleted while this server was out of it
+        left = [o for o in new if (rec := self.store.chain_record(o)) is not None
+                and rec[0] == req.chain]
+        self.unsynced.difference_update(left)
+        for o in left:
+            self.store.delete(o)
+        if left:
+            log.warning("chain %d: %d objects deleted on the head while this server was "
+                        "out of the chain, deleted here too", req.chain, len(left))
+        return D.CountReply(n=len(new))
+
     async def rpc_truncate(self, ctx: ConnContext, req: D.Truncate) -> Empty:
         obj, size = req.obj, req.size
         cap = self._cap(ctx, req, caps.ADMIN, obj, writes=True, end=size)
@@ -579,9 +630,45 @@ class DataService(RpcService):
                     self.store.tombs.discard(obj)
                 elif not self.store.exists(obj):
                     return Empty()  # what stays below ``size`` is still deleted data
-            self.store.truncate(obj, size)
+            await self._cut(obj, size, req.at or time.time_ns())
         self.unsynced.add(obj)
         return Empty()
+
+    async def _cut(self, obj: tuple[int, int], size: int, at: int) -> None:
+        """Truncate ``obj`` to ``size`` (its lock held), recording first how far it
+        reached when that cuts bytes off (cuts.py). A range cut off after the metadata
+        backup is kept (its end lowered to ``size``) when the object would grow into
+        it, and dropped when it is cut to its size or less: the namespace knows of this
+        truncation, so what lies past the new end is a hole if the file grows again."""
+        cuts = self.store.cuts
+        now = self.store.size(obj)
+        gone = cuts.deleted_range(obj, now)
+        if gone is not None and size > now:  # not extended with zeros over deleted data
+            await self._put_cuts(obj, [(cuts.window_at(obj), min(gone[1], size))], True)
+            return
+        marks: Marks = [(at, now)] if size < now else []
+        if not marks and gone is None:
+            self.store.truncate(obj, size)
+            return
+        try:
+            await self._put_cuts(obj, marks, gone is not None)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # a full disk: truncating is how space is given back; the record goes
+            # into the space it freed (as tombstones do)
+            self.store.truncate(obj, size)
+            try:
+                await self._put_cuts(obj, marks, gone is not None)
+            except OSError as again:
+                log.error("object %s cut to %d without its truncation record (%s): "
+                          "after a metadata restore the cut range reads as a hole",
+                          list(obj), size, again)
+            return
+        self.store.truncate(obj, size)
+
+    async def _put_cuts(self, obj: tuple[int, int], marks: Marks, clear: bool) -> None:
+        await put_cuts(self.store, obj, marks, clear)
 
     async def rpc_delete(self, ctx: ConnContext, req: D.Delete) -> D.DeletedReply:
         objs = req.objs  # all valid (the message checked them) before any is deleted
@@ -609,6 +696,14 @@ class DataService(RpcService):
                 self.store.tombs.add(kept)
         self.unsynced.difference_update(objs)
         deleted = sum(1 for o in objs if self.store.delete(o))
+        cut = [o for o in objs if self.store.cuts.has(o)]
+        if cut:  # their truncation records go with them (a tombstone speaks for them)
+            try:
+                await trio.to_thread.run_sync(self.store.cuts.write_cleared, cut)
+            except OSError as e:  # kept on disk: back at a restart, where they are harmless
+                log.warning("truncation records of %d deleted objects not cleared: %s",
+                            len(cut), e)
+            self.store.cuts.drop(cut)
         if late:
             try:
                 await trio.to_thread.run_sync(self.store.tombs.write, late)
@@ -698,8 +793,11 @@ class DataService(RpcService):
         self.replicator.check_read(req.obj, None, None)
         n = min(req.len, self.limits.max_payload)
         data, size, rec = await read_verified(self.store, req.obj, req.off, n)
-        return Reply(D.FetchReply(n=len(data), size=size, rec=list(rec) if rec else None),
-                     payload=data)
+        tomb = rec is None and not size and req.obj in self.store.tombs \
+            and not self.store.exists(req.obj)
+        cuts = [list(m) for m in self.store.cuts.marks(req.obj)] or None
+        return Reply(D.FetchReply(n=len(data), size=size, rec=list(rec) if rec else None,
+                                  tomb=tomb, cuts=cuts), payload=data)
 
     async def rpc_repair_object(self, ctx: ConnContext, req: D.RepairObject
                                 ) -> D.CountReply:
@@ -799,6 +897,7 @@ class DataService(RpcService):
                     finally:
                         client.close()
             except* OSError as group:  # the nursery wraps what its body raised
+                self.meta_up = False
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "metaserver %s: %s; retrying (serving data meanwhile)",
@@ -838,6 +937,8 @@ class DataService(RpcService):
             self.replicator.sid = sid
             self.sid_known.set()
         self.replicator.taken_out(res.stale or [])
+        self.store.cuts.set_windows((w[0], w[1]) for w in res.restores or [] if len(w) == 2)
+        self.meta_up = True
         log.info("registered with the metaserver as %s (%s:%d)", sid, host, port)
         self.registrations += 1
 

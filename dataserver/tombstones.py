@@ -24,25 +24,26 @@ the file is read into a set (an int per object); records older than ``keep`` sec
 (``tombstone_days`` in the data server's config, default 365: the oldest backup one
 would still restore), cleared ones and a torn last record are dropped, and the file is
 rewritten when that removed anything. Cost: 24 bytes on disk and about 80 bytes of
-memory per deleted object within ``keep``. Catch-up does not copy tombstones: a replica
-that joined the chain after the deletion has none (docs: "Not covered").
+memory per deleted object within ``keep``. Catch-up hands the head's tombstones on
+(dataserver/chain.py ``send_tombstones``) and object repair copies one (repair.py), so a
+replica that joined the chain after the deletion answers ``EIO`` too.
 """
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import struct
 import time
 from collections.abc import Callable, Iterable
 
-from pfs.core.durable import fsync_dir
+from pfs.dataserver import recordlog
 
 log = logging.getLogger(__name__)
 
 FILE = "tombstones"
 RECORD = struct.Struct("<QQQ")  # ino, stripe, deletion time (0: cleared)
 DEFAULT_KEEP = 365 * 86400.0
+_MASK64 = (1 << 64) - 1
 ObjId = tuple[int, int]
 
 
@@ -80,37 +81,24 @@ class Tombstones:
         return bool(self._set) and _key(obj) in self._set
 
     def _load(self, d: str) -> None:
-        path = os.path.join(d, FILE)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return
+        recs, size = recordlog.read(d, FILE, RECORD)
         horizon = self._clock() - self._keep
-        live: dict[int, tuple[int, int, int]] = {}
-        whole = len(raw) - len(raw) % RECORD.size  # a torn last record: a crash mid-append
-        for ino, stripe, t in RECORD.iter_unpack(memoryview(raw)[:whole]):
+        live: dict[int, tuple[int, ...]] = {}
+        for ino, stripe, t in recs:
             k = ino << 64 | stripe
             if t == 0 or t < horizon:
                 live.pop(k, None)
             else:
                 live[k] = (ino, stripe, t)
         self._set.update(live)
-        if len(live) * RECORD.size != len(raw):  # something dropped: compact the file
+        if len(live) * RECORD.size != size:  # something dropped: compact the file
             self._rewrite(d, list(live.values()))
             log.info("tombstones of %s: %d kept, %d bytes reclaimed", d, len(live),
-                     len(raw) - len(live) * RECORD.size)
+                     size - len(live) * RECORD.size)
 
     @staticmethod
-    def _rewrite(d: str, recs: list[tuple[int, int, int]]) -> None:
-        path = os.path.join(d, FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(RECORD.pack(*r) for r in recs))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(d)
+    def _rewrite(d: str, recs: list[tuple[int, ...]]) -> None:
+        recordlog.rewrite(d, FILE, b"".join(RECORD.pack(*r) for r in recs))
 
     def write(self, objs: Iterable[ObjId], cleared: bool = False) -> None:
         """Append (and fsync) the records of ``objs``: deleted now, or ``cleared``.
@@ -121,26 +109,7 @@ class Tombstones:
         for obj in objs:
             by_dir.setdefault(self._where(obj), []).append(RECORD.pack(obj[0], obj[1], t))
         for d, recs in by_dir.items():
-            path = os.path.join(d, FILE)
-            new = not os.path.exists(path)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                size = os.fstat(fd).st_size
-                if size % RECORD.size:  # a torn record (crash, full disk): records stay aligned
-                    size -= size % RECORD.size
-                    os.ftruncate(fd, size)
-                data = b"".join(recs)
-                try:
-                    if os.write(fd, data) != len(data):
-                        raise OSError(errno.ENOSPC, f"tombstones of {d}: short write")
-                except OSError:
-                    os.ftruncate(fd, size)  # no partial record left behind
-                    raise
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if new:  # its directory entry must survive a crash too
-                fsync_dir(d)
+            recordlog.append(d, FILE, b"".join(recs), RECORD.size)
 
     def add(self, objs: Iterable[ObjId]) -> None:
         self._set.update(_key(o) for o in objs)
@@ -148,9 +117,13 @@ class Tombstones:
     def discard(self, obj: ObjId) -> None:
         self._set.discard(_key(obj))
 
+    def objects(self) -> list[ObjId]:
+        """The tombstoned objects (a copy), for a catch-up to hand on."""
+        return [(k >> 64, k & _MASK64) for k in self._set]
+
     def rewrite_dir(self, d: str) -> None:
         """Directory ``d`` was lost and made again empty: write back the tombstones of
         its objects that this process still knows (the file went with the drive)."""
         now = max(1, int(self._clock()))
-        recs = [(k >> 64, k & ((1 << 64) - 1), now) for k in self._set]
+        recs: list[tuple[int, ...]] = [(k >> 64, k & _MASK64, now) for k in self._set]
         self._rewrite(d, [r for r in recs if self._where((r[0], r[1])) == d])

@@ -19,6 +19,12 @@ seen, and are moved past it in the restored copy:
 - every chain's ``version`` by ``VERSION_GAP``: data servers refuse a chain version
   older than one they saw (and objects record theirs), so the restored chains must be
   newer than any before; ``nchain`` by ``CHAIN_GAP``, for the same reason.
+
+It also records a *restore window* (key ``W``): from the backup's start (its manifest;
+``CUT_MARGIN`` earlier, the gap between a truncation's cut and its commit; no manifest:
+from 0) to ``CUT_MARGIN`` after now (clock skew, should the metaserver have moved). A truncation the data servers stamped within it may be unknown to the
+restored namespace, which names the old size: they answer EIO for the range it cut off
+instead of zeros (dataserver/cuts.py).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from pfs.metaserver.store import LmdbStore, store_format
 MANIFEST = "pfs-backup.json"  # beside the copy's data.mdb: what it is, from when
 INO_GAP = 1 << 32  # inode numbers skipped at each restore (u64: room for 2^32 restores)
 CHAIN_GAP = 1 << 20
-VERSION_GAP = 1 << 20
+VERSION_GAP = 1 << 20  # (a data server that sees such a jump asks for restore windows)
+CUT_MARGIN = 300 * 10**9  # ns: a cut this long before a backup may be unknown to it
 
 
 class BackupError(ValueError):
@@ -104,7 +111,7 @@ def restore(src: str | os.PathLike[str], db: str | os.PathLike[str],
     cap_key = db_p / "capability.key"
     if cap_key.is_file():  # capabilities held by clients stay valid
         shutil.copy2(cap_key, stage / "capability.key")
-    counters = _move_counters_past(stage, map_size)
+    counters = _move_counters_past(stage, map_size, _backup_start(src_p))
     old: Path | None = None
     if db_p.exists():
         old = db_p.with_name(f"{db_p.name}.pre-restore-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -114,9 +121,20 @@ def restore(src: str | os.PathLike[str], db: str | os.PathLike[str],
     return old, counters
 
 
-def _move_counters_past(path: Path, map_size: int) -> dict[str, int]:
+def _backup_start(src: Path) -> int:
+    """When the backup in ``src`` started (ns, its manifest); 0 when unknown."""
+    try:
+        with open(src / MANIFEST, encoding="utf-8") as f:
+            started = json.load(f).get("time")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return int(started * 1e9) if isinstance(started, (int, float)) else 0
+
+
+def _move_counters_past(path: Path, map_size: int, started: int) -> dict[str, int]:
     """In the copy at ``path``: next_ino, nchain and every chain's version moved past
-    anything the data servers may have seen since the backup (module doc)."""
+    anything the data servers may have seen since the backup, and the restore window
+    from ``started`` recorded (module doc)."""
     store = LmdbStore(path, map_size)  # refuses a format this pfs cannot open
     try:
         with store.write() as txn:
@@ -128,6 +146,10 @@ def _move_counters_past(path: Path, map_size: int) -> dict[str, int]:
                 out[name] = (K.read_u64(raw) if raw else 0) + gap
                 txn.put(K.counter(name.encode()), K.u64(out[name]))
             out["chains"] = ChainTable().advance(txn, VERSION_GAP)
+            # (the margin after now too: this host's clock may be behind the one that
+            # stamped the cuts, when the metaserver moved hosts)
+            lo = max(0, started - CUT_MARGIN) if started else 0
+            txn.put(K.restore_window(lo), K.u64(time.time_ns() + CUT_MARGIN))
     finally:
         store.close()
     for name in os.listdir(path):  # the lock file LMDB just made: the service's alone

@@ -5,6 +5,7 @@ issued before is stale for writing (pfs/core/caps.py)."""
 from __future__ import annotations
 
 import errno
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -42,6 +43,7 @@ class DataPlane:
         # told when a connection to a server is refused (the metaserver's failure
         # detection: a refusal it saw itself needs no probe)
         self.on_refused: Callable[[str], None] = lambda sid: None
+        self.cut_floor = 0  # ns: the end of the last restore window (metaserver/backup.py)
 
     def forget(self, sid: str) -> None:
         """``sid`` registered again (perhaps restarted, perhaps elsewhere): the next call
@@ -111,9 +113,12 @@ class DataPlane:
         (``EIO`` naming a server that could not be reached)."""
         unit, count = layout["unit"], layout["count"]
         calls: Calls = {}
+        # before any object is cut: what a restore compares (dataserver/cuts.py); never
+        # inside a restore window (the namespace knows of this cut)
+        at = max(time.time_ns(), self.cut_floor)
         for stripe, sids in enumerate(layout["servers"]):
             request = partial(D.Truncate, obj=(ino, stripe),
-                              size=object_size(unit, count, stripe, size))
+                              size=object_size(unit, count, stripe, size), at=at)
             for sid in sids:
                 calls.setdefault(sid, []).append((ino, request))
         # reach every server before cutting any object: a replica cut while another

@@ -23,6 +23,8 @@ prefix  key                             value                                   
 ``H``   ``H`` chain id                  replication chain: ``version``,             [6]
                                         ``members`` (head first), ``stale`` (taken
                                         out, not yet caught up)
+``W``   ``W`` from (ns)                 8-byte end (ns) of a restore window: written  [7]
+                                        by each restore
 ======  ==============================  ===========================================  =====
 
 [1] The root is inode 1, created when an empty store is first opened.
@@ -38,6 +40,8 @@ prefix  key                             value                                   
     without it predates format numbers and is format 0 (metaserver/store.py).
 [6] metaserver/chains.py; a file's layout names a chain per stripe (``chains``); ids
     come from the counter ``nchain``. A membership change bumps the version.
+[7] metaserver/backup.py: from the backup's start (less a margin) to the restore; data
+    servers enforce the truncation records stamped within one (dataserver/cuts.py).
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ SERVER = b"R"
 DELQ = b"Q"
 ORPHAN = b"O"
 CHAIN = b"H"
+RESTORE = b"W"
 
 ROOT_INO = 1
 FORMAT = COUNTER + b"format"  # the store's format number, u64 (pfs/core/versions.py)
@@ -65,6 +70,10 @@ def u64(n: int) -> bytes:
 
 def read_u64(b: bytes, off: int = 0) -> int:
     return _Q.unpack_from(b, off)[0]
+
+
+def restore_window(start: int) -> bytes:
+    return RESTORE + _Q.pack(start)
 
 
 def inode(ino: int) -> bytes:

@@ -115,6 +115,9 @@ class MetaService(RpcService):
         self.detector = Detector(self.registry, self.dataplane.open,
                                  probe_timeout=cfg.probe_timeout)
         self.dataplane.on_refused = self._refused
+        # truncations are stamped past every restore window: the data servers enforce
+        # only the cuts made before a restore (dataserver/cuts.py)
+        self.dataplane.cut_floor = max((w[1] for w in self._restores() or ()), default=0)
         self.deleter = Deleter(store, self.ns, self.commit, self.dataplane)
         # stale chain members that are up again: joined, copied to, serving (catchup.py)
         self.catchup = CatchUp(store, self.commit, self.ns.chains,
@@ -651,7 +654,7 @@ class MetaService(RpcService):
         return M.RegisterReply(sid=sid, cap_key=self.signer.public_bytes,
                                gen=self.signer.next_gen(), cap_ttl=self.config.cap_ttl,
                                data_keys=self._data_keys, stale=self._stale_on(sid),
-                               cap_format=caps.VERSION)
+                               cap_format=caps.VERSION, restores=self._restores())
 
     async def rpc_get_chain(self, ctx: ConnContext, req: M.GetChain) -> M.ChainReply:
         if ctx.identity is None or not ctx.identity.may_serve:
@@ -660,7 +663,7 @@ class MetaService(RpcService):
             chain = self.ns.chains.get(txn, req.chain)
         if chain is None:
             raise OSError(errno.ENOENT, f"no chain {req.chain}")
-        return M.ChainReply(chain=chain.to_wire())
+        return M.ChainReply(chain=chain.to_wire(), restores=self._restores())
 
     async def rpc_chain_drop(self, ctx: ConnContext, req: M.ChainDrop) -> M.ChainReply:
         cid, sid = req.chain, req.sid
@@ -671,6 +674,12 @@ class MetaService(RpcService):
                                             "try again")
         chain = await self.commit.mutate(lambda t: self.ns.chains.remove(t, cid, sid))
         return M.ChainReply(chain=chain.to_wire())
+
+    def _restores(self) -> list[list[int]] | None:
+        """The store's restore windows (metaserver/backup.py), for data servers."""
+        with self.store.read() as txn:
+            return [[K.read_u64(k, 1), K.read_u64(v)]
+                    for k, v in txn.scan(K.RESTORE)] or None
 
     def _stale_on(self, sid: str) -> list[int] | None:
         """The chains ``sid`` was taken out of and is not back in (it serves none)."""

@@ -8,6 +8,7 @@ import hashlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +54,19 @@ def restore_after_delete(d: Path, backup: Path) -> Restored:
         cl.truncate("/C", len(c))
     r = cli("admin", "backup", str(backup), "--cluster", str(d))
     assert r.returncode == 0, r.stderr
+    toml, b_ino = delete_and_restore(d, toml, backup)
+    return Restored(toml, a, bytes(c), b_ino)
+
+
+def delete_and_restore(d: Path, toml: Path, backup: Path,
+                       also: Callable[[pfs.Client], None] = lambda cl: None
+                       ) -> tuple[Path, int]:
+    """/B deleted (and ``also`` done) after ``backup``, the deleter waited for, the
+    backup restored and the cluster started again; its client config and /B's inode."""
     with pfs.connect(config=toml) as cl:
         b_ino = cl.stat("/B").st_ino
         cl.remove("/B")
+        also(cl)
     deadline = time.monotonic() + 60  # the deleter runs behind the unlink: poll for it
     while list((d / "data").rglob(f"{b_ino}.*")) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -63,4 +74,4 @@ def restore_after_delete(d: Path, backup: Path) -> Restored:
     cluster.down(d)
     r = cli("admin", "restore", str(backup), "--cluster", str(d))
     assert r.returncode == 0, r.stderr
-    return Restored(cluster.up(d), a, bytes(c), b_ino)
+    return cluster.up(d), b_ino

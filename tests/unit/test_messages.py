@@ -59,6 +59,7 @@ def _sample(spec: Field) -> dict[str, Any]:
                  else ["s"] if isinstance(spec.item, StrField)
                  else [b"k"] if isinstance(spec.item, BytesField)
                  else [True] if isinstance(spec.item, BoolField)
+                 else [[1, 2]] if isinstance(spec.item, ListField)
                  else [4])
     elif isinstance(spec, TimeField):
         value = "now"

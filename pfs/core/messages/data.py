@@ -155,6 +155,10 @@ class Truncate(DataRequest, method="truncate", reply=Empty):
     obj: ObjId = Obj()
     size: int = _offset()
     cap: Any = _cap("bytes, admin")
+    at: int | None = Int(default=None, lo=0, nil=True,
+                         doc="the metaserver's clock at the truncation (ns): what its "
+                             "truncation record is stamped with (`dataserver/cuts.py`); "
+                             "absent: the data server's")
 
 
 class Delete(DataRequest, method="delete", reply=DeletedReply):
@@ -258,7 +262,22 @@ class Install(DataRequest, method="install", reply=CountReply):
     last: bool = Bool(default=False)
     crc: int | None = Int(default=None, lo=0, hi=(1 << 32) - 1, nil=True,
                           doc="CRC32C of the payload (the target checks it, `EIO`)")
+    cuts: list[Any] | None = List(List(Int(lo=0), max_len=2), default=None, max_len=64,
+                                  doc="with `last`: the object's truncation records "
+                                      "[[at, end], ...] (`dataserver/cuts.py`), which "
+                                      "replace the target's")
     payload: Any = Payload(default=None)
+
+
+class InstallTombs(DataRequest, method="install_tombs", reply=CountReply):
+    note = ("data servers only (the head of a catch-up, after its objects): tombstones "
+            "the head holds (`dataserver/tombstones.py`), so a member that joined after "
+            "a deletion answers `EIO` for it too; a replica of chain `chain` held here "
+            "whose object the head tombstoned (a delete it missed) is deleted. `n`: "
+            "tombstones new here")
+    chain: int = Int(lo=1, hi=MAX_ID - 1)
+    objs: list[ObjId] = List(ObjIdField(), max_len=MAX_DELETE,
+                             doc=f"list of object ids, at most {MAX_DELETE}")
 
 
 # ------------------------------------------------------------------ object repair
@@ -269,6 +288,13 @@ class FetchReply(ReplyMessage):
     rec: list[int] | None = List(Int(), default=None,
                                  doc="its chain record [chain, version, sequence]; absent: "
                                      "none")
+    tomb: bool = Bool(default=False, sparse=True,
+                      doc="the object is absent and tombstoned here (its file was "
+                          "unlinked): the repairer records the tombstone, copies nothing")
+    cuts: list[Any] | None = List(List(Int(lo=0), max_len=2), default=None, max_len=64,
+                                  doc="its truncation records [[at, end], ...] "
+                                      "(`dataserver/cuts.py`), which the repaired "
+                                      "replica takes")
 
 
 class Fetch(DataRequest, method="fetch", reply=FetchReply):

@@ -169,6 +169,10 @@ class RegisterReply(ReplyMessage):
     stale: list[int] | None = List(Int(), default=None,
                                    doc="the chains this server was taken out of and is "
                                        "not back in: it serves none of their objects")
+    restores: list[Any] | None = List(List(Int(lo=0), max_len=2), default=None,
+                                      doc="the store's restore windows [[from, to], ...] "
+                                          "(ns): a truncation stamped within one may be "
+                                          "unknown to the namespace (`dataserver/cuts.py`)")
 
 
 class HeartbeatReply(ReplyMessage):
@@ -178,6 +182,8 @@ class HeartbeatReply(ReplyMessage):
 
 class ChainReply(ReplyMessage):
     chain: list[Any] = List(doc="[chain id, version, [members, head first]]")
+    restores: list[Any] | None = List(List(Int(lo=0), max_len=2), default=None,
+                                      doc="as in `register`'s reply")
 
 
 # ------------------------------------------------------------------ requests
