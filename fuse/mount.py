@@ -59,6 +59,9 @@ from pfs.fuse.options import MountError, MountOptions, parse_options
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 60.0
+# pyfuse3 workers kept waiting for requests: with one, every request that arrives while
+# another is served (a RELEASE behind the next LOOKUP) starts a task that exits after it
+MIN_TASKS = 4
 UMOUNT_TIMEOUT = 30.0
 
 
@@ -162,9 +165,9 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions, ready: Any = None
 
                 nursery.start_soon(answered)
                 try:
-                    # workers are started as requests wait and never exit (a worker
-                    # may hold the read lock between requests: fuse/workers.py)
-                    await pyfuse3.main(min_tasks=opts.max_tasks, max_tasks=opts.max_tasks)
+                    await pyfuse3.main(
+                        min_tasks=min(MIN_TASKS, opts.max_tasks), max_tasks=opts.max_tasks
+                    )
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(opts.timeout):
                         await ops.close_all()

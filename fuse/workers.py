@@ -17,9 +17,11 @@ RELEASE of a clean handle, an attribute or a "missing" the daemon knows, a quick
 metaserver call: ``MetaClient.run_now``) and goes straight back to waiting for
 /dev/fuse; the next worker is woken only when the request is about to wait
 (:func:`yield_reader`, called by the FUSE operations before they wait). That saves a
-task switch and a scheduler pass per request answered at once. A worker must then never
-leave pyfuse3's loop while it holds the lock (nobody would read /dev/fuse): the mount
-runs pyfuse3 with ``min_tasks`` equal to ``max_tasks``, so idle workers never exit.
+task switch and a scheduler pass per request answered at once. A worker that leaves
+pyfuse3's loop while it holds the lock (at unmount; too many idle workers) hands it on as
+its task ends (an instrument's ``task_exited``): else nobody would read /dev/fuse again,
+and at unmount the other workers would wait for the lock forever (the daemon would not
+exit).
 """
 
 from __future__ import annotations
@@ -100,6 +102,16 @@ class ReaderLock(HandoffLock):
 _reader: ReaderLock | None = None  # pyfuse3's (it makes one, at its first read)
 
 
+class _ExitGuard(trio.abc.Instrument):
+    """A worker that leaves pyfuse3's loop holding the lock (the filesystem was
+    unmounted: the session ends; too many idle workers) hands it on as its task ends,
+    so the others wake, see the session over (or read on) and end too."""
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        if _reader is not None and _reader._lazy is task:
+            _reader.yield_lazy()
+
+
 def yield_reader() -> None:
     """Called by a request handler before it waits (the network, a lock, a thread):
     the worker serving it hands pyfuse3's read lock to the next one."""
@@ -116,6 +128,6 @@ def trio_for_pyfuse3() -> types.ModuleType:
 
 
 def install(pyfuse3: Any) -> None:
-    """Have pyfuse3's workers use :class:`ReaderLock` (before ``pyfuse3.main``, which
-    must then run with ``min_tasks`` equal to ``max_tasks``)."""
+    """Have pyfuse3's workers use :class:`ReaderLock` (in trio, before ``pyfuse3.main``)."""
     pyfuse3.trio = trio_for_pyfuse3()
+    trio.lowlevel.add_instrument(_ExitGuard())  # (called only as a task ends)
