@@ -39,6 +39,7 @@ user, users, nofail, _netdev and x-* are accepted and ignored, as mount(8) does.
 An fstab line: ``pfs  /mnt/pfs  fuse.pfs  meta=10.0.0.1:9400,allow_other,_netdev  0 0``
 with a ``mount.fuse.pfs`` helper that runs ``pfs mount``; or run ``pfs mount`` directly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,13 @@ READY_TIMEOUT = 60.0
 MIN_TASKS = 4
 UMOUNT_TIMEOUT = 30.0
 
+
 # -- /proc/self/mountinfo ------------------------------------------------------
 def _unescape(field_: str) -> str:
     out, i = [], 0
     while i < len(field_):
-        if field_[i] == "\\" and field_[i + 1:i + 4].isdigit():
-            out.append(chr(int(field_[i + 1:i + 4], 8)))
+        if field_[i] == "\\" and field_[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field_[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field_[i])
@@ -109,8 +111,7 @@ def _set_read_ahead(mountpoint: str, kb: int) -> None:
         log.info("cannot set %s: %s", path, exc.strerror)
 
 
-async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
-                ready: Any = None) -> None:
+async def serve(cfg: Any, mountpoint: str, opts: MountOptions, ready: Any = None) -> None:
     """Connect, mount, serve until unmounted or signalled; ``ready(err)`` reports the
     outcome of mounting (``err`` None on success)."""
     import pyfuse3
@@ -164,8 +165,9 @@ async def serve(cfg: Any, mountpoint: str, opts: MountOptions,
 
                 nursery.start_soon(answered)
                 try:
-                    await pyfuse3.main(min_tasks=min(MIN_TASKS, opts.max_tasks),
-                                       max_tasks=opts.max_tasks)
+                    await pyfuse3.main(
+                        min_tasks=min(MIN_TASKS, opts.max_tasks), max_tasks=opts.max_tasks
+                    )
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(opts.timeout):
                         await ops.close_all()
@@ -200,8 +202,9 @@ async def _stop_on_signal(pyfuse3: Any) -> None:
             return
 
 
-def run_foreground(cfg: Any, mountpoint: str, opts: MountOptions,
-                   ready_fd: int | None = None) -> int:
+def run_foreground(
+    cfg: Any, mountpoint: str, opts: MountOptions, ready_fd: int | None = None
+) -> int:
     import trio
 
     def ready(err: str | None) -> None:
@@ -226,9 +229,15 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
     rfd, wfd = os.pipe()
     out = open(logfile, "ab") if logfile else open(os.devnull, "wb")  # noqa: SIM115
     try:
-        proc = subprocess.Popen([*argv, "--ready-fd", str(wfd)], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, pass_fds=(wfd,),
-                                start_new_session=True, cwd="/")
+        proc = subprocess.Popen(
+            [*argv, "--ready-fd", str(wfd)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=(wfd,),
+            start_new_session=True,
+            cwd="/",
+        )
     finally:
         os.close(wfd)
         out.close()
@@ -241,8 +250,10 @@ def _start_daemon(argv: list[str], mountpoint: str, logfile: str | None) -> None
         os.close(rfd)
     if line is None:
         code = proc.wait()
-        raise MountError(f"the mount daemon exited (status {code}) before mounting"
-                         + (f"; see {logfile}" if logfile else ""))
+        raise MountError(
+            f"the mount daemon exited (status {code}) before mounting"
+            + (f"; see {logfile}" if logfile else "")
+        )
     text = line.decode(errors="replace").strip()
     if text != "ok":
         proc.wait()
@@ -272,8 +283,7 @@ def cmd_mount(args: argparse.Namespace) -> None:
     if is_pfs_mount(mountpoint):
         raise SystemExit(f"pfs mount: {mountpoint} is already a pfs mount")
     if args.foreground:
-        logs.setup("DEBUG" if opts.debug else args.log_level or "INFO",
-                   args.log_format or "text")
+        logs.setup("DEBUG" if opts.debug else args.log_level or "INFO", args.log_format or "text")
         metrics.serve(cfg.metrics_port)  # client_config: /metrics of this mount (0: off)
         sys.exit(run_foreground(cfg, mountpoint, opts, args.ready_fd))
     argv = [sys.executable, "-m", "pfs.tools.cli", "mount", "-f", "--meta", cfg.meta]
@@ -294,8 +304,10 @@ def cmd_umount(args: argparse.Namespace) -> None:
     mountpoint = os.path.abspath(args.mountpoint)
     if mount_entry(mountpoint) is None:
         raise SystemExit(f"pfs umount: {mountpoint} is not mounted")
-    cmds = [["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mountpoint],
-            ["umount"] + (["-l"] if args.lazy else []) + [mountpoint]]
+    cmds = [
+        ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mountpoint],
+        ["umount"] + (["-l"] if args.lazy else []) + [mountpoint],
+    ]
     err = ""
     for cmd in cmds:
         try:
@@ -310,21 +322,28 @@ def cmd_umount(args: argparse.Namespace) -> None:
         err = (r.stderr or r.stdout).strip()
         if "busy" in err.lower():
             break
-    raise OSError(errno.EBUSY if "busy" in err.lower() else errno.EIO,
-                  f"cannot unmount {mountpoint}: {err}")
+    raise OSError(
+        errno.EBUSY if "busy" in err.lower() else errno.EIO, f"cannot unmount {mountpoint}: {err}"
+    )
 
 
 def add_mount_parser(sub: Any, client_cmd: Any) -> None:
     """Register ``pfs mount`` and ``pfs umount`` (called by ``pfs.tools.cli.build_parser``)."""
     sp = client_cmd("mount", cmd_mount, "mount pfs with FUSE")
     sp.add_argument("mountpoint")
-    sp.add_argument("-f", "--foreground", action="store_true",
-                    help="stay in the foreground and log to stderr")
-    sp.add_argument("-o", dest="options", action="append", metavar="OPT[,OPT...]",
-                    help="mount options: ro, rw, entry_timeout=S, attr_timeout=S, "
-                         "negative_timeout=S, timeout=S, read_ahead_kb=N, write_behind=N, "
-                         "max_tasks=N, logfile=PATH, debug, config=FILE, meta=HOST:PORT, "
-                         "nodefault_permissions, and FUSE's own (allow_other, ...)")
+    sp.add_argument(
+        "-f", "--foreground", action="store_true", help="stay in the foreground and log to stderr"
+    )
+    sp.add_argument(
+        "-o",
+        dest="options",
+        action="append",
+        metavar="OPT[,OPT...]",
+        help="mount options: ro, rw, entry_timeout=S, attr_timeout=S, "
+        "negative_timeout=S, timeout=S, read_ahead_kb=N, write_behind=N, "
+        "max_tasks=N, logfile=PATH, debug, config=FILE, meta=HOST:PORT, "
+        "nodefault_permissions, and FUSE's own (allow_other, ...)",
+    )
     sp.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     logs.add_arguments(sp)  # of the mount daemon (with -f, or the one it starts)
     sp = sub.add_parser("umount", help="unmount a pfs FUSE mount")

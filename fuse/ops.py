@@ -13,16 +13,18 @@ two small caches that answer requests the kernel repeats (see ``getattr`` and
 ``getxattr``) and, with negative entries on, the directories whose names it knows
 (:mod:`pfs.fuse.known_dirs`: ``lookup`` of a missing name with no call).
 """
+
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
@@ -35,6 +37,7 @@ from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
 from pfs.fuse.attr_cache import AttrCache
 from pfs.fuse.known_dirs import KnownDirs
 from pfs.fuse.options import MountTuning
+from pfs.fuse.workers import yield_reader
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,9 @@ class _FsErrors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         if exc is None or not isinstance(exc, (OSError, BaseExceptionGroup)):
             return
         err = _os_error_of(exc)
@@ -97,6 +101,43 @@ def fs_errors() -> _FsErrors:
     return _FS_ERRORS
 
 
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _serving(fn: F) -> F:
+    """For a request that may wait (the network, a lock): the worker serving it hands
+    pyfuse3's read lock on first (``workers.yield_reader``), and it counts in
+    ``self._active`` while served (a lookup or getattr alone may take the quick path)."""
+
+    @functools.wraps(fn)
+    async def serving(self: PfsOperations, *args: Any) -> Any:
+        yield_reader()
+        self._active += 1
+        try:
+            return await fn(self, *args)
+        finally:
+            self._active -= 1
+
+    return serving  # type: ignore[return-value]
+
+
+class _Waiting:
+    """``with self._waiting:`` around what may wait in a request otherwise answered at
+    once (as ``_serving`` does for a whole request)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: PfsOperations) -> None:
+        self.ops = ops
+
+    def __enter__(self) -> None:
+        yield_reader()
+        self.ops._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.ops._active -= 1
+
+
 class _NameChange:
     """``with self._name_change(...)``: a name made (or removed) in directory ``parent``
     by a request here; on success the known name set follows, on any failure (refused,
@@ -110,8 +151,9 @@ class _NameChange:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         if exc is not None:
             self.known.drop(self.parent)
         elif self.made:
@@ -133,26 +175,27 @@ def _read_groups(pid: int) -> tuple[int, ...]:
 
 
 class _GroupCache:
-    """Supplementary groups by pid, kept for ``ttl`` seconds."""
+    """Credentials by (pid, uid, gid), each with the process's supplementary groups, kept
+    for ``ttl`` seconds: the same ``Cred`` object while it lasts (the client keeps the
+    wire form of the last one it saw)."""
 
     def __init__(self, ttl: float = GROUPS_TTL) -> None:
         self.ttl = ttl
-        self._cache: dict[int, tuple[float, tuple[int, ...]]] = {}
+        self._cache: dict[tuple[int, int, int], tuple[float, Cred]] = {}
 
-    def get(self, pid: int) -> tuple[int, ...]:
-        if pid <= 0:
-            return ()
+    def cred(self, pid: int, uid: int, gid: int) -> Cred:
+        key = (pid, uid, gid)
         now = time.monotonic()
-        hit = self._cache.get(pid)
+        hit = self._cache.get(key)
         if hit is not None and hit[0] > now:
             return hit[1]
-        groups = _read_groups(pid)
+        c = Cred(uid, gid, _read_groups(pid) if pid > 0 else ())
         if len(self._cache) >= GROUPS_CACHE_MAX:
-            self._cache = {p: v for p, v in self._cache.items() if v[0] > now}
+            self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
             if len(self._cache) >= GROUPS_CACHE_MAX:
                 self._cache.clear()
-        self._cache[pid] = (now + self.ttl, groups)
-        return groups
+        self._cache[key] = (now + self.ttl, c)
+        return c
 
 
 @dataclass
@@ -183,6 +226,8 @@ class PfsOperations(pyfuse3.Operations):
         self.meta = client.meta
         self.tuning = tuning or MountTuning()
         self._groups = _GroupCache()
+        self._active = 0  # requests being served that may wait (``_serving``)
+        self._waiting = _Waiting(self)
         self._files: dict[int, FileHandle] = {}
         self._dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
@@ -199,12 +244,21 @@ class PfsOperations(pyfuse3.Operations):
         # directories whose every name is known, within negative_timeout; only with
         # default_permissions (else the metaserver's check of search permission on the
         # directory must come before any "missing")
-        self._known = KnownDirs(self.tuning.negative_timeout
-                                if self.tuning.kernel_permissions else 0.0)
+        self._known = KnownDirs(
+            self.tuning.negative_timeout if self.tuning.kernel_permissions else 0.0
+        )
 
     # -- helpers ---------------------------------------------------------------
+    def _alone(self) -> bool:
+        """Nothing of this mount waits on the network (no other request being served,
+        no write in flight, no call of its own): a read-only metaserver call may then
+        hold the event loop for its round trip (``MetaClient.run_now``), which delays
+        no one and costs less than the trio round trip; a request that arrives meanwhile
+        waits at most that long (NOW_TIMEOUT at worst)."""
+        return self._active == 0 and self.client.writes.idle() and not self.meta.calls_pending()
+
     def cred(self, ctx: pyfuse3.RequestContext) -> Cred:
-        return Cred(ctx.uid, ctx.gid, self._groups.get(ctx.pid))
+        return self._groups.cred(ctx.pid, ctx.uid, ctx.gid)
 
     def _check_writable(self) -> None:
         if self.tuning.read_only:
@@ -268,17 +322,22 @@ class PfsOperations(pyfuse3.Operations):
         return e
 
     # -- names -----------------------------------------------------------------
-    async def lookup(self, parent_inode: int, name: bytes,
-                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         if self._known.enabled:
             left = self._known.absent(parent_inode, name)
             metrics.cache_lookup("absent", left is not None)
             if left is not None:  # cached by the kernel only for what is left of the bound
                 return self._missing(min(left, self.tuning.negative_timeout))
         since = self._attrs.gen
+        cred = self.cred(ctx)
         try:
             with fs_errors():
-                attr = await self.meta.lookup(parent_inode, name, self.cred(ctx))
+                attr = self.meta.lookup_now(parent_inode, name, cred) if self._alone() else None
+                if attr is None:
+                    with self._waiting:
+                        attr = await self.meta.lookup(parent_inode, name, cred)
         except pyfuse3.FUSEError as exc:
             if exc.errno == errno.ENOENT and self.tuning.negative_timeout > 0:
                 return self._missing(self.tuning.negative_timeout)
@@ -319,13 +378,22 @@ class PfsOperations(pyfuse3.Operations):
         if attr is None:
             since = self._attrs.gen
             with fs_errors():
-                attr = await self.meta.getattr(inode)
+                attr = self.meta.getattr_now(inode) if self._alone() else None
+                if attr is None:
+                    with self._waiting:
+                        attr = await self.meta.getattr(inode)
             self._attrs.put(inode, attr, since)
         return self.entry(attr)  # with the sizes written here
 
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
-                      fields: pyfuse3.SetattrFields, fh: int | None,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_serving
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        ctx: pyfuse3.RequestContext,
+    ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         self._changed_here(inode)
         try:
@@ -333,9 +401,14 @@ class PfsOperations(pyfuse3.Operations):
         finally:
             self._changed_here(inode)  # reads that crossed it carry the old attributes
 
-    async def _setattr_fields(self, inode: int, attr: pyfuse3.EntryAttributes,
-                              fields: pyfuse3.SetattrFields, fh: int | None,
-                              cred: Cred) -> pyfuse3.EntryAttributes:
+    async def _setattr_fields(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields,
+        fh: int | None,
+        cred: Cred,
+    ) -> pyfuse3.EntryAttributes:
         result: StatResult | None = None
         with fs_errors():
             if fields.update_mtime or fields.update_size:
@@ -374,66 +447,88 @@ class PfsOperations(pyfuse3.Operations):
             # times are not; pyfuse3 hands both over as explicit times. Times equal to
             # each other and to the clock are taken to be "now" and asked for as such.
             times = {k: v for k, v in changes.items() if k in ("atime", "mtime")}
-            if (not times or len(times) != len(changes) or len(set(times.values())) != 1
-                    or abs(next(iter(times.values())) - time.time_ns()) > NOW_SLACK_NS):
+            if (
+                not times
+                or len(times) != len(changes)
+                or len(set(times.values())) != 1
+                or abs(next(iter(times.values())) - time.time_ns()) > NOW_SLACK_NS
+            ):
                 raise
             return await self.meta.setattr(ino, cred, **{k: "now" for k in times})
 
+    @_serving
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         with fs_errors():
             return await self.meta.readlink(inode)
 
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_serving
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         with self._name_change(parent_inode, name, True), fs_errors():
-            attr, pa = await self.meta.mknod(parent_inode, name, mode & ~ctx.umask, rdev,
-                                             self.cred(ctx), self._want_parent)
+            attr, pa = await self.meta.mknod(
+                parent_inode, name, mode & ~ctx.umask, rdev, self.cred(ctx), self._want_parent
+            )
         self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_serving
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         since = time.monotonic()
         with self._name_change(parent_inode, name, True), fs_errors():
-            attr, pa = await self.meta.mkdir(parent_inode, name, mode & ~ctx.umask,
-                                             self.cred(ctx), self._want_parent)
+            attr, pa = await self.meta.mkdir(
+                parent_inode, name, mode & ~ctx.umask, self.cred(ctx), self._want_parent
+            )
         self._parent_changed(parent_inode, pa)
         self._known.learn(attr.st_ino, (), since)  # made here: empty when it was asked
         return self._looked_up(attr)
 
+    @_serving
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         try:
             with self._name_change(parent_inode, name, False), fs_errors():
-                pa = await self.meta.unlink(parent_inode, name, self.cred(ctx),
-                                            self._want_parent)
+                pa = await self.meta.unlink(parent_inode, name, self.cred(ctx), self._want_parent)
         finally:
             self._attrs.clear()  # the unlinked inode's link count and ctime moved
         self._parent_changed(parent_inode, pa)
 
+    @_serving
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         try:
             with self._name_change(parent_inode, name, False), fs_errors():
-                pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx),
-                                           self._want_parent)
+                pa = await self.meta.rmdir(parent_inode, name, self.cred(ctx), self._want_parent)
         finally:
             self._attrs.clear()
         self._parent_changed(parent_inode, pa)
 
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_serving
+    async def symlink(
+        self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         with self._name_change(parent_inode, name, True), fs_errors():
-            attr, pa = await self.meta.symlink(parent_inode, name, target, self.cred(ctx),
-                                               self._want_parent)
+            attr, pa = await self.meta.symlink(
+                parent_inode, name, target, self.cred(ctx), self._want_parent
+            )
         self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
-                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+    @_serving
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: pyfuse3.RequestContext,
+    ) -> None:
         self._check_writable()
         wire = 0
         if flags & pyfuse3.RENAME_NOREPLACE:
@@ -448,8 +543,9 @@ class PfsOperations(pyfuse3.Operations):
         self._attrs.clear()
         try:
             with fs_errors():
-                await self.meta.rename(parent_inode_old, name_old, parent_inode_new,
-                                       name_new, wire, self.cred(ctx))
+                await self.meta.rename(
+                    parent_inode_old, name_old, parent_inode_new, name_new, wire, self.cred(ctx)
+                )
         except BaseException:
             self._known.drop(parent_inode_old, parent_inode_new)
             raise
@@ -459,8 +555,10 @@ class PfsOperations(pyfuse3.Operations):
             self._known.removed(parent_inode_old, name_old)
         self._known.added(parent_inode_new, name_new)
 
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_serving
+    async def link(
+        self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
         self._check_writable()
         self._changed_here(inode, new_parent_inode)
         try:
@@ -471,8 +569,9 @@ class PfsOperations(pyfuse3.Operations):
         return self._looked_up(attr)
 
     # -- files -----------------------------------------------------------------
-    def _file_info(self, h: FileHandle, attr_key: tuple[int, int],
-                   since: int | None = None) -> pyfuse3.FileInfo:
+    def _file_info(
+        self, h: FileHandle, attr_key: tuple[int, int], since: int | None = None
+    ) -> pyfuse3.FileInfo:
         """Register ``h`` and say whether the kernel may keep the inode's cached pages:
         only when the file is as this mount last saw it (close-to-open otherwise). The
         open's reply carried the inode's attributes: they answer the GETATTR that
@@ -492,6 +591,7 @@ class PfsOperations(pyfuse3.Operations):
         a = h.attr
         return (a.st_mtime_ns, a.st_size) if a is not None else (-1, -1)
 
+    @_serving
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & _WRITE_FLAGS:
             self._check_writable()
@@ -503,13 +603,15 @@ class PfsOperations(pyfuse3.Operations):
             since = None  # and the reply's attributes are after it
         return self._file_info(h, self._key(h), since)
 
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext
-                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    @_serving
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         self._check_writable()
         with self._name_change(parent_inode, name, True), fs_errors():
-            h, pa = await self.client.create_in(parent_inode, name, mode & ~ctx.umask, flags,
-                                                self.cred(ctx), self._want_parent)
+            h, pa = await self.client.create_in(
+                parent_inode, name, mode & ~ctx.umask, flags, self.cred(ctx), self._want_parent
+            )
         self._parent_changed(parent_inode, pa)
         assert h.attr is not None
         key = self._key(h)
@@ -518,6 +620,7 @@ class PfsOperations(pyfuse3.Operations):
         self._seen[h.ino] = key
         return self._file_info(h, key), self._looked_up(h.attr)
 
+    @_serving
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._file(fh)
         buf = bytearray(size)
@@ -528,6 +631,7 @@ class PfsOperations(pyfuse3.Operations):
             n = await h.pread_into(buf, off)
         return memoryview(buf)[:n] if n < size else buf
 
+    @_serving
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         """Write-behind (``FileHandle.write_behind``): the kernel gets its reply once the
         write is under way, so one writer keeps several requests in flight; an error is
@@ -545,7 +649,7 @@ class PfsOperations(pyfuse3.Operations):
             # error of its own to report, no attributes gone stale: no call at all
             return
         try:
-            with fs_errors():
+            with fs_errors(), self._waiting:
                 await h.commit()  # after the writes in flight; raises their error
         finally:
             if fh in self._wrote:  # the commit set mtime and size: cached ones are stale
@@ -560,9 +664,16 @@ class PfsOperations(pyfuse3.Operations):
         if wrote:
             self._wrote.discard(fh)
             self._seen.pop(h.ino, None)  # its mtime moved: next open refreshes
+        # a handle that wrote nothing, with no write of its inode in flight, is released
+        # along with the next metaserver request: nothing to wait for
+        waits = wrote or self.client.writes.busy(h.ino)
         with fs_errors():
             try:
-                await h.close()
+                if waits:
+                    with self._waiting:
+                        await h.close()
+                else:
+                    await h.close()
             except OSError as exc:  # the kernel drops release's reply: say it here
                 log.warning("closing inode %d: %s", h.ino, exc)
                 raise
@@ -587,6 +698,7 @@ class PfsOperations(pyfuse3.Operations):
         except Exception:  # a system task must not raise: the page cache is only a cache
             log.exception("dropping the cached pages of inode %d", ino)
 
+    @_serving
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._file(fh)
         try:
@@ -596,6 +708,7 @@ class PfsOperations(pyfuse3.Operations):
             self._attrs.drop(h.ino)  # the size it committed
 
     # -- directories -----------------------------------------------------------
+    @_serving
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         cred = self.cred(ctx)
         if not self.tuning.kernel_permissions:
@@ -605,6 +718,7 @@ class PfsOperations(pyfuse3.Operations):
         self._dirs[fh] = _DirHandle(inode, cred)
         return fh
 
+    @_serving
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         """Entries after kernel offset ``start_id``: 1 is '.', 2 is '..', and an entry's
         offset is its metaserver cookie + 2 (cookies stay valid while the directory
@@ -633,8 +747,9 @@ class PfsOperations(pyfuse3.Operations):
                     return
                 d.since = self._attrs.gen
                 with fs_errors():
-                    d.pending, d.eof = await self.meta.readdir(d.ino, d.pending_after,
-                                                               READDIR_PAGE, True, d.cred)
+                    d.pending, d.eof = await self.meta.readdir(
+                        d.ino, d.pending_after, READDIR_PAGE, True, d.cred
+                    )
                 if not d.pending:
                     d.eof = True
                     self._listed(d)
@@ -648,8 +763,9 @@ class PfsOperations(pyfuse3.Operations):
                         attr = await self.meta.getattr(e.inode_number)
                 self._attrs.put(attr.st_ino, attr, d.since)
                 bname = os.fsencode(e.name)
-                if not pyfuse3.readdir_reply(token, bname, self.entry(attr),
-                                             e.cookie + DOT_OFFSETS):
+                if not pyfuse3.readdir_reply(
+                    token, bname, self.entry(attr), e.cookie + DOT_OFFSETS
+                ):
                     return
                 if d.listing is not None:
                     d.listing.append(bname)
@@ -684,6 +800,7 @@ class PfsOperations(pyfuse3.Operations):
         # every namespace change is durable when the metaserver answers it
         return None
 
+    @_serving
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         with fs_errors():
             s = await self.meta.statfs()
@@ -712,7 +829,7 @@ class PfsOperations(pyfuse3.Operations):
             if hit:
                 raise pyfuse3.FUSEError(errno.ENODATA)
         try:
-            with fs_errors():
+            with fs_errors(), self._waiting:
                 return await self.meta.getxattr(inode, name, self.cred(ctx))
         except pyfuse3.FUSEError as exc:
             if cached and exc.errno == errno.ENODATA and self.tuning.attr_timeout > 0:
@@ -721,8 +838,10 @@ class PfsOperations(pyfuse3.Operations):
                 self._no_caps[inode] = time.monotonic() + self.tuning.attr_timeout
             raise
 
-    async def setxattr(self, inode: int, name: bytes, value: bytes,
-                       ctx: pyfuse3.RequestContext) -> None:
+    @_serving
+    async def setxattr(
+        self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext
+    ) -> None:
         self._check_writable()
         self._no_caps.pop(inode, None)
         self._changed_here(inode)
@@ -732,10 +851,12 @@ class PfsOperations(pyfuse3.Operations):
         finally:
             self._changed_here(inode)  # its ctime
 
+    @_serving
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
         with fs_errors():
             return await self.meta.listxattr(inode, self.cred(ctx))
 
+    @_serving
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         self._no_caps.pop(inode, None)
@@ -746,6 +867,7 @@ class PfsOperations(pyfuse3.Operations):
         finally:
             self._changed_here(inode)
 
+    @_serving
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK and self.tuning.read_only:
             raise pyfuse3.FUSEError(errno.EROFS)

@@ -11,8 +11,19 @@ answered without the metaserver (71 → 49 µs under load: docs/benchmarks.md, s
 
 pyfuse3 looks its trio functions up in the module global ``pyfuse3.trio`` so that another
 event loop can be put in (``pyfuse3.asyncio.enable`` does the same); :func:`install` puts
-in trio itself with this lock.
+in trio itself with :class:`ReaderLock`, a :class:`HandoffLock` handed on lazily: a worker
+that read a request keeps the lock while it serves it without waiting (a FLUSH or
+RELEASE of a clean handle, an attribute or a "missing" the daemon knows, a quick
+metaserver call: ``MetaClient.run_now``) and goes straight back to waiting for
+/dev/fuse; the next worker is woken only when the request is about to wait
+(:func:`yield_reader`, called by the FUSE operations before they wait). That saves a
+task switch and a scheduler pass per request answered at once. A worker that leaves
+pyfuse3's loop while it holds the lock (at unmount; too many idle workers) hands it on as
+its task ends (an instrument's ``task_exited``): else nobody would read /dev/fuse again,
+and at unmount the other workers would wait for the lock forever (the daemon would not
+exit).
 """
+
 from __future__ import annotations
 
 import types
@@ -45,6 +56,9 @@ class HandoffLock:
         await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
         if self._waiters:
             trio.lowlevel.reschedule(self._waiters.popleft())  # it owns the lock now
         else:
@@ -54,14 +68,66 @@ class HandoffLock:
         return self._held
 
 
+class ReaderLock(HandoffLock):
+    """pyfuse3's read lock, handed on lazily (the module doc): leaving ``async with``
+    normally keeps it held by the task that leaves, which takes it again at once at its
+    next ``async with``; :meth:`yield_lazy` hands it on for real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lazy: trio.lowlevel.Task | None = None  # holding it after leaving
+        global _reader
+        _reader = self
+
+    async def __aenter__(self) -> None:
+        if self._lazy is not None and self._lazy is trio.lowlevel.current_task():
+            self._lazy = None  # still its own
+            return
+        await super().__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self._lazy = trio.lowlevel.current_task()
+        else:  # pyfuse3 stops reading (unmount): hand it on now
+            self._lazy = None
+            self._release()
+
+    def yield_lazy(self) -> None:
+        """The task that read the request is about to wait: another must read /dev/fuse."""
+        if self._lazy is not None:
+            self._lazy = None
+            self._release()
+
+
+_reader: ReaderLock | None = None  # pyfuse3's (it makes one, at its first read)
+
+
+class _ExitGuard(trio.abc.Instrument):
+    """A worker that leaves pyfuse3's loop holding the lock (the filesystem was
+    unmounted: the session ends; too many idle workers) hands it on as its task ends,
+    so the others wake, see the session over (or read on) and end too."""
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        if _reader is not None and _reader._lazy is task:
+            _reader.yield_lazy()
+
+
+def yield_reader() -> None:
+    """Called by a request handler before it waits (the network, a lock, a thread):
+    the worker serving it hands pyfuse3's read lock to the next one."""
+    if _reader is not None:
+        _reader.yield_lazy()
+
+
 def trio_for_pyfuse3() -> types.ModuleType:
-    """A stand-in for the ``trio`` module as pyfuse3 uses it, with :class:`HandoffLock`."""
+    """A stand-in for the ``trio`` module as pyfuse3 uses it, with :class:`ReaderLock`."""
     m = types.ModuleType("pfs.fuse.workers.trio")
-    m.Lock = HandoffLock  # type: ignore[attr-defined]
+    m.Lock = ReaderLock  # type: ignore[attr-defined]
     m.__getattr__ = lambda name: getattr(trio, name)  # type: ignore[method-assign]  # the rest: trio's
     return m
 
 
 def install(pyfuse3: Any) -> None:
-    """Have pyfuse3's workers use :class:`HandoffLock` (before ``pyfuse3.main``)."""
+    """Have pyfuse3's workers use :class:`ReaderLock` (in trio, before ``pyfuse3.main``)."""
     pyfuse3.trio = trio_for_pyfuse3()
+    trio.lowlevel.add_instrument(_ExitGuard())  # (called only as a task ends)

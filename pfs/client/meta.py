@@ -16,11 +16,18 @@ errno (a close with a size to commit has its own retries, in ``ops``).
 driver carries the sync client's metadata plans (``pfs.client.ops``) out in the caller's
 thread with no hop into its trio thread. A call made from the trio thread blocks that
 loop for one round trip.
+
+:meth:`MetaClient.run_now` (the mount): a read-only call made from the trio thread at
+once, over a blocking connection of its own with a short timeout, when its caller knows
+nothing else waits on the loop; it saves the trio round trip's scheduling (a wait on the
+socket, the scheduler's passes, a cancel scope). That connection never carries handles
+(no ``closes``, no ``generation``); when it is down or fails, the call goes the usual way.
 """
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import threading
 import time
@@ -29,10 +36,11 @@ from typing import Any, TypeVar
 import trio
 
 from pfs.client import ops
-from pfs.client.plan import Plan
+from pfs.client.plan import MetaCall, Plan
 from pfs.client.trio_driver import TrioDriver
 from pfs.client.types import Cred, DirEntry, StatResult, fsname
 from pfs.core import errors as E
+from pfs.core import metrics
 from pfs.core.auth import ClientAuth
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import RequestMessage, parse_reply
@@ -45,6 +53,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLOSE_DELAY = 0.2  # seconds a deferred close waits for a request to carry it
+# run_now: how long one call may hold the event loop (then it goes the usual way), and
+# how long after a failure (or before the connection is up) calls go the usual way
+NOW_TIMEOUT = 0.25
+NOW_BACKOFF = 5.0
 
 # requests that change nothing: sent again after their connection broke mid-call
 IDEMPOTENT: tuple[type[RequestMessage], ...] = (
@@ -119,6 +131,8 @@ class MetaClient:
         self._closes_gen = 0
         self._closes_lock = threading.Lock()
         self._flush_due = False
+        self._now_rpc: BlockingRpcClient | None = None  # run_now's connection
+        self._now_after = 0.0  # monotonic time before which run_now opens none
         try:
             self._token: trio.lowlevel.TrioToken | None = trio.lowlevel.current_trio_token()
         except RuntimeError:  # made outside trio: deferred closes wait for a request
@@ -276,6 +290,81 @@ class MetaClient:
                 pause = retry.pause(exc, sent, msg)
             await trio.sleep(pause)
 
+    def run_now(self, plan: Plan[T]) -> T | None:
+        """Carry out ``plan`` in this thread at once, without yielding to the event loop:
+        its requests must change nothing (:data:`IDEMPOTENT`, metadata calls only). None
+        when that is not possible now (the connection is not up, or failed: it went, and
+        the next tries wait NOW_BACKOFF); the caller runs the plan again the usual way,
+        as nothing it sent changed anything. A refusal (``ENOENT``, ...) is raised."""
+        rpc = self._now_rpc
+        if rpc is None or rpc.conn.closed:
+            plan.close()
+            self._open_now()
+            return None
+        try:
+            effect = plan.send(None)
+            while True:
+                if type(effect) is not MetaCall or not isinstance(effect.msg, IDEMPOTENT):
+                    return None  # (only read-only metadata plans are run here)
+                started = time.perf_counter()
+                try:
+                    reply = rpc.request(effect.msg)
+                except OSError as exc:
+                    if rpc.conn.closed:  # not an answer: the connection failed
+                        log.debug("%s: quick call failed (%s); the usual way for %g s",
+                                  self.name, exc, NOW_BACKOFF)
+                        self._now_rpc, self._now_after = None, time.monotonic() + NOW_BACKOFF
+                        return None
+                    metrics.rpc_done("client", effect.msg.method, started,
+                                     exc.errno or errno.EIO, 0, 0)
+                    effect = plan.throw(exc)
+                else:
+                    metrics.rpc_done("client", effect.msg.method, started, None, 0, 0)
+                    effect = plan.send(reply)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        finally:
+            plan.close()
+
+    def calls_pending(self) -> bool:
+        """Whether a call is waiting for the metaserver on the trio connection."""
+        rpc = self._rpc
+        return rpc is not None and rpc.busy
+
+    def _open_now(self) -> None:
+        """Open run_now's connection in a thread, in the background (once at a time)."""
+        if self._now_after > time.monotonic() or self._disconnected or self.direct:
+            return
+        self._now_after = math.inf  # opening
+
+        async def opener() -> None:
+            rpc: BlockingRpcClient | None = None
+            try:
+                rpc = await trio.to_thread.run_sync(self._connect_now)
+            except OSError as exc:
+                log.debug("%s: no quick connection: %s", self.name, exc)
+            finally:  # on failure (or cancellation), next tries after NOW_BACKOFF
+                self._now_after = time.monotonic() + (0.0 if rpc else NOW_BACKOFF)
+            if self._disconnected and rpc is not None:
+                rpc.close()
+            else:
+                self._now_rpc = rpc
+
+        try:
+            self._nursery.start_soon(opener)
+        except RuntimeError:  # the nursery is closed: the client is going
+            self._now_after = math.inf
+
+    def _connect_now(self) -> BlockingRpcClient:
+        rpc = open_blocking(self._auth, self.host, self.port, timeout=self.timeout)
+        try:
+            rpc.request(M.Hello(client=f"pfs-{os.getpid()}"))
+        except BaseException:
+            rpc.close()
+            raise
+        rpc.conn.set_timeout(NOW_TIMEOUT)  # each call from now on
+        return rpc
+
     def wire_cred(self, cred: Cred | None = None) -> WireCred:
         """A message's ``cred``: ``cred``, or the client's own (the last one's is kept:
         callers pass the same credentials over and over)."""
@@ -295,6 +384,9 @@ class MetaClient:
             if self._blocking is not None:
                 self._blocking.close()
                 self._blocking = None
+        if self._now_rpc is not None:
+            self._now_rpc.close()
+            self._now_rpc = None
         with self._closes_lock:
             self._closes = []  # the metaserver releases them with the connection
 
@@ -326,6 +418,15 @@ class MetaClient:
 
     async def getattr(self, ino: int) -> StatResult:
         return await self._driver.run(ops.meta_getattr(ino))
+
+    def lookup_now(self, parent: int, name: bytes, cred: Cred | None = None
+                   ) -> StatResult | None:
+        """:meth:`lookup` at once (:meth:`run_now`); None: not now."""
+        return self.run_now(ops.meta_lookup(parent, name, self.wire_cred(cred)))
+
+    def getattr_now(self, ino: int) -> StatResult | None:
+        """:meth:`getattr` at once (:meth:`run_now`); None: not now."""
+        return self.run_now(ops.meta_getattr(ino))
 
     async def setattr(self, ino: int, cred: Cred | None = None, **changes: Any) -> StatResult:
         return await self._driver.run(ops.meta_setattr(ino, self.wire_cred(cred), **changes))

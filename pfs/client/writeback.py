@@ -100,6 +100,10 @@ class WriteBack:
     def busy(self, ino: int) -> bool:
         return ino in self._inodes
 
+    def idle(self) -> bool:
+        """No write in flight."""
+        return not self._inodes
+
     def in_flight(self, ino: int) -> int:
         fl = self._inodes.get(ino)
         return len(fl.ranges) if fl is not None else 0

@@ -1,5 +1,6 @@
 """The mount's life: options, readiness, clean unmount on signals and ``pfs umount``, and
 a metaserver that goes away (errors, never a hang) and comes back (the mount recovers)."""
+
 from __future__ import annotations
 
 import errno
@@ -11,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,13 @@ from tests.integration.test_cluster import _kill
 
 
 def test_parse_options() -> None:
-    o = parse_options(["allow_other,ro,entry_timeout=5,attr_timeout=0.5", "timeout=3,_netdev",
-                       "x-systemd.automount,noatime,fsname=pfs0,defaults"])
+    o = parse_options(
+        [
+            "allow_other,ro,entry_timeout=5,attr_timeout=0.5",
+            "timeout=3,_netdev",
+            "x-systemd.automount,noatime,fsname=pfs0,defaults",
+        ]
+    )
     assert o.tuning.read_only and o.tuning.entry_timeout == 5 and o.tuning.attr_timeout == 0.5
     assert o.timeout == 3
     assert sorted(o.fuse) == ["allow_other", "fsname=pfs0", "noatime"]
@@ -72,16 +79,46 @@ def test_background_mount_and_umount(client_toml: Path) -> None:
     assert not m.exists() or mount_entry(str(m)) is None
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_foreground_signal_unmounts(client_toml: Path, mountpoint: Path, sig: int) -> None:
+@contextmanager
+def _foreground(client_toml: Path, mountpoint: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``pfs mount -f`` on ``mountpoint``, once it reported ready; killed (and the mount
+    detached) if the test leaves it running."""
     rfd, wfd = os.pipe()
-    proc = subprocess.Popen([PY, "-m", "pfs.tools.cli", "mount", "-f", "--config", str(client_toml),
-                             str(mountpoint), "--ready-fd", str(wfd)], pass_fds=(wfd,),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "pfs.tools.cli",
+            "mount",
+            "-f",
+            "--config",
+            str(client_toml),
+            str(mountpoint),
+            "--ready-fd",
+            str(wfd),
+        ],
+        pass_fds=(wfd,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     os.close(wfd)
     try:
         assert select.select([rfd], [], [], 60)[0], "no readiness report"
         assert os.read(rfd, 100) == b"ok\n"
+        yield proc
+    finally:
+        os.close(rfd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_foreground_signal_unmounts(client_toml: Path, mountpoint: Path, sig: int) -> None:
+    with _foreground(client_toml, mountpoint) as proc:
         (mountpoint / f"sig-{sig}").write_bytes(b"x")
         fd = os.open(mountpoint / f"sig-{sig}", os.O_RDONLY)  # open files do not block it
         os.close(fd)
@@ -89,13 +126,22 @@ def test_foreground_signal_unmounts(client_toml: Path, mountpoint: Path, sig: in
         assert proc.wait(timeout=30) == 0
         assert mount_entry(str(mountpoint)) is None
         assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
-    finally:
-        os.close(rfd)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+
+
+def test_the_daemon_exits_after_umount(client_toml: Path, mountpoint: Path) -> None:
+    """``pfs umount`` of a mount that served requests (answered at once and after a
+    metaserver call) ends its daemon: the worker that last read /dev/fuse may still
+    hold pyfuse3's read lock when the session ends (fuse/workers.py)."""
+    with _foreground(client_toml, mountpoint) as proc:
+        for i in range(20):
+            f = mountpoint / f"exit-{i}"
+            os.close(os.open(f, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.stat(f)
+            os.unlink(f)
+        r = pfs_cli("umount", str(mountpoint))
+        assert r.returncode == 0, r.stderr
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
 
 
 def _errno_of(fn, *args) -> int:  # type: ignore[no-untyped-def]
@@ -183,8 +229,7 @@ def test_mount_metrics_count_client_cache_hits(client_toml: Path, tmp_path: Path
 
     port = _free_port()
     toml = tmp_path / "client.toml"
-    toml.write_text(client_toml.read_text().replace("metrics_port = 0",
-                                                    f"metrics_port = {port}"))
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
     with mounted(toml) as m:
         d = m / f"metrics-{os.getpid()}"
         d.mkdir()
@@ -192,7 +237,7 @@ def test_mount_metrics_count_client_cache_hits(client_toml: Path, tmp_path: Path
         for i in range(3):
             with open(d / f"f{i}", "wb") as f:
                 for k in range(3):  # before each write the kernel asks security.capability
-                    f.write(data[k << 20:(k + 1) << 20])
+                    f.write(data[k << 20 : (k + 1) << 20])
             os.stat(d)  # the directory's attributes the create's reply carried
         for i in range(3):
             assert (d / f"f{i}").read_bytes() == data
@@ -200,8 +245,11 @@ def test_mount_metrics_count_client_cache_hits(client_toml: Path, tmp_path: Path
         for i in range(3):
             (d / f"f{i}").unlink()
         d.rmdir()
-    lookups = {(c, r): _value(text, "pfs_client_cache_lookups_total", cache=c, result=r)
-               for c in ("attr", "xattr", "local_fd") for r in ("hit", "miss")}
+    lookups = {
+        (c, r): _value(text, "pfs_client_cache_lookups_total", cache=c, result=r)
+        for c in ("attr", "xattr", "local_fd")
+        for r in ("hit", "miss")
+    }
     assert lookups["attr", "hit"] + lookups["attr", "miss"] > 0, lookups
     assert lookups["xattr", "hit"] > 0, lookups  # the later writes' asks are answered here
     assert lookups["local_fd", "miss"] > 0, lookups  # the cluster's servers are local

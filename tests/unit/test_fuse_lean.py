@@ -2,6 +2,7 @@
 (``pfs.fuse.known_dirs``), the attributes it answers GETATTR from
 (``pfs.fuse.attr_cache``) and the lock pyfuse3's workers hand over
 (``pfs.fuse.workers``)."""
+
 from __future__ import annotations
 
 import time
@@ -13,7 +14,7 @@ import trio.testing
 from pfs.client.types import StatResult
 from pfs.fuse.attr_cache import MAX_INODES, AttrCache
 from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
-from pfs.fuse.workers import HandoffLock, trio_for_pyfuse3
+from pfs.fuse.workers import HandoffLock, ReaderLock, trio_for_pyfuse3
 
 
 def test_a_known_directory_answers_missing_names_only_within_the_bound() -> None:
@@ -78,6 +79,7 @@ def test_the_handoff_lock_serves_waiters_in_order_and_drops_a_cancelled_one() ->
         assert order == [0, 1, 2, 3] and not lock.locked()
 
         async with trio.open_nursery() as n:
+
             async def holder() -> None:
                 async with lock:
                     await trio.sleep(0.05)
@@ -94,9 +96,9 @@ def test_the_handoff_lock_serves_waiters_in_order_and_drops_a_cancelled_one() ->
     trio.run(main)
 
 
-def test_pyfuse3_gets_trio_with_the_handoff_lock() -> None:
+def test_pyfuse3_gets_trio_with_the_reader_lock() -> None:
     m = trio_for_pyfuse3()
-    assert m.Lock is HandoffLock
+    assert m.Lock is ReaderLock
     assert m.lowlevel is trio.lowlevel and m.ClosedResourceError is trio.ClosedResourceError
     assert m.open_nursery is trio.open_nursery
 
@@ -136,3 +138,41 @@ def test_the_attribute_cache_is_bounded() -> None:
     for ino in range(MAX_INODES + 1):
         c.put(ino, _attr(ino))
     assert c.get(MAX_INODES) is not None and c.get(0) is None
+
+
+def test_the_reader_lock_stays_with_a_worker_until_its_request_waits() -> None:
+    """pyfuse3's read lock (``ReaderLock``): a worker that leaves it keeps it and takes
+    it again at once; a waiting worker gets it only when ``yield_reader`` is called (a
+    request is about to wait) or the holder leaves with an error."""
+    from pfs.fuse import workers
+
+    async def main() -> None:
+        lock = workers.ReaderLock()
+        got: list[str] = []
+
+        async def other() -> None:
+            async with lock:
+                got.append("other")
+
+        async with lock:
+            pass
+        assert lock.locked()  # left, still held by this task
+        async with trio.open_nursery() as n:
+            n.start_soon(other)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []  # waits: the holder serves a request without waiting
+            async with lock:  # the holder again: no wait
+                pass
+            assert got == []
+            workers.yield_reader()  # the holder's request is about to wait
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == ["other"]
+        assert lock.locked()  # "other" left normally: it holds it now
+        workers.yield_reader()  # (its next request waits): free, nobody waiting
+        assert not lock.locked()
+        with pytest.raises(RuntimeError):
+            async with lock:
+                raise RuntimeError("boom")
+        assert not lock.locked()  # left with an error: handed on at once
+
+    trio.run(main)

@@ -172,6 +172,11 @@ class RpcClient:
             return False
         return True
 
+    @property
+    def busy(self) -> bool:
+        """Whether a call waits for its reply."""
+        return bool(self._pending)
+
     async def run(self) -> None:
         """The reader task: reads replies whenever no caller does (see the class doc)."""
         with self._cancel:
