@@ -24,7 +24,12 @@ How it reads:
    when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
    a fresh one that a thread faults in from its far end while the reads fill it from
    the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
-   reaches them instead of faulting in one by one inside it.
+   reaches them instead of faulting in one by one inside it;
+6. with ``zero_copy=True`` (opt-in, pfs, CPU) a shard with local objects gets one
+   anonymous mapping instead, over which the local objects' pages are mapped
+   copy-on-write and verified in place (:mod:`pfs.client.mapping`), the rest read into
+   it: no copy and no fresh pages, but the tensors alias the stored file (see
+   :func:`load_safetensors` for the rule when it changes).
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
