@@ -16,6 +16,7 @@ from pfs.core.checksums import BLOCK
 from pfs.core.config import ClientConfig, load
 from pfs.loader.safetensors import load_safetensors
 from pfs.tools import cluster
+from tests.integration.test_checksums import _flip, _objects
 
 UNIT = 64 * 1024  # a checksum block per stripe unit: several stripes and rows per shard
 # per shard: name -> (dtype, elements); sizes off any block or page boundary
@@ -115,18 +116,6 @@ def test_tensors_are_verified_mappings_of_the_objects(
     assert not object_maps(cluster_dir / "data")  # unmapped with the tensors
 
 
-def _flip(path: Path, off: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(off)
-        b = f.read(1)
-        f.seek(off)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
-def _replicas(cluster_dir: Path, ino: int, stripe: int) -> list[Path]:
-    return sorted((cluster_dir / "data").glob(f"ds*/objects/*/{ino}.{stripe}"))
-
-
 def test_a_block_that_does_not_verify_is_read_elsewhere_or_fails(
     client_toml: Path, cluster_dir: Path, workdir: str, ckpt: Any
 ) -> None:
@@ -144,7 +133,7 @@ def test_a_block_that_does_not_verify_is_read_elsewhere_or_fails(
         full = mapped_bytes(c)
         del clean
         # stripe 1 holds file units 1, 5, ...: its object's blocks 0 and 1
-        objs = _replicas(cluster_dir, ino, 1)
+        objs = _objects(cluster_dir, ino, 1)
         assert len(objs) == 2
         _flip(objs[0], 100)  # block 0 bad in one replica,
         _flip(objs[1], BLOCK + 100)  # block 1 in the other: every unit has a good copy
