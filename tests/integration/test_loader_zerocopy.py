@@ -203,3 +203,34 @@ def test_mapped_bulk_reads_keep_holes_and_short_objects(
         assert object_maps(cluster_dir / "data")
         del view
         mm.close()
+
+
+def test_zero_copy_with_slices_names_and_on_tensor(
+    client_toml: Path, workdir: str, ckpt: Any
+) -> None:
+    """Tensor-parallel slices keep buffers of their own beside the mapped regions;
+    ``names`` maps only the units around the tensors asked for; ``on_tensor`` hands
+    each tensor out once, after its blocks were verified."""
+    d, truth = ckpt
+    with sc_client(client_toml) as c:
+        src = put(c, d, f"{workdir}/ck")
+        seen: list[str] = []
+        out = load_safetensors(
+            src,
+            client=c,
+            framework="numpy",
+            zero_copy=True,
+            tp_rank=1,
+            tp_size=2,
+            split={"q": 0},
+            on_tensor=lambda n, _t: seen.append(n),
+        )
+        assert sorted(seen) == sorted(out) == sorted(truth)
+        assert np.asarray(out["q"]).tobytes() == np.array_split(truth["q"], 2)[1].tobytes()
+        check(
+            {k: v for k, v in out.items() if k != "q"}, {k: v for k, v in truth.items() if k != "q"}
+        )
+        before = mapped_bytes(c)
+        part = load_safetensors(src, client=c, framework="numpy", zero_copy=True, names=["head"])
+        check(part, {"head": truth["head"]})
+        assert 0 < mapped_bytes(c) - before <= (len(truth["head"]) * 4 // UNIT + 2) * UNIT
