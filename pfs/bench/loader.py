@@ -24,6 +24,9 @@ moment; medians over ``--reps``. Paths:
 - ``pfs_local``: ``pfs.load_safetensors(local_dir)``.
 - ``pfs_sc_on``: ``pfs.load_safetensors(pfs_dir, client=c)``, short-circuit reads (the
   data servers on this host hand over object descriptors).
+- ``pfs_sc_map``: the same with ``zero_copy=True``: the local objects' pages mapped
+  copy-on-write into the tensors and verified in place, not read (opt-in: the tensors
+  alias the stored file).
 - ``pfs_sc_off``: the same over TCP only (a node without a local data server).
 - ``fuse_st_touch`` / ``fuse_pfs``: ``st_touch`` / ``pfs.load_safetensors`` through a
   ``pfs mount`` of the cluster (off unless named in ``--paths``).
@@ -76,7 +79,7 @@ from pfs.bench.common import (
 
 PATHS = loader_run.PATHS
 DEFAULT_PATHS = ("st_clone", "st_touch", "runai", "fastsafetensors", "pfs_local", "pfs_sc_on",
-                 "pfs_sc_off")
+                 "pfs_sc_map", "pfs_sc_off")
 REFERENCE = "st_clone"  # the fair reference (same end state); st_touch is shown beside it
 REFERENCES = ("st_clone", "st_touch")
 INDEX = "model.safetensors.index.json"
@@ -275,8 +278,9 @@ def load_record(res: dict[str, Any], i: int = 0) -> dict[str, Any]:
     """Load ``i`` of a runner result as a bench record (rates added)."""
     rec = dict(res["loads"][i])
     rate_fields(rec["bytes"], rec)
-    if "short_circuit_bytes" in res:
-        rec["short_circuit_bytes"] = res["short_circuit_bytes"]
+    for key in ("short_circuit_bytes", "mapped_bytes"):
+        if key in res:
+            rec[key] = res[key]
     return rec
 
 
@@ -368,7 +372,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             def argv(name: str, repeat: int = 1, verify: bool = False) -> list[str]:
                 src, cfg, pids = str(local), None, []
-                if name in ("pfs_sc_on", "pfs_sc_off"):
+                if name in loader_run.PFS_PATHS:
                     src, cfg, pids = pdir, toml, server_pids
                 elif name.startswith("fuse"):
                     src, pids = mpath, server_pids + fuse_pids
@@ -486,6 +490,10 @@ def aims(med: dict[str, Any], stability: dict[str, Any]) -> list[dict[str, Any]]
                                                      ("warm",)), 1.5),
         ("pfs_sc_on cold >= 2x st_clone cold", _vs(med, "pfs_sc_on", (REFERENCE,),
                                                    ("cold",)), 2.0),
+        ("pfs_sc_map (zero-copy, opt-in) warm >= 1.5x st_clone warm",
+         _vs(med, "pfs_sc_map", (REFERENCE,), ("warm",)), 1.5),
+        ("pfs_sc_map (zero-copy, opt-in) cold >= 2x st_clone cold",
+         _vs(med, "pfs_sc_map", (REFERENCE,), ("cold",)), 2.0),
         ("pfs_sc_off (TCP only) >= 1.0x st_clone, warm and cold",
          _vs(med, "pfs_sc_off", (REFERENCE,), ("warm", "cold")), 1.0),
         ("pfs_local >= 2x the faster of runai and fastsafetensors, warm and cold",
@@ -552,11 +560,15 @@ def report(res: dict[str, Any]) -> str:
     lines.append("")
     for name, s in res.get("stability", {}).items():
         lines.append(stability_line(name, s))
-    for temp in ("warm", "cold"):
-        m = med.get(f"pfs_sc_on_{temp}")
+    for name, temp in ((n, t) for n in ("pfs_sc_on", "pfs_sc_map") for t in ("warm", "cold")):
+        m = med.get(f"{name}_{temp}")
         if m and m.get("bytes"):  # the rest went over TCP (no local descriptor given)
-            lines.append(f"pfs_sc_on {temp}: {m.get('short_circuit_bytes', 0) / m['bytes']:.0%} "
-                         "of the bytes read short-circuit (median), the rest over TCP")
+            # (a zero-copy load reads whole stripe units: more bytes than the tensors')
+            local = m.get("short_circuit_bytes", 0)
+            mapped = (f" ({m.get('mapped_bytes', 0) / local:.0%} of them mapped)"
+                      if name == "pfs_sc_map" and local else "")
+            lines.append(f"{name} {temp}: {min(1.0, local / m['bytes']):.0%} of the bytes "
+                         f"read short-circuit{mapped} (median), the rest over TCP")
     lines.append("reference: st_clone = safetensors load_file + .clone() (private memory, "
                  "the end state pfs.load_safetensors returns); st_touch = every page "
                  "mapped from the page cache (zero-copy warm).")

@@ -31,7 +31,8 @@ from typing import Any
 from pfs.bench.common import proc_cpu
 
 PATHS = ("st_clone", "st_touch", "runai", "fastsafetensors", "pfs_local", "pfs_sc_on",
-         "pfs_sc_off", "fuse_st_touch", "fuse_pfs")
+         "pfs_sc_map", "pfs_sc_off", "fuse_st_touch", "fuse_pfs")
+PFS_PATHS = ("pfs_sc_on", "pfs_sc_map", "pfs_sc_off")  # from the cluster, with a client
 # the importable module each path needs beyond torch + safetensors, and its pip name
 NEEDS = {"runai": ("runai_model_streamer", "runai-model-streamer"),
          "fastsafetensors": ("fastsafetensors", "fastsafetensors")}
@@ -112,8 +113,11 @@ def _loader_for(path: str, src: str, paths: list[str], client: Any
     if path == "fastsafetensors":
         return lambda mark: _fastsafetensors(paths, mark)
 
+    zero_copy = path == "pfs_sc_map"  # local objects mapped, not read (opt-in)
+
     def load(mark: Mark) -> dict[str, Any]:  # tensors handed out as their bytes land
-        out = pfs.load_safetensors(src, client=client, on_tensor=lambda _n, _t: mark())
+        out = pfs.load_safetensors(src, client=client, on_tensor=lambda _n, _t: mark(),
+                                   zero_copy=zero_copy)
         mark()
         return out
 
@@ -204,12 +208,12 @@ def main(argv: list[str]) -> int:
     pids = [int(x) for x in args.pids.split(",") if x]
     client = None
     connect_s = 0.0
-    if args.path in ("pfs_sc_on", "pfs_sc_off"):
+    if args.path in PFS_PATHS:
         import pfs
         from pfs.core import config as cfgmod
 
         cfg = cfgmod.load(cfgmod.ClientConfig, args.config)
-        cfg.short_circuit = args.path == "pfs_sc_on"
+        cfg.short_circuit = args.path != "pfs_sc_off"
         t0 = time.perf_counter()
         client = pfs.connect(config=cfg)
         connect_s = time.perf_counter() - t0
@@ -224,13 +228,14 @@ def main(argv: list[str]) -> int:
     try:
         load = _loader_for(args.path, args.src, paths, client)
         tensors: dict[str, Any] = {}
-        sc0 = _sc_bytes(client)
+        sc0, map0 = _sc_bytes(client), _sc_bytes(client, "mapped_bytes")
         for _ in range(args.repeat):
             tensors = {}  # the previous load's tensors freed before the next
             rec, tensors = measure(load, pids)
             result["loads"].append(rec)
         if client is not None:
             result["short_circuit_bytes"] = _sc_bytes(client) - sc0
+            result["mapped_bytes"] = _sc_bytes(client, "mapped_bytes") - map0
         if args.verify:
             bad = bit_exact(args.verify, files, tensors)
             result["bit_exact"] = bad is None
@@ -243,9 +248,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _sc_bytes(client: Any) -> int:
+def _sc_bytes(client: Any, key: str = "local_bytes") -> int:
+    """Bytes the client read (or mapped: ``mapped_bytes``) from local objects so far."""
     loc = client.aio.local if client is not None else None
-    return int(loc.stats["local_bytes"]) if loc is not None else 0
+    return int(loc.stats[key]) if loc is not None else 0
 
 
 if __name__ == "__main__":

@@ -194,6 +194,12 @@ class FileHandle:
             return 0
         return await self._objects.open_all(self.layout.servers, self.ino, self.cap, timeout)
 
+    def local_stripes(self) -> int:
+        """How many stripes this handle holds a short-circuit descriptor of."""
+        if self._objects is None:
+            return 0
+        return sum(1 for s in range(self.layout.count) if self._objects.known_fd(s) is not None)
+
     async def pread_into(self, buf: Any, off: int) -> int:
         """Read up to ``len(buf)`` bytes at ``off`` into ``buf``; returns bytes read.
         Bytes this client wrote behind and still in flight are read back: the read
@@ -228,8 +234,8 @@ class FileHandle:
         return n
 
     async def pread_many(self, reads: Sequence[tuple[int, Any]], done: Any = None,
-                         chunk: int = 4 << 20, limiter: trio.CapacityLimiter | None = None
-                         ) -> list[int]:
+                         chunk: int = 4 << 20, limiter: trio.CapacityLimiter | None = None,
+                         mapped: bool = False) -> list[int]:
         """Many reads ``(offset, buffer)`` of this file at once (a loader's regions);
         each one's bytes read, as :meth:`pread_into` gives. Whatever lies in local
         objects this handle holds descriptors of (:meth:`open_local`) is read in bulk,
@@ -238,7 +244,11 @@ class FileHandle:
         rest, and a chunk that did not verify, through :meth:`pread_into`.
         ``done(off, n)``: called for the ``n`` file bytes at ``off`` once they are in
         their buffer (verified, holes zeroed), from a worker thread or this one. ``limiter``: the worker
-        threads' (shared by the reads of several files: one pool for all)."""
+        threads' (shared by the reads of several files: one pool for all). ``mapped``:
+        the buffers lie in private anonymous mappings the caller owns, and the local
+        objects' whole blocks are mapped into them copy-on-write instead of read
+        (:mod:`pfs.client.mapping`: zero-copy, with the rule for later writes and
+        truncations it says); the rest is read as without it."""
         self._check(False)
         todo = []
         for off, buf in reads:
@@ -255,7 +265,7 @@ class FileHandle:
             try:
                 got = await self._objects.read_chunks(
                     chunks, done=None if done is None else partial(_chunk_done, done),
-                    limiter=limiter)
+                    limiter=limiter, mapped=mapped)
             except OSError as exc:
                 raise self._named(exc) from exc
             rest = [(o, d) for c, g in zip(chunks, got, strict=True) if g is None

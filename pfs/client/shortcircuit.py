@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from pfs.client.mapping import map_verified
 from pfs.client.plan import LocalChunk, open_fd_request, zero_unread
 from pfs.client.verify import read_local
 from pfs.core import metrics
@@ -116,7 +117,8 @@ class LocalServers:
         self._channels: dict[str, _Channel | None] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self.handles: set[HandleObjects] = set()  # with descriptors; closed with us
-        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0}
+        # local_bytes: read or mapped from local objects; mapped_bytes: of them, mapped
+        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0}
 
     @property
     def engine(self) -> Any:
@@ -210,10 +212,11 @@ class HandleObjects:
         if last:
             self._close_fds()
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, mapped: int = 0) -> None:
         with _STATS_LOCK:  # counted from many threads (read_chunks, the sync client's)
             self.servers.stats["local_reads"] += 1
             self.servers.stats["local_bytes"] += n
+            self.servers.stats["mapped_bytes"] += mapped
 
     def tried(self, stripe: int) -> bool:
         """Whether a descriptor of ``stripe`` was asked for (None if it was refused)."""
@@ -399,9 +402,30 @@ class HandleObjects:
         zero_unread(c.dests, counts)
         return counts
 
+    def _map_chunk(self, c: LocalChunk) -> list[int] | None:
+        """:meth:`_read_chunk` with the whole blocks mapped from the object instead of
+        read (:func:`pfs.client.mapping.map_verified`; ``c.dests`` lie in a private
+        anonymous mapping of the caller's); an unchecked object is read."""
+        fd = self._fds.get(c.stripe)
+        checked = self._crcs.get(fd) if fd is not None else None
+        if fd is None or checked is None:
+            return self._read_chunk(c)
+        try:
+            counts, mapped = map_verified(checked[1], fd, checked[0], c.obj_off, c.dests)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            metrics.checksum_failure("local")
+            log.info("short-circuit mapping of stripe %d at %d failed (%s): over the network",
+                     c.stripe, c.obj_off, exc)
+            return None
+        self._count(sum(counts), mapped)
+        zero_unread(c.dests, counts)
+        return counts
+
     async def read_chunks(self, chunks: Sequence[LocalChunk], threads: int = BULK_THREADS,
-                          done: Any = None, limiter: trio.CapacityLimiter | None = None
-                          ) -> list[list[int] | None]:
+                          done: Any = None, limiter: trio.CapacityLimiter | None = None,
+                          mapped: bool = False) -> list[list[int] | None]:
         """Read many chunks (:func:`pfs.client.plan.local_chunks`) on ``threads`` worker
         threads, each taking the next chunk when it is done with one: no event-loop
         hop, no task per chunk, the GIL dropped in preadv and CRC32C, so reads and
@@ -409,8 +433,11 @@ class HandleObjects:
         were for each destination (holes zeroed), or None: read it the general way.
         ``done(chunk)`` is called (from a worker thread) with each chunk read.
         ``limiter``: shared with other such reads (of other files), so that all of
-        them together run at most its number of threads."""
+        them together run at most its number of threads. ``mapped``: the chunks'
+        destinations lie in private anonymous mappings of the caller's, and the whole
+        blocks of the objects are mapped there instead of read (:meth:`_map_chunk`)."""
         out: list[list[int] | None] = [None] * len(chunks)
+        one = self._map_chunk if mapped else self._read_chunk
         if not chunks:
             return out
         progress = _Progress()
@@ -424,7 +451,7 @@ class HandleObjects:
                         progress.cond.notify_all()
                 if i is None:
                     return
-                out[i] = got = self._read_chunk(chunks[i])
+                out[i] = got = one(chunks[i])
                 if got is not None and done is not None:
                     done(chunks[i])
 

@@ -24,7 +24,12 @@ How it reads:
    when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
    a fresh one that a thread faults in from its far end while the reads fill it from
    the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
-   reaches them instead of faulting in one by one inside it.
+   reaches them instead of faulting in one by one inside it;
+6. with ``zero_copy=True`` (opt-in, pfs, CPU) a shard with local objects gets one
+   anonymous mapping instead, over which the local objects' pages are mapped
+   copy-on-write and verified in place (:mod:`pfs.client.mapping`), the rest read into
+   it: no copy and no fresh pages, but the tensors alias the stored file (see
+   :func:`load_safetensors` for the rule when it changes).
 
 It returns ``{name: tensor}``: torch tensors when torch is installed (or
 ``framework="torch"``), else numpy arrays (``framework="numpy"``). numpy has no bf16 or
@@ -43,6 +48,7 @@ import fnmatch
 import json
 import logging
 import math
+import mmap
 import os
 import posixpath
 import struct
@@ -294,11 +300,19 @@ class _Reader:
         raise NotImplementedError
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None, landed: Landed | None = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None,
+                        mapped: frozenset[int] = frozenset()) -> list[int]:
         """Read every ``(handle, offset, buffer)`` at once; ``progress.add(n)`` as
         reads complete; ``landed(handle, off, n)`` (where the reader knows: the pfs
-        bulk reads) as the ``n`` file bytes at ``off`` are in their buffer."""
+        bulk reads) as the ``n`` file bytes at ``off`` are in their buffer. ``mapped``:
+        indexes of ops whose buffers lie in a :func:`_reserve` mapping, for a reader
+        that can map its bytes there (:meth:`map_unit`)."""
         raise NotImplementedError
+
+    def map_unit(self, handle: Any) -> int | None:
+        """The span (bytes) whose multiples a zero-copy load of ``handle`` maps, or
+        None: this file's bytes cannot be mapped, read them."""
+        return None
 
     async def close(self, handle: Any) -> None:
         raise NotImplementedError
@@ -340,7 +354,8 @@ class _LocalReader(_Reader):
         return await trio.to_thread.run_sync(_open_local, path)
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None, landed: Landed | None = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None,
+                        mapped: frozenset[int] = frozenset()) -> list[int]:
         from pfs.core.engine import Op
 
         batch: list[Op] = []
@@ -405,13 +420,15 @@ class _PfsReader(_Reader):
         return f, f.size
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
-                        progress: Any = None, landed: Landed | None = None) -> list[int]:
+                        progress: Any = None, landed: Landed | None = None,
+                        mapped: frozenset[int] = frozenset()) -> list[int]:
         """Each file's reads in one call (``File.pread_many``): its local objects are
-        read in bulk on threads, by object, each chunk verified as it is read."""
+        read in bulk on threads, by object, each chunk verified as it is read (or, for
+        the ``mapped`` ops, mapped and verified in place)."""
         out = [0] * len(ops)
-        by_file: dict[int, tuple[Any, list[int]]] = {}
+        by_file: dict[tuple[int, bool], tuple[Any, list[int]]] = {}
         for i, (f, _off, _view) in enumerate(ops):
-            by_file.setdefault(id(f), (f, []))[1].append(i)
+            by_file.setdefault((id(f), i in mapped), (f, []))[1].append(i)
         lock = threading.Lock()
         # one pool of reader threads for every shard: the files are read one after
         # another, front to back, rather than all at once by 4 threads each
@@ -424,17 +441,25 @@ class _PfsReader(_Reader):
             if landed is not None:
                 landed(f, off, n)
 
-        async def one(f: Any, idx: list[int]) -> None:
+        async def one(f: Any, idx: list[int], zero_copy: bool) -> None:
             tell = None if progress is None and landed is None else partial(done, f)
             got = await f.pread_many([(ops[i][1], ops[i][2]) for i in idx], done=tell,
-                                     limiter=threads)
+                                     limiter=threads, mapped=zero_copy)
             for i, n in zip(idx, got, strict=True):
                 out[i] = n
 
         async with trio.open_nursery() as n:
-            for f, idx in by_file.values():
-                n.start_soon(one, f, idx)
+            for (_id, zero_copy), (f, idx) in by_file.items():
+                n.start_soon(one, f, idx, zero_copy)
         return out
+
+    def map_unit(self, handle: Any) -> int | None:
+        """The stripe unit, when it is a multiple of the page size and the handle holds
+        a short-circuit descriptor of at least one stripe."""
+        unit = handle.layout.unit
+        if unit % mmap.PAGESIZE or not handle.local_stripes():
+            return None
+        return int(unit)
 
     async def close(self, handle: Any) -> None:
         await handle.close()
@@ -608,6 +633,10 @@ class _Numpy:
         a = self.np.frombuffer(lease.array, dtype=self.np.uint8, count=n)
         return a, lease.view, lease.fresh
 
+    def wrap(self, mm: mmap.mmap) -> Any:
+        """A uint8 array over a whole (writable) mapping; it keeps the mapping alive."""
+        return self.np.frombuffer(mm, dtype=self.np.uint8)
+
     def dtype(self, st: str) -> Any:
         size, npname, _ = DTYPES[st]
         if st != "BF16" and not st.startswith("F8"):
@@ -643,6 +672,10 @@ class _Torch:
         lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
         return (self.torch.frombuffer(lease.array, dtype=self.torch.uint8, count=n),
                 lease.view, lease.fresh)
+
+    def wrap(self, mm: mmap.mmap) -> Any:
+        """A uint8 tensor over a whole (writable) mapping; it keeps the mapping alive."""
+        return self.torch.frombuffer(mm, dtype=self.torch.uint8)
 
     def dtype(self, st: str) -> Any:
         attr = DTYPES[st][2]
@@ -738,28 +771,81 @@ async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
 
 async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
                            views: list[memoryview], progress: Any,
-                           landed: Landed | None = None) -> list[int]:
+                           landed: Landed | None = None,
+                           mapped: frozenset[int] = frozenset()) -> list[int]:
     """``reader.read_many(ops)`` while a thread faults the fresh buffers in from their
     far end (buffers.py): the reads, which start at the front, copy into pages already
     there instead of faulting each one in; the thread stops once the reads are done."""
     fresh = [(address(v), len(v)) for v in views if len(v)]
     if not fresh:
-        return await reader.read_many(ops, progress, landed)
+        return await reader.read_many(ops, progress, landed, mapped)
     stop = threading.Event()
     counts: list[int] = []
     async with trio.open_nursery() as n:
         n.start_soon(partial(trio.to_thread.run_sync, populate, fresh, POPULATE_THREADS, stop))
         try:
-            counts = await reader.read_many(ops, progress, landed)
+            counts = await reader.read_many(ops, progress, landed, mapped)
         finally:
             stop.set()
     return counts
 
 
+def _reserve(n: int) -> mmap.mmap:
+    """A private anonymous mapping for a zero-copy shard: the reader maps object pages
+    over it (MAP_FIXED), and reads what it cannot map into it. Unmapped, all of it,
+    when the last tensor over it is freed (it is no pool buffer: its pages are the
+    objects', or faulted in by the reads that needed them)."""
+    return mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _map_spans(regions: list[_Region], unit: int, size: int) -> list[tuple[int, int]]:
+    """The file spans ``[a, b)`` a zero-copy load of one shard's ``regions`` reads:
+    each region widened to multiples of ``unit`` (the object pages line up with the
+    mapping's pages only from a unit's start), capped at the file's size, overlapping
+    or touching ones merged."""
+    spans: list[tuple[int, int]] = []
+    for r in sorted(regions, key=lambda r: r.start):
+        a = r.start // unit * unit
+        b = min(size, -(-r.end // unit) * unit)
+        if spans and a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    return spans
+
+
+def _mapped_ops(reader: _Reader, fw: _Numpy | _Torch, regions: list[_Region]
+                ) -> tuple[list[tuple[Any, int, memoryview]], list[_Region]]:
+    """Zero-copy: for each shard the reader can map, one :func:`_reserve` mapping
+    over its regions' spans (file offset ``f`` at ``base + f - lo``), the regions'
+    buffers views of it; the ops that fill it, and the regions left to read."""
+    by_shard: dict[int, list[_Region]] = {}
+    for r in regions:
+        by_shard.setdefault(id(r.shard), []).append(r)
+    ops: list[tuple[Any, int, memoryview]] = []
+    rest: list[_Region] = []
+    for rs in by_shard.values():
+        sh = rs[0].shard
+        unit = reader.map_unit(sh.handle)
+        if unit is None:
+            rest += rs
+            continue
+        spans = _map_spans(rs, unit, sh.size)
+        lo = spans[0][0]
+        mm = _reserve(spans[-1][1] - lo)
+        whole = fw.wrap(mm)
+        view = memoryview(mm)
+        for a, b in spans:
+            ops.append((sh.handle, a, view[a - lo:b - lo]))
+        for r in rs:
+            r.buf = whole[r.start - lo:r.end - lo]
+    return ops, rest
+
+
 async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 names: Any, split: Mapping[str, SplitRule] | None, rank: int, size: int,
                 merge_gap: int, stats: LoadStats, gds_ok: bool = False,
-                on_tensor: OnTensor | None = None) -> dict[str, Any]:
+                on_tensor: OnTensor | None = None, zero_copy: bool = False) -> dict[str, Any]:
     paths, index = await _shard_paths(reader, source)
     gds = gds_ok and isinstance(reader, _LocalReader) and isinstance(fw, _Torch)
     regions_on_device = False
@@ -787,7 +873,14 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
             assert isinstance(fw, _Torch)
             await _read_gds(fw, device, regions, sliced)
             regions_on_device = True
-        for r in regions if not gds else []:
+        to_read = regions
+        mapped: frozenset[int] = frozenset()
+        if zero_copy and device == "cpu" and not gds:
+            names_of = {id(sh.handle): sh.name for sh in shards}
+            ops, to_read = _mapped_ops(reader, fw, regions)
+            owners += [(names_of[id(h)], len(v)) for h, _o, v in ops]
+            mapped = frozenset(range(len(ops)))
+        for r in to_read if not gds else []:
             r.buf, view, fresh = fw.alloc(r.end - r.start)
             if fresh:
                 views.append(view)
@@ -808,7 +901,8 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
         if on_tensor is not None and device == "cpu" and not gds:
             arrivals = _arrivals(fw, regions, on_tensor, early)
         counts = await _read_populating(reader, ops, views, stats.progress,
-                                        arrivals.landed if arrivals is not None else None)
+                                        arrivals.landed if arrivals is not None else None,
+                                        mapped)
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
@@ -876,7 +970,8 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
                             names: Sequence[str] | None = None, framework: str | None = None,
                             profile: str = "load", merge_gap: int | None = None,
                             stats: LoadStats | None = None,
-                            on_tensor: OnTensor | None = None) -> dict[str, Any]:
+                            on_tensor: OnTensor | None = None,
+                            zero_copy: bool = False) -> dict[str, Any]:
     """:func:`load_safetensors` inside a trio run; ``client`` is an async client."""
     rank, size = _check_tp(tp_rank, tp_size)
     settings = profile_settings(profile)
@@ -893,7 +988,7 @@ async def aload_safetensors(source: str, device: str = "cpu", client: Any = None
     t0 = time.perf_counter()
     try:
         out = await _load(reader, os.fspath(source), fw, device, wanted, split, rank, size,
-                          gap, st, gds_ok, on_tensor)
+                          gap, st, gds_ok, on_tensor, zero_copy)
     except BaseExceptionGroup as group:  # parallel reads: report the (first) error itself
         leaf: BaseException = group
         while isinstance(leaf, BaseExceptionGroup):
@@ -914,7 +1009,8 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
                      profile: str = "load", merge_gap: int | None = None,
                      config: Any = None, meta: str | None = None,
                      stats: LoadStats | None = None,
-                     on_tensor: OnTensor | None = None) -> dict[str, Any]:
+                     on_tensor: OnTensor | None = None,
+                     zero_copy: bool = False) -> dict[str, Any]:
     """Load a safetensors checkpoint into ``{name: tensor}``.
 
     ``source``: a local file, a local directory (with ``model.safetensors.index.json``, or
@@ -941,6 +1037,18 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     without faulting pages in again (:mod:`pfs.loader.pool`; unused ones are unmapped
     after 30 s, or at once by ``pfs.loader.pool.release()``).
 
+    ``zero_copy`` (opt-in; pfs sources, CPU): where a shard's stripes lie on data servers
+    of this host, its tensors are copy-on-write mappings of their object files (the
+    page cache itself: no copy, no fresh memory to fault in and zero), every checksum
+    block verified in place before this returns; stripes that are not local (and
+    blocks that do not verify, which are read from the other replicas or fail with
+    EIO) are read into the same mapping the usual way. Like safetensors' ``safe_open``
+    or ``torch.load(mmap=True)``, the tensors then alias the stored file: writing to a
+    tensor is private to the process, but a later write of the file through pfs shows
+    in the pages the process has not written (unverified), and a truncation of the
+    file below a tensor makes touching it raise SIGBUS. Use it for checkpoints that are
+    not changed while loaded (written once, then served); the default copies.
+
     Errors: :class:`CheckpointError` (a ValueError naming the file) for corrupt headers
     and truncated files, FileNotFoundError naming a missing shard."""
     src = os.fspath(source)
@@ -954,7 +1062,7 @@ def load_safetensors(source: str | os.PathLike[str], device: str = "cpu", client
     try:
         kwargs = dict(device=device, tp_rank=tp_rank, tp_size=tp_size, split=split,
                       names=names, framework=framework, profile=profile, merge_gap=merge_gap,
-                      stats=stats, on_tensor=on_tensor)
+                      stats=stats, on_tensor=on_tensor, zero_copy=zero_copy)
         aio = getattr(client, "aio", None) if client is not None else None
         if client is not None and aio is None:
             raise TypeError("client must be a pfs.connect() client; inside trio use "

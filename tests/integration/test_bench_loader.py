@@ -25,7 +25,7 @@ def _positive(x: object) -> bool:
 def test_loader_quick(cluster_dir: Path, tmp_path: Path,
                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "loader.json"
-    paths = ("st_clone", "pfs_local", "pfs_sc_on", "pfs_sc_off")
+    paths = ("st_clone", "pfs_local", "pfs_sc_on", "pfs_sc_map", "pfs_sc_off")
     rc = bench_main(["loader", "--quick", "--dir", str(cluster_dir), "--size", "8M",
                      "--hidden", "256", "--vocab", "1024", "--shards", "3", "--no-cold",
                      "--paths", ",".join(paths), "--stability", "2",
@@ -50,6 +50,9 @@ def test_loader_quick(cluster_dir: Path, tmp_path: Path,
         assert m["GBps_per_core"] >= 0
     assert med["pfs_sc_on_warm"]["short_circuit_bytes"] > 0
     assert med["pfs_sc_off_warm"]["short_circuit_bytes"] == 0
+    assert med["pfs_sc_on_warm"]["mapped_bytes"] == 0  # the default copies
+    assert 0 < med["pfs_sc_map_warm"]["mapped_bytes"] <= med["pfs_sc_map_warm"]["short_circuit_bytes"]
+    assert "pfs_sc_map warm: 100% of the bytes read short-circuit (" in text, text
     assert med["pfs_sc_on_warm"]["cpu_servers_s"] >= 0
     assert not any(k.endswith("_cold") or k.startswith("fuse") for k in med)
     assert _positive(res["ratios"]["pfs_sc_on/st_clone warm"])
@@ -58,7 +61,7 @@ def test_loader_quick(cluster_dir: Path, tmp_path: Path,
     # the second load reads into the buffers the first handed back
     assert st["reused"] == [0.0, 1.0], st
     assert "; faults " in text and "buffers reused 0%, 100%" in text
-    assert {a["aim"].split(" ")[0] for a in res["aims"]} >= {"pfs_sc_on", "pfs_sc_off"}
+    assert {a["aim"].split(" ")[0] for a in res["aims"]} >= {"pfs_sc_on", "pfs_sc_map", "pfs_sc_off"}
 
 
 def _runner(path: str, src: Path, files: list[str], verify: Path | None = None,
