@@ -296,6 +296,7 @@ class DataService(RpcService):
             reply = None if copy else self._read_sendfile(obj, fd, cfd, off, length)
             if reply is not None:  # the lock stays held until the file was sent
                 reply.release = done
+                reply.stable = True  # ... so no write or truncate reaches its range
                 return reply
             return await self._read_buffered(obj, fd, cfd, off, length, done)
         except BaseException:

@@ -5,6 +5,7 @@ another negotiation; the suites' negotiation rules."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -210,7 +211,9 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
     from pfs.core.wire.transport import FILE_CHUNK, Connection
 
     sizes = [0, 10, 70_000, seal.CHUNK + 12345, 3 * seal.CHUNK, 2 * FILE_CHUNK + 7]
-    data = os.urandom(max(sizes))
+    HOWS = ("one", "list", "file", "stable", "stable_at", "skip", "scatter")
+    AT = 4096 * 3 + 17
+    data = os.urandom(max(sizes) + AT)
     path = tmp_path / "obj"
     path.write_bytes(data)
 
@@ -226,18 +229,24 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
             rid = 0
             for n in sizes:
                 view = memoryview(data)[:n]
-                for how in ("one", "list", "file", "skip", "scatter"):
+                for how in HOWS:
                     rid += 1
                     if how == "list":
                         await tx.send_frame(Kind.REPLY, rid, {"n": n}, [view[:n // 3], view[n // 3:]])
                     elif how == "file":
                         await tx.send_frame_from_file(Kind.REPLY, rid, {"n": n}, fd, 0, n)
+                    elif how == "stable":  # MAC'd: through a mapping of the file
+                        await tx.send_frame_from_file(Kind.REPLY, rid, {"n": n}, fd, 0, n,
+                                                      stable=True)
+                    elif how == "stable_at":  # from an offset a mapping cannot start at
+                        await tx.send_frame_from_file(Kind.REPLY, rid, {"n": n}, fd, AT, n,
+                                                      stable=True)
                     else:
                         await tx.send_frame(Kind.REPLY, rid, {"n": n}, view)
 
         async def recv() -> None:
             for n in sizes:
-                for how in ("one", "list", "file", "skip", "scatter"):
+                for how in HOWS:
                     head = await rx.recv_head()
                     assert head is not None and head.payload_len == n
                     if how == "skip":
@@ -251,7 +260,8 @@ def test_transport_round_trips_sealed_frames(suite: str, tmp_path: Path) -> None
                         await rx.recv_payload_into_vec([mv[:i], mv[i:j], mv[j:]], n)
                     else:
                         await rx.recv_payload_into(memoryview(buf)[:n])
-                    assert bytes(buf[:n]) == data[:n], (n, how)
+                    at = AT if how == "stable_at" else 0
+                    assert bytes(buf[:n]) == data[at:at + n], (n, how)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -410,3 +420,25 @@ def test_payload_pieces_are_handed_out_as_they_land(suite: str) -> None:
                 rx.close()
 
     trio.run(main)
+
+
+def test_map_range_only_maps_what_the_file_holds(tmp_path: Path) -> None:
+    """A stable range is mapped (from the page a mapping may start at) only where the
+    file covers all of it: a page past its end would raise SIGBUS, not an error."""
+    from pfs.core.wire.transport import _map_range
+
+    data = os.urandom(3 * 65536 + 100)
+    path = tmp_path / "obj"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for off, n in ((0, len(data)), (4096 * 5 + 3, 70_000), (len(data) - 1, 1)):
+            m = _map_range(fd, off, n)
+            assert m is not None
+            skip = off % mmap.ALLOCATIONGRANULARITY
+            assert m[skip:skip + n] == data[off:off + n]
+            m.close()
+        assert _map_range(fd, 0, len(data) + 1) is None
+        assert _map_range(fd, len(data) - 10, 11) is None
+    finally:
+        os.close(fd)

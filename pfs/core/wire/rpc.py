@@ -467,6 +467,9 @@ class Reply:
     # (fd, offset, count): payload sent from a file with sendfile; closed by ``release``
     file: tuple[int, int, int] | None = None
     release: Callable[[], None] | None = None
+    # ``file``'s range is neither written nor shortened until ``release`` (the blocks'
+    # lock is held): a MAC'd reply may be read through a mapping, not copied first
+    stable: bool = False
     # descriptors passed to the peer with the reply (local Unix connections only)
     fds: list[int] | None = None
 
@@ -950,7 +953,8 @@ class RpcService:
                 await conn.send_frame_with_fds(Kind.REPLY, rid, fields, reply.fds)
             elif reply.file is not None:
                 fd, off, count = reply.file
-                await conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count)
+                await conn.send_frame_from_file(Kind.REPLY, rid, fields, fd, off, count,
+                                                reply.stable)
             else:
                 await conn.send_frame(Kind.REPLY, rid, fields, reply.payload)
         finally:

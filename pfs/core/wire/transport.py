@@ -13,9 +13,11 @@ it returns. A payload from a file is read into user space in chunks to be sealed
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import logging
 import math
+import mmap
 import os
 import select
 import socket
@@ -66,6 +68,9 @@ IOV_MAX = 1024
 FILE_CHUNK = 1 << 20
 FILE_BUFS_KEPT = 8
 _file_bufs: list[bytearray] = []
+# madvise: fault a mapping in now, reporting I/O errors (EFAULT) rather than raising
+# SIGBUS later (Linux 5.14; Python 3.11's mmap module does not name it)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
 Payload = bytes | bytearray | memoryview | list[memoryview]
 # Handed each piece of a payload as it lands (in order), while the piece is in cache.
@@ -364,11 +369,14 @@ class Connection:
         await self._sendall(enc.tag())
 
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
-                                   fd: int, offset: int, count: int) -> None:
+                                   fd: int, offset: int, count: int,
+                                   stable: bool = False) -> None:
         """Send ``count`` bytes of ``fd`` at ``offset`` as the payload, with sendfile.
 
         If the file turns out shorter than ``count`` (truncated meanwhile) the rest is
-        sent as zeros so the framing stays intact.
+        sent as zeros so the framing stays intact. ``stable``: the caller guarantees the
+        range is neither written nor shortened until this returns (a data server's
+        blocks' lock), so a MAC'd payload may be read through a mapping of the file.
         """
         head = encode_head(kind, rid, fields, count, self.limits,
                            self.decoder.version, self._pk)
@@ -376,7 +384,7 @@ class Connection:
         start, seq0 = self._out, self._seq()
         try:
             if self.sealer is not None:
-                await self._send_file_sealed(self.sealer, head, fd, offset, count)
+                await self._send_file_sealed(self.sealer, head, fd, offset, count, stable)
             else:
                 await self._sendfile(head, fd, offset, count)
         except BaseException:
@@ -399,7 +407,7 @@ class Connection:
             self.sealer.seq = seq0
 
     async def _send_file_sealed(self, sealer: Sealer, head: bytes, fd: int, offset: int,
-                                count: int) -> None:
+                                count: int, stable: bool = False) -> None:
         """The payload read from the file a piece at a time into a buffer (the scratch
         buffer, or a shared FILE_CHUNK one), sealed there and sent from there: the bytes
         tagged are the bytes sent (with ``sendfile`` they could change in the page cache
@@ -411,6 +419,10 @@ class Connection:
             if k < count:  # the file shrank meanwhile: zeros keep the framing whole
                 piece[k:] = bytes(count - k)
             await self._send_sealed(sealer, head, [piece], count)
+            return
+        mapped = _map_range(fd, offset, count) if stable and not sealer.encrypt else None
+        if mapped is not None:
+            await self._send_mapped(sealer, head, mapped, offset, count)
             return
         await self._sendall(sealer.head(head, HEADER_SIZE))
         enc = sealer.encrypt_stream() if sealer.encrypt else None
@@ -435,6 +447,30 @@ class Connection:
             if len(_file_bufs) < FILE_BUFS_KEPT:
                 _file_bufs.append(pooled)
         await self._sendall(enc.tag() if enc is not None else mac.tag())  # type: ignore[union-attr]
+
+    async def _send_mapped(self, sealer: Sealer, head: bytes, mapped: mmap.mmap,
+                           offset: int, count: int) -> None:
+        """A MAC'd payload tagged and sent straight from a mapping of a stable file range
+        (no copy into a buffer first: the page cache read was a third of a data
+        server's CPU per GiB). The bytes tagged are the bytes sent: nothing may write
+        them meanwhile (``stable``)."""
+        view = memoryview(mapped)
+        skip = offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            await self._sendall(sealer.head(head, HEADER_SIZE))
+            mac = sealer.mac_stream()
+            for i in range(skip, skip + count, FILE_CHUNK):
+                piece = view[i:min(i + FILE_CHUNK, skip + count)]
+                try:
+                    mac.update(piece)
+                    await self._sendall(piece)
+                finally:
+                    piece.release()
+            await self._sendall(mac.tag())
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # else unmapped once the last view goes
+                mapped.close()
 
     async def _sendfile(self, head: bytes, fd: int, offset: int, count: int) -> None:
         await self._sendall(head)
@@ -854,6 +890,28 @@ class Connection:
         self.sock.close()
 
 
+def _map_range(fd: int, offset: int, count: int) -> mmap.mmap | None:
+    """``count`` bytes of ``fd`` at ``offset`` mapped and faulted in (from the page
+    before ``offset`` that a mapping may start at), or None where that cannot be done
+    safely: the file ends before the range (a page past the end would raise SIGBUS),
+    or faulting it in failed (an I/O error, a kernel without MADV_POPULATE_READ): the
+    caller reads it instead, which reports what is wrong as an error."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        if os.fstat(fd).st_size < offset + count:
+            return None
+        mapped = mmap.mmap(fd, offset + count - start, mmap.MAP_SHARED, mmap.PROT_READ,
+                           offset=start)
+    except (OSError, ValueError):
+        return None
+    try:
+        mapped.madvise(MADV_POPULATE_READ)
+    except OSError:
+        mapped.close()
+        return None
+    return mapped
+
+
 def _peer_name(sock: trio.socket.SocketType) -> str:
     try:
         peer = sock.getpeername()
@@ -967,7 +1025,8 @@ class TlsConnection(Connection):
     and encrypted (no ``sendfile``)."""
 
     async def send_frame_from_file(self, kind: Kind, rid: int, fields: dict[str, Any],
-                                   fd: int, offset: int, count: int) -> None:
+                                   fd: int, offset: int, count: int,
+                                   stable: bool = False) -> None:
         head = encode_head(kind, rid, fields, count, self.limits,
                            self.decoder.version, self._pk)
         async with self._send_lock:
