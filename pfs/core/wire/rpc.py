@@ -802,7 +802,7 @@ class RpcService:
                     limit = self.max_in_flight
                     frame_timeout = self.frame_timeout
                     dec = conn.decoder
-                    answered = False  # a reply was just sent by this task
+                    answered = False  # a reply was just sent, or a request handed off
                     while True:
                         # after a reply, with nothing buffered: the next request is
                         # read as a client reads its reply (``just_sent``: a peer that
@@ -848,6 +848,10 @@ class RpcService:
                             await self._handle(ctx, rid, req, held)
                         else:
                             workers.submit((ctx, rid, req, held))
+                            # a client that waits for this reply sends nothing more
+                            # meanwhile: read on as after a reply (a receive that would
+                            # fail with EAGAIN skipped once that is the rule)
+                            answered = True
                 except (ProtocolError, OSError) as exc:
                     # caught here, not outside: the nursery would wrap it in a group
                     handlers.cancel_scope.cancel()
