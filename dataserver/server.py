@@ -200,8 +200,9 @@ class DataService(RpcService):
     async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
-        if not self.meta_up:  # (registered: its restore windows are known)
-            await self.replicator.check_restore(req.chain, req.ver)
+        # (a dict lookup: checked even when registered, which may be stale for up to a
+        # heartbeat after a metaserver restart)
+        await self.replicator.check_restore(req.chain, req.ver)
         self.replicator.check_read(obj, req.chain, req.ver)
         self.store.check_readable(obj)
         if self.store.cuts.enforced:
@@ -455,8 +456,7 @@ class DataService(RpcService):
             self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if obj in self.store.tombs:  # it would be new bytes among zeros: truncate to 0 first
             raise deleted_error(obj)
-        if not self.meta_up:
-            await self.replicator.check_restore(req.chain, req.ver)
+        await self.replicator.check_restore(req.chain, req.ver)
         if self.store.cuts.enforced:
             self._check_cut(obj, off, 0, writes=True)
         if not data:
@@ -883,10 +883,7 @@ class DataService(RpcService):
                             started = True
                             task_status.started()
                         while True:
-                            with trio.move_on_after(heartbeat):
-                                await self.report_now.wait()
-                                # many writes finding the disk full: one report for all
-                                await trio.sleep(min(heartbeat, MIN_REPORT_GAP))
+                            await self._between_beats(client, heartbeat)
                             self.report_now = trio.Event()
                             total, free, vols = self.space()
                             assert self.sid is not None
@@ -908,6 +905,25 @@ class DataService(RpcService):
                 task_status.started()
             await trio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, cap_backoff)
+
+    async def _between_beats(self, client: RpcClient, heartbeat: float) -> None:
+        """Until the next heartbeat is due (or a report is asked for). The metaserver
+        closing the connection meanwhile (stopped, restarted, its metadata perhaps
+        restored) raises at once, not at the next heartbeat: until this server registers
+        again, ``meta_up`` says a restore's windows may be unknown here (cuts.py), which
+        short-circuit descriptors (no chain version to check) depend on."""
+
+        async def gone() -> None:
+            await client.conn.wait_peer_gone()
+            raise OSError(errno.ECONNRESET, "the metaserver closed the connection")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gone)
+            with trio.move_on_after(heartbeat):
+                await self.report_now.wait()
+                # many writes finding the disk full: one report for all
+                await trio.sleep(min(heartbeat, MIN_REPORT_GAP))
+            nursery.cancel_scope.cancel()
 
     async def _register(self, client: RpcClient, host: str, port: int) -> None:
         if host in ("", "0.0.0.0", "::"):  # advertise the address the metaserver sees us on

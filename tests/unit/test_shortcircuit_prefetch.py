@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 class _Servers:
     def __init__(self) -> None:
-        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0}
+        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0}
         self.handles: set[Any] = set()
 
 

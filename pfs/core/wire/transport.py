@@ -864,6 +864,18 @@ class Connection:
                 os.close(fd)
             raise
 
+    async def wait_peer_gone(self) -> None:
+        """Return once the peer closes (or resets) this idle connection; for a client
+        between calls, with nobody else waiting on the socket. Never returns on TLS (it
+        cannot tell) or when bytes nobody asked for arrive (the next call reads them)."""
+        raw = self._raw
+        if raw is None:
+            await trio.sleep_forever()
+        assert raw is not None
+        await trio.lowlevel.wait_readable(raw)
+        if not self.peer_gone():
+            await trio.sleep_forever()
+
     def peer_gone(self) -> bool:
         """Whether the peer closed (or reset) this idle connection: one non-blocking
         peek, for a client with nobody reading the socket between calls. False when it
