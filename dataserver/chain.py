@@ -254,15 +254,14 @@ class Replicator:
             raise stale(f"this server is not in chain {cid}")
         self._saw(cid, int(ver))
 
-    async def check_restore(self, cid: int | None, ver: int | None) -> None:
-        """A request naming a chain version a restore's jump ahead of what this server
-        saw while it is not registered (the caller checks): the metadata was restored
-        and the metaserver started again, and this server has not registered with it
-        yet. Its restore windows first (learn), or a range cut after the backup would be
-        served as a hole meanwhile. A registered server knows them: the data path never
-        waits on the metaserver then."""
-        if cid and ver is not None and ver >= self.view.get(cid, 0) + RESTORE_JUMP:
-            await self.learn(cid)
+    def restore_jumped(self, cid: int | None, ver: int | None) -> bool:
+        """Whether a request names a chain version a restore's jump ahead of what this
+        server saw: the metadata was restored and the metaserver started again, maybe
+        before this server noticed (it learns at most a heartbeat later otherwise). The
+        caller learns the chain (and the restore windows with it) before answering, or a
+        range cut after the backup would be served as a hole meanwhile. Once per chain
+        after a restore; otherwise a dict lookup on the data path."""
+        return bool(cid) and ver is not None and ver >= self.view.get(cid or 0, 0) + RESTORE_JUMP
 
     async def drop(self, cid: int, ver: int, sid: str, why: OSError) -> tuple[int, list[str]]:
         """Have the metaserver take ``sid`` out of chain ``cid``; the new version and the

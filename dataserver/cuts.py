@@ -10,7 +10,7 @@ hole past the cut), so a record is *enforced* only where the namespace may not k
 the cut: when it was made within a *restore window* ``[backup start - margin, restore
 time)`` (metaserver/backup.py records one at each restore; a data server learns them
 at registration, or sooner from ``get_chain`` when a request names a restored chain
-version: chain.py ``check_restore``). There the object's *deleted range* is ``[size now, end)``, ``end``
+version: chain.py ``restore_jumped``). There the object's *deleted range* is ``[size now, end)``, ``end``
 the largest size it had before a cut in the window, and
 
 - a read reaching into it is ``EIO`` (:func:`cut_error`), never zeros; a short-circuit

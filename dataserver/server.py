@@ -200,9 +200,8 @@ class DataService(RpcService):
     async def rpc_read(self, ctx: ConnContext, req: D.Read) -> Reply:
         obj, off, length = req.obj, req.off, req.len
         self._cap(ctx, req, caps.READ, obj)
-        # (a dict lookup: checked even when registered, which may be stale for up to a
-        # heartbeat after a metaserver restart)
-        await self.replicator.check_restore(req.chain, req.ver)
+        if self.replicator.restore_jumped(req.chain, req.ver):
+            await self.replicator.learn(req.chain or 0)
         self.replicator.check_read(obj, req.chain, req.ver)
         self.store.check_readable(obj)
         if self.store.cuts.enforced:
@@ -405,7 +404,7 @@ class DataService(RpcService):
             self._check_cut(obj, 0, MAX_ID)
         if not self.meta_up and self.store.cuts.has(obj):
             # a restore's window may be unknown yet: over TCP, a read names its chain
-            # version, and a restored one makes this server ask (check_restore)
+            # version, and a restored one makes this server ask (restore_jumped)
             raise OSError(errno.EAGAIN, f"object {list(obj)}: read it over TCP until this "
                                         "server has registered with the metaserver again")
         got = self.store.acquire_checked(obj)
@@ -456,7 +455,8 @@ class DataService(RpcService):
             self._cap(ctx, req, caps.WRITE, obj, writes=True, end=off + len(data or b""))
         if obj in self.store.tombs:  # it would be new bytes among zeros: truncate to 0 first
             raise deleted_error(obj)
-        await self.replicator.check_restore(req.chain, req.ver)
+        if self.replicator.restore_jumped(req.chain, req.ver):
+            await self.replicator.learn(req.chain or 0)
         if self.store.cuts.enforced:
             self._check_cut(obj, off, 0, writes=True)
         if not data:
@@ -645,14 +645,14 @@ class DataService(RpcService):
         now = self.store.size(obj)
         gone = cuts.deleted_range(obj, now)
         if gone is not None and size > now:  # not extended with zeros over deleted data
-            await self._put_cuts(obj, [(cuts.window_at(obj), min(gone[1], size))], True)
+            await put_cuts(self.store, obj, [(cuts.window_at(obj), min(gone[1], size))], True)
             return
         marks: Marks = [(at, now)] if size < now else []
         if not marks and gone is None:
             self.store.truncate(obj, size)
             return
         try:
-            await self._put_cuts(obj, marks, gone is not None)
+            await put_cuts(self.store, obj, marks, gone is not None)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -660,16 +660,13 @@ class DataService(RpcService):
             # into the space it freed (as tombstones do)
             self.store.truncate(obj, size)
             try:
-                await self._put_cuts(obj, marks, gone is not None)
+                await put_cuts(self.store, obj, marks, gone is not None)
             except OSError as again:
                 log.error("object %s cut to %d without its truncation record (%s): "
                           "after a metadata restore the cut range reads as a hole",
                           list(obj), size, again)
             return
         self.store.truncate(obj, size)
-
-    async def _put_cuts(self, obj: tuple[int, int], marks: Marks, clear: bool) -> None:
-        await put_cuts(self.store, obj, marks, clear)
 
     async def rpc_delete(self, ctx: ConnContext, req: D.Delete) -> D.DeletedReply:
         objs = req.objs  # all valid (the message checked them) before any is deleted
