@@ -258,6 +258,7 @@ class KvStore:
         self._pressure_until = 0.0
         # the index in shared memory for short-circuit gets (kvindex.py); None: off
         self.published: PublishedIndex | None = None
+        self._probed: Entry | None = None  # found cached by ``answers_at_once`` just now
 
     def publish(self) -> PublishedIndex:
         """Publish the index in shared memory from now on (the server's local socket
@@ -707,6 +708,7 @@ class KvStore:
         """The value of ``(ns, key)``, checked against its CRC32C; None for a miss
         (absent, or its record failed its checksum: dropped). ERANGE when the value is
         longer than ``maxlen``. The caller releases the value once sent."""
+        probed, self._probed = self._probed, None
         k = (ns, key)
         e = self.index.get(k)
         if e is None:
@@ -717,7 +719,8 @@ class KvStore:
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
         why = "failed its checksum"
-        if INLINE_MAX <= e.vlen <= NOWAIT_MAX and resident(slab.fd, e.off + e.hlen, e.vlen):
+        if INLINE_MAX <= e.vlen <= NOWAIT_MAX and (
+                probed is e or resident(slab.fd, e.off + e.hlen, e.vlen)):
             # in the page cache: checked and sent from the slab's mapping, no copy (a
             # smaller value is read as cheaply as it is mapped)
             view = slab.mapped.value(slab.fd, e.off + e.hlen, e.vlen)
@@ -773,8 +776,12 @@ class KvStore:
         if not isinstance(ns, str) or not isinstance(key, bytes):
             return False
         e = self.index.get((ns, key))
-        return e is None or e.vlen < INLINE_MAX or (
-            e.vlen <= NOWAIT_MAX and resident(e.slab.fd, e.off + e.hlen, e.vlen))
+        if e is None or e.vlen < INLINE_MAX:
+            return True
+        if e.vlen <= NOWAIT_MAX and resident(e.slab.fd, e.off + e.hlen, e.vlen):
+            self._probed = e  # the get that follows at once need not probe again
+            return True
+        return False
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         return [(ns, k) in self.index for k in keys]
