@@ -3,10 +3,11 @@
 
 Records are appended to the current slab (the format is :mod:`pfs.dataserver.kvslab`);
 an in-memory index maps ``(namespace, key)`` to the newest record of the key, and is
-rebuilt by scanning the slabs when the server starts. A get reads the value into a
-reused buffer (``BufferPool``: no allocation or page faults per get; the reply is sent
-from it, then it goes back) and checks its CRC32C before it goes out (a mismatch is
-dropped, counted and answered as a miss); a put checks the CRC the client sent before
+rebuilt by scanning the slabs when the server starts. A get of a value in the page
+cache (64 KiB and up) checks and sends it from the slab's mapping (kvmap.py); any other
+is read into a reused buffer (``BufferPool``: no allocation or page faults per get; the
+reply is sent from it, then it goes back). Either way its CRC32C is checked before it
+goes out (a mismatch is dropped, counted and answered as a miss); a put checks the CRC the client sent before
 anything is stored (EIO), then writes head and value with one ``pwritev``.
 
 Space: ``budget`` bytes of slab files at most (the sum of their sizes, dead records
@@ -53,6 +54,7 @@ import trio
 from pfs.core import crcfast
 from pfs.dataserver import kvslab as fmt
 from pfs.dataserver.kvindex import PublishedIndex
+from pfs.dataserver.kvmap import SlabMap, resident
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ def _crc(view: memoryview) -> int:
 def _close(slab: Slab) -> None:
     """Close a dead slab's descriptor, once: closing a number twice would close
     whatever file took the number since."""
+    slab.mapped.drop()
     if slab.fd >= 0:
         fd, slab.fd = slab.fd, -1
         os.close(fd)
@@ -172,20 +175,23 @@ class BufferPool:
 
 class Value:
     """A value read by :meth:`KvStore.get`: its bytes, their CRC32C, and ``release``,
-    to call once the bytes are no longer needed (sent): the buffer is reused."""
+    to call once the bytes are no longer needed (sent): the buffer is reused. A value
+    served from the slab's mapping (``buf`` None) has no buffer to give back."""
 
     __slots__ = ("view", "crc", "_buf", "_pool")
 
-    def __init__(self, view: memoryview, crc: int, buf: bytearray, pool: BufferPool) -> None:
+    def __init__(self, view: memoryview, crc: int, buf: bytearray | None = None,
+                 pool: BufferPool | None = None) -> None:
         self.view, self.crc, self._buf, self._pool = view, crc, buf, pool
 
     def release(self) -> None:
-        self._pool.give(self._buf)
+        if self._buf is not None and self._pool is not None:
+            self._pool.give(self._buf)
 
 
 class Slab:
     __slots__ = ("sid", "path", "dir", "fd", "size", "keys", "refs", "writers", "idle",
-                 "sealed", "dead", "dirty")
+                 "sealed", "dead", "dirty", "mapped")
 
     def __init__(self, sid: int, path: str, d: str, fd: int) -> None:
         self.sid, self.path, self.dir, self.fd = sid, path, d, fd
@@ -197,6 +203,7 @@ class Slab:
         self.sealed = False
         self.dead = False  # unlinked; ``fd`` closes with the last ref
         self.dirty = False  # written since its last flush
+        self.mapped = SlabMap()  # gets of cached values read it (kvmap.py)
 
 
 class Entry:
@@ -251,6 +258,7 @@ class KvStore:
         self._pressure_until = 0.0
         # the index in shared memory for short-circuit gets (kvindex.py); None: off
         self.published: PublishedIndex | None = None
+        self._probed: Entry | None = None  # found cached by ``answers_at_once`` just now
 
     def publish(self) -> PublishedIndex:
         """Publish the index in shared memory from now on (the server's local socket
@@ -700,6 +708,7 @@ class KvStore:
         """The value of ``(ns, key)``, checked against its CRC32C; None for a miss
         (absent, or its record failed its checksum: dropped). ERANGE when the value is
         longer than ``maxlen``. The caller releases the value once sent."""
+        probed, self._probed = self._probed, None
         k = (ns, key)
         e = self.index.get(k)
         if e is None:
@@ -709,10 +718,22 @@ class KvStore:
             raise OSError(errno.ERANGE, f"kv_get {ns}/{key.hex()}: the value is {e.vlen} "
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
+        why = "failed its checksum"
+        if INLINE_MAX <= e.vlen <= NOWAIT_MAX and (
+                probed is e or resident(slab.fd, e.off + e.hlen, e.vlen)):
+            # in the page cache: checked and sent from the slab's mapping, no copy (a
+            # smaller value is read as cheaply as it is mapped)
+            view = slab.mapped.value(slab.fd, e.off + e.hlen, e.vlen)
+            if view is not None:
+                if _crc(view) == e.crc:
+                    await trio.lowlevel.checkpoint()
+                    return self._hit(e, Value(view, e.crc))
+                view.release()
+                self._corrupt(k, e, why)
+                return None
         buf = self.buffers.take(e.vlen)
         view = memoryview(buf)[:e.vlen]
         slab.refs += 1
-        why = "failed its checksum"
         try:
             if e.vlen <= NOWAIT_MAX and _pread_cached(slab.fd, e.off + e.hlen, view):
                 ok = _crc(view) == e.crc  # all in the page cache: no thread hop
@@ -729,25 +750,38 @@ class KvStore:
             self._unref(slab)
         if not ok:
             self.buffers.give(buf)
-            self.counters.corrupt += 1
-            self.counters.misses += 1
-            log.error("kv block %s/%s in slab %s at %d %s; dropped", ns, key.hex(),
-                      slab.path, e.off, why)
-            if self.index.get(k) is e:
-                self._drop(k, e)
+            self._corrupt(k, e, why)
             return None
+        return self._hit(e, Value(view, e.crc, buf, self.buffers))
+
+    def _hit(self, e: Entry, value: Value) -> Value:
         e.ref = True
         self.counters.hits += 1
         self.counters.bytes_out += e.vlen
-        return Value(view, e.crc, buf, self.buffers)
+        return value
+
+    def _corrupt(self, k: Key, e: Entry, why: str) -> None:
+        """A record that failed its checksum or its read: dropped, a miss."""
+        self.counters.corrupt += 1
+        self.counters.misses += 1
+        log.error("kv block %s/%s in slab %s at %d %s; dropped", k[0], k[1].hex(),
+                  e.slab.path, e.off, why)
+        if self.index.get(k) is e:
+            self._drop(k, e)
 
     def answers_at_once(self, ns: object, key: object) -> bool:
-        """Whether a get of ``(ns, key)`` (as they came off the wire, unchecked) is a
-        miss or a value small enough to read in the event loop: it never waits."""
+        """Whether a get of ``(ns, key)`` (as they came off the wire, unchecked) never
+        waits: a miss, a value small enough to read in the event loop, or one in the
+        page cache (sent from the slab's mapping)."""
         if not isinstance(ns, str) or not isinstance(key, bytes):
             return False
         e = self.index.get((ns, key))
-        return e is None or e.vlen < INLINE_MAX
+        if e is None or e.vlen < INLINE_MAX:
+            return True
+        if e.vlen <= NOWAIT_MAX and resident(e.slab.fd, e.off + e.hlen, e.vlen):
+            self._probed = e  # the get that follows at once need not probe again
+            return True
+        return False
 
     def exists(self, ns: str, keys: list[bytes]) -> list[bool]:
         return [(ns, k) in self.index for k in keys]

@@ -134,7 +134,8 @@ class DataService(RpcService):
         # connection's reader: it runs in a task of its own, sendfile or not)
         if req.method == "read":
             return self.use_sendfile and not self.store.checksums
-        # KV probes, misses and small blocks never wait either (read in the loop)
+        # KV probes, misses, small blocks and cached ones never wait either (read, or
+        # sent from the slab's mapping, in the loop): answered without a worker hop
         if req.method == "kv_get":
             return self.kv.answers_at_once(req.fields.get("ns"), req.fields.get("key"))
         return req.method == "kv_exists"

@@ -105,6 +105,17 @@ class DirectData:
         finally:
             self._give(sid, rpc)  # a failed connection is closed and leaves the pool
 
+    def batch(self, sid: str, calls: list[tuple[RequestMessage, memoryview]]
+              ) -> tuple[list[tuple[dict[str, Any], int] | OSError], bool]:
+        """Requests without payload pipelined on one connection to server ``sid``
+        (``BlockingRpcClient.send_batch``), and whether the connection authenticates
+        what it carries."""
+        rpc = self._take(sid)
+        try:
+            return rpc.send_batch(calls), rpc.conn.authenticated
+        finally:
+            self._give(sid, rpc)
+
     def close(self) -> None:
         with self._cond:
             self.closed = True

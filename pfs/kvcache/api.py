@@ -725,19 +725,12 @@ class KVCache:
         if device.is_device_buffer(out):
             return self._run(self.aio.get_into, key, out)
         k = check_key(key)
-        view = host_view(out, "output")
-        if view.readonly:
-            raise OSError(errno.EINVAL, "KV get into a read-only buffer")
+        view = self._out_view(out)
         if self.node is None:
             return self._get_remote(k, view)
-        n = self.node.get_into(self.ns, k, view)
+        n = self._node_get(k, view)
         if n is None:
             return self._get_remote(k, view)
-        counts = self.aio.counts
-        counts["gets"] += 1
-        counts["node_hits"] += 1
-        counts["get_bytes"] += n
-        metrics.kv_op("get", "node", "hit", n)
         return n
 
     def _get_remote(self, k: bytes, view: memoryview) -> int | None:
@@ -777,8 +770,7 @@ class KVCache:
                 if self.node is not None:
                     self.node.put(self.ns, k, view[:n])  # read-through
                 return n
-        counts["misses"] += 1
-        metrics.kv_op("get", "remote", "miss")
+        self._count_miss()
         return None
 
     def _get_local(self, sid: str, k: bytes, view: memoryview) -> int:
@@ -816,7 +808,118 @@ class KVCache:
         self._run(partial(self.aio.put_batch, keys, bufs, sync=sync, pin=pin))
 
     def get_batch(self, keys: Sequence[Any], outs: Sequence[Any]) -> list[bool]:
-        return self._run(self.aio.get_batch, keys, outs)
+        """As AsyncKVCache.get_batch. Into host buffers it runs in this thread: node-tier
+        hits and short-circuit gets, then the rest pipelined to their first homes (one
+        round trip per home for up to ``direct.PIPELINE`` gets); a key that leaves
+        (a home that did not answer, a miss where another replica may hold the block)
+        takes the single get's path."""
+        aio = self.aio
+        if len(keys) != len(outs):
+            raise OSError(errno.EINVAL, f"get_batch: {len(keys)} keys, {len(outs)} buffers")
+        aio._open()
+        if aio.direct is None or any(device.is_device_buffer(o) for o in outs):
+            return self._run(aio.get_batch, keys, outs)
+        ks = [check_key(k) for k in keys]
+        views = [self._out_view(o) for o in outs]
+        found = [False] * len(ks)
+        by_home: dict[str, list[int]] = {}
+        rest: list[int] = []  # for the single get's path
+        aio.pool.expire_down()
+        for i, (k, view) in enumerate(zip(ks, views, strict=True)):
+            n = self._node_get(k, view) if self.node is not None else None
+            if n is not None:
+                found[i] = _whole_block(k, n, outs[i])
+                continue
+            homes = aio._homes(k)
+            if not homes:
+                rest.append(i)
+                continue
+            if aio.local_auth is not None:  # a home on this host: read by the client
+                n = self._get_local(homes[0], k, view)
+                if n > 0:
+                    aio.counts["gets"] += 1
+                    if self.node is not None:
+                        self.node.put(self.ns, k, view[:n])  # read-through
+                    found[i] = _whole_block(k, n, outs[i])
+                    continue
+                if n == MISS:
+                    if len(homes) > 1:
+                        rest.append(i)
+                    else:
+                        aio.counts["gets"] += 1
+                        self._count_miss()
+                    continue
+            by_home.setdefault(homes[0], []).append(i)
+        for sid, idx in by_home.items():
+            rest += self._pipelined(sid, idx, ks, views, outs, found)
+        for i in sorted(rest):
+            found[i] = _whole_block(ks[i], self._get_remote(ks[i], views[i]), outs[i])
+        return found
+
+    def _pipelined(self, sid: str, idx: list[int], ks: list[bytes], views: list[memoryview],
+                   outs: Sequence[Any], found: list[bool]) -> list[int]:
+        """The gets ``idx`` pipelined to home ``sid``, results into ``found``; the keys
+        left for the single get's path."""
+        aio = self.aio
+        assert aio.direct is not None
+        try:
+            got = aio.direct.get_batch(sid, self.ns, [ks[i] for i in idx],
+                                       [views[i] for i in idx])
+        except OSError as exc:
+            if exc.errno in SKIP or exc.errno == errno.ENOTCONN:
+                return idx  # the single path marks the home down and goes on
+            raise
+        more = len(aio._homes(ks[idx[0]])) > 1 if idx else False
+        rest = []
+        counts = aio.counts
+        for i, n in zip(idx, got, strict=True):
+            if isinstance(n, OSError):
+                if n.errno == errno.EIO:  # damaged on the way: a miss here
+                    log.warning("KV get from %s: %s", sid, n)
+                    counts["remote_errors"] += 1
+                    n = None
+                elif n.errno in SKIP or n.errno == errno.ENOTCONN:
+                    rest.append(i)
+                    continue
+                else:
+                    raise n
+            if n is None:
+                if more:
+                    rest.append(i)
+                else:
+                    counts["gets"] += 1
+                    self._count_miss()
+                continue
+            counts["gets"] += 1
+            counts["remote_hits"] += 1
+            counts["get_bytes"] += n
+            metrics.kv_op("get", "remote", "hit", n)
+            if self.node is not None:
+                self.node.put(self.ns, ks[i], views[i][:n])  # read-through
+            found[i] = _whole_block(ks[i], n, outs[i])
+        return rest
+
+    def _out_view(self, out: Any) -> memoryview:
+        view = host_view(out, "output")
+        if view.readonly:
+            raise OSError(errno.EINVAL, "KV get into a read-only buffer")
+        return view
+
+    def _node_get(self, k: bytes, view: memoryview) -> int | None:
+        """A node-tier hit (counted), or None."""
+        assert self.node is not None
+        n = self.node.get_into(self.ns, k, view)
+        if n is not None:
+            counts = self.aio.counts
+            counts["gets"] += 1
+            counts["node_hits"] += 1
+            counts["get_bytes"] += n
+            metrics.kv_op("get", "node", "hit", n)
+        return n
+
+    def _count_miss(self) -> None:
+        self.aio.counts["misses"] += 1
+        metrics.kv_op("get", "remote", "miss")
 
     def remove(self, keys: Sequence[Any]) -> int:
         return self._run(self.aio.remove, keys)

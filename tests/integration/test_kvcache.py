@@ -246,3 +246,40 @@ def test_a_block_corrupted_on_a_servers_disk_is_a_miss(cluster_dir: Path, client
         kv.put(key, value)  # and a put heals it
         assert kv.get(key, out) and out == value
         kv.remove([key])
+
+
+def test_get_batch_pipelines_to_the_homes_from_the_callers_thread(
+        cluster_dir: Path, client_toml: Path) -> None:
+    """A blocking get_batch of blocks at remote homes never hops to the event loop: the
+    gets go pipelined on one connection per home; every byte checked, an absent key and a
+    block damaged on its server's disk are misses among hits."""
+    keys = [b"pipe-%d-" % i + os.urandom(4) for i in range(40)]
+    sizes = [(4 << 10, 256 << 10, 100_000)[i % 3] for i in range(40)]
+    with KVCache(client_toml, NS, node_tier_bytes=0, short_circuit=False) as kv:
+        kv.put_batch(keys, [value_of(k, n) for k, n in zip(keys, sizes, strict=True)])
+        bad = keys[7]
+        rot = value_of(bad, sizes[7])[5000:5064]
+        for slab in (cluster_dir / "data").glob("ds*/kv/*.slab"):
+            at = slab.read_bytes().find(rot)
+            if at >= 0:
+                with open(slab, "r+b") as f:
+                    f.seek(at)
+                    f.write(bytes([rot[0] ^ 0xFF]))
+        outs = [bytearray(n) for n in sizes] + [bytearray(10)]
+
+        def no_loop(*args: object) -> None:
+            raise AssertionError("get_batch went through the event loop")
+
+        kv._run = no_loop  # type: ignore[method-assign,assignment]
+        before = kv.stats()
+        found = kv.get_batch(keys + [b"pipe-absent"], outs)
+        assert found == [i != 7 for i in range(40)] + [False]
+        for i, k in enumerate(keys):
+            if i != 7:
+                assert outs[i] == value_of(k, sizes[i])
+        after = kv.stats()
+        assert after["remote_hits"] - before["remote_hits"] == 39
+        assert after["misses"] - before["misses"] == 2
+        assert after["gets"] - before["gets"] == 41
+        del kv._run
+        kv.remove(keys)

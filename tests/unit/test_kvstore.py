@@ -4,6 +4,7 @@ eviction under a budget (pinned and hot blocks kept), space given back to file d
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -127,6 +128,36 @@ def test_a_corrupt_record_is_a_miss(tmp_path: Path) -> None:
             assert await get(kv, b"b") == b"b" * 10_000
             st = kv.stats()
             assert st["corrupt"] == 1 and st["misses"] == 2 and st["blocks"] == 1
+
+    run(main)
+
+
+def test_a_cached_value_is_checked_and_served_from_the_slab_mapping(tmp_path: Path) -> None:
+    """A large value in the page cache comes from the slab's mapping (no copy), answered
+    in the event loop; its checksum is checked there too (rot found after it was mapped
+    is a miss), and a value being sent outlives its slab's removal."""
+    async def main() -> None:
+        async with store([tmp_path], budget=8 << 20, slab=1 << 20) as kv:
+            a, b = os.urandom(256 << 10), os.urandom(300 << 10)
+            await put(kv, b"a", a)
+            await put(kv, b"b", b)
+            assert kv.answers_at_once(NS, b"a")
+            got = await kv.get(NS, b"a", 1 << 20)
+            assert got is not None and isinstance(got.view.obj, mmap.mmap)
+            assert bytes(got.view) == a
+            got.release()
+            held = await kv.get(NS, b"b", 1 << 20)  # a reply still being sent
+            assert held is not None
+            (slab,) = slabs(tmp_path)
+            with slab.open("r+b") as f:  # rot in a's value, now mapped
+                data = f.read()
+                f.seek(data.index(a[:64]) + 100_000)
+                f.write(bytes([a[100_000] ^ 1]))
+            assert await get(kv, b"a") is None
+            assert kv.stats()["corrupt"] == 1
+            assert await kv.reclaim(1 << 30) > 0 and not slabs(tmp_path)
+            assert bytes(held.view) == b  # the mapping outlives the slab's file
+            held.release()
 
     run(main)
 

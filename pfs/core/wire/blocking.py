@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 HEAD_RECV = 16 << 10
 SOCK_BUF = 4 << 20  # as the trio transport's: a large reply in fewer, larger receives
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
+_WAITALL = int(socket.MSG_WAITALL)
 # seconds a connection must have been idle before ``alive`` asks the socket whether the
 # peer went away (as :data:`pfs.core.wire.rpc.PEER_CHECK_IDLE`): back-to-back calls skip
 # the system call, and a peer gone within that window shows as the call's error
@@ -196,6 +197,19 @@ class BlockingConnection:
                 self.close()  # how much of the frame went out is unknown
             raise self._io_error(exc, "sending to") from None
 
+    def sealed_frame(self, kind: Kind, rid: int, fields: dict[str, Any]) -> bytes:
+        """A frame without payload as :meth:`send_frame` would send it, to send with
+        :meth:`send_frames` (sealed frames must go out in the order they were made)."""
+        data = encode_head(kind, rid, fields, 0, self.limits, self._decoder.version, self._pk)
+        return data if self._sealer is None else self._sealer.head(data, HEADER_SIZE)
+
+    def send_frames(self, frames: list[bytes]) -> None:
+        """Frames made by :meth:`sealed_frame`, in one send."""
+        try:
+            self.sock.sendall(b"".join(frames))
+        except OSError as exc:
+            raise self._io_error(exc, "sending to") from None
+
     def _fill(self) -> None:
         try:
             n = self.sock.recv_into(self._chunk)
@@ -245,15 +259,18 @@ class BlockingConnection:
                 return
             got = dec.take_payload_into(view)
             n = len(view)
-            # sealed, plain socket: what follows the payload (its tag) lands in the head
-            # buffer in the same receive, not in a receive of its own
-            after = self._chunk_view if dec.tag_due and self._plain else None
+            # sealed, plain socket: the payload's tag (all that follows it: nothing of the
+            # frame is buffered once ``got < n``) lands in the head buffer in the same
+            # receive, not in a receive of its own; and a plain socket's receive waits for
+            # all of it (MSG_WAITALL: one system call, not one per piece that arrives)
+            after = self._chunk_view[:TAG] if dec.tag_due and self._plain else None
+            flags = _WAITALL if self._plain else 0
             while got < n:
                 try:
                     if after is None:
-                        k = self.sock.recv_into(view[got:])
+                        k = self.sock.recv_into(view[got:], 0, flags)
                     else:
-                        k = self.sock.recvmsg_into([view[got:], after])[0]
+                        k = self.sock.recvmsg_into([view[got:], after], 0, flags)[0]
                 except OSError as exc:
                     raise self._io_error(exc, "waiting for") from None
                 if k == 0:
@@ -355,6 +372,7 @@ class BlockingRpcClient:
                         and head.payload_len and into is not None \
                         and head.payload_len <= len(into):
                     conn.recv_payload_into(into[:head.payload_len])
+                    self._used = time.monotonic()  # (``alive`` skips its probe after it)
                     return head.fields, head.payload_len
             except ProtocolError as exc:
                 conn.close()
@@ -385,6 +403,54 @@ class BlockingRpcClient:
                 raise OSError(errno.EPROTO, f"{conn.name} sent a frame of kind {head.kind} "
                                             f"with {head.payload_len} payload bytes as a reply")
             return head.fields, 0
+
+    def send_batch(self, calls: list[tuple[RequestMessage, memoryview]]
+                   ) -> list[tuple[dict[str, Any], int] | OSError]:
+        """Requests without payload sent back to back in one send, then their replies
+        read in order (a batch costs one round trip, and the server answers the next
+        request while the client takes in a reply): per call, the reply's fields and
+        payload length (the payload in the call's buffer, at most its length), or the
+        server's error for it. A broken or garbled connection fails the whole batch
+        (raised, the connection closed)."""
+        conn = self.conn
+        with self._lock:
+            if conn.closed:
+                raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
+            rids = [next(self._ids) for _ in calls]
+            out: list[tuple[dict[str, Any], int] | OSError] = []
+            try:
+                conn.send_frames([conn.sealed_frame(Kind.REQUEST, rid, msg.to_wire())
+                                  for rid, (msg, _) in zip(rids, calls, strict=True)])
+                for rid, (_, into) in zip(rids, calls, strict=True):
+                    out.append(self._batch_reply(rid, into))
+            except ProtocolError as exc:
+                conn.close()
+                raise OSError(getattr(exc, "errno", None) or errno.EPROTO,
+                              f"connection to {conn.name} failed: {exc}") from None
+            except BaseException:
+                conn.close()  # replies left unread would be taken for the next call's
+                raise
+            self._used = time.monotonic()
+            return out
+
+    def _batch_reply(self, rid: int, into: memoryview) -> tuple[dict[str, Any], int] | OSError:
+        conn = self.conn
+        head = conn.recv_head()
+        if head is None:
+            raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
+        if head.rid != rid or head.payload_len > len(into) or (
+                head.payload_len and head.kind != Kind.REPLY):
+            raise OSError(errno.EPROTO, f"{conn.name} answered request {head.rid} (kind "
+                                        f"{head.kind}, {head.payload_len} payload bytes), "
+                                        f"not {rid}")
+        if head.payload_len:
+            conn.recv_payload_into(into[:head.payload_len])
+        if head.kind == Kind.ERROR:
+            return from_wire(head.fields.get("errno"), head.fields.get("msg"))
+        if head.kind != Kind.REPLY:
+            raise OSError(errno.EPROTO, f"{conn.name} sent a frame of kind {head.kind} "
+                                        "as a reply")
+        return head.fields, head.payload_len
 
     def close(self) -> None:
         self.conn.close()
