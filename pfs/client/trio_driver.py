@@ -105,16 +105,26 @@ class TrioDriver:
         finally:
             plan.close()
 
-    async def _send(self, effect: Send) -> Any:
-        assert self.data is not None
+    async def _send(self, effect: Send, held: bool = False) -> Any:
+        """``effect`` carried out; ``held``: the caller holds a place among the requests
+        in flight (``DataClient.slots``)."""
+        data = self.data
+        assert data is not None
+        if not held:
+            async with data.slots:
+                return await self._send(effect, True)
         msg = effect.msg
         timed = self.health is not None and msg.method == "read"
+        # timed from here, not from before the wait for a place: that wait is this
+        # client's queue, not the server's time; and the requests already in flight to
+        # the server are served before or beside this one (see _hedge)
+        ahead = data.busy.get(effect.sid, 0) if timed else 0
         t0 = time.monotonic() if timed else 0.0
         while True:
             stream = streamed(msg, effect.into)
-            r = await self.data.send(effect.sid, msg, payload=effect.payload,
-                                     into=effect.into,
-                                     on_reply=None if stream is None else stream.on_reply)
+            r = await data.send(effect.sid, msg, payload=effect.payload,
+                                into=effect.into, held=True,
+                                on_reply=None if stream is None else stream.on_reply)
             parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
             if effect.reply:
                 return r.fields
@@ -134,20 +144,31 @@ class TrioDriver:
                     continue
             if timed:
                 assert self.health is not None
-                # by the size asked (a hole's short reply is no smaller request)
-                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
+                # by the size asked (a hole's short reply is no smaller request), per
+                # request of the queue it joined
+                self.health.observe(effect.sid, msg.len,  # type: ignore[attr-defined]
+                                    (time.monotonic() - t0) / (1 + ahead))
             return r.nbytes
 
     async def _hedge(self, h: Hedge) -> tuple[Any, list[OSError | None] | None]:
-        """``h.first`` within ``h.after`` seconds (no task, no nursery: the common case
-        costs what a plain send does); past it, the first again and ``h.second`` at once,
-        the first good answer wins and the other is cancelled. The first's request is
-        sent again rather than kept: trio cannot detach a call running in this task, and
-        a task per read would cost several times the request (measured ~100 us here).
-        A failure of one while the other runs waits for the other."""
+        """``h.first`` within its deadline (no task, no nursery: the common case costs
+        what a plain send does); past it, the first again and ``h.second`` at once, the
+        first good answer wins and the other is cancelled. The first's request is sent
+        again rather than kept: trio cannot detach a call running in this task, and a
+        task per read would cost several times the request (measured ~100 us here).
+        A failure of one while the other runs waits for the other.
+
+        The deadline runs from when the request goes out (a place among the client's
+        requests in flight taken), and is ``h.after`` (one read's) for each request
+        then in flight to that server and this one: a bulk reader (a checkpoint load)
+        keeps dozens queued, and each waits for those before it; hedging them by one
+        read's deadline sent duplicates of most of a load to a busy cluster."""
+        assert self.data is not None
         try:
-            with trio.move_on_after(h.after):
-                return await self._send(h.first), None
+            async with self.data.slots:
+                ahead = self.data.busy.get(h.first.sid, 0)
+                with trio.move_on_after(h.after * (1 + ahead)):
+                    return await self._send(h.first, True), None
         except OSError as exc:
             return None, [exc, None]
         log.debug("hedging a read: %s gave no answer in %.3f s, asking %s too",
