@@ -69,7 +69,6 @@ class DataClient:
         # a place among the requests in flight: a caller that times a request (a hedged
         # read) takes it first, so waiting for one is not counted as the server's time
         self.slots = trio.Semaphore(MAX_IN_FLIGHT)
-        self.busy: dict[str, int] = {}  # requests in flight per server
 
     def known_address(self, sid: str) -> tuple[str, int] | None:
         """Where server ``sid`` was last seen, without asking the metaserver."""
@@ -128,13 +127,8 @@ class DataClient:
         if not held:
             async with self.slots:
                 return await self.send(sid, msg, held=True, **kw)
-        busy = self.busy
-        busy[sid] = busy.get(sid, 0) + 1  # before any wait: the next caller counts it
-        try:
-            conn = await self.connection(sid)
-            return await conn.send(msg, **kw)
-        finally:
-            busy[sid] -= 1
+        conn = await self.connection(sid)
+        return await conn.send(msg, **kw)
 
     def close(self) -> None:
         for conns in self._conns.values():

@@ -83,6 +83,10 @@ class TrioDriver:
         self.meta = meta
         self.health = health
         self._nursery = nursery  # where reports to the metaserver run
+        self._answered: dict[str, float] = {}  # when each server last answered a read
+        # the hedge deadlines (cancel scopes) of the reads waiting for each server, and
+        # one read's deadline each: moved on by the server's answers (``_progress``)
+        self._waiting: dict[str, dict[trio.CancelScope, float]] = {}
 
     async def run(self, plan: Plan[T]) -> T:
         value: Any = None
@@ -116,9 +120,7 @@ class TrioDriver:
         msg = effect.msg
         timed = self.health is not None and msg.method == "read"
         # timed from here, not from before the wait for a place: that wait is this
-        # client's queue, not the server's time; and the requests already in flight to
-        # the server are served before or beside this one (see _hedge)
-        ahead = data.busy.get(effect.sid, 0) if timed else 0
+        # client's queue, not the server's time
         t0 = time.monotonic() if timed else 0.0
         while True:
             stream = streamed(msg, effect.into)
@@ -144,11 +146,25 @@ class TrioDriver:
                     continue
             if timed:
                 assert self.health is not None
-                # by the size asked (a hole's short reply is no smaller request), per
-                # request of the queue it joined
-                self.health.observe(effect.sid, msg.len,  # type: ignore[attr-defined]
-                                    (time.monotonic() - t0) / (1 + ahead))
+                # by the size asked (a hole's short reply is no smaller request), from
+                # when the server answered its previous read if that came later: the
+                # time it took for this one, not for those queued before it
+                now = time.monotonic()
+                since = max(t0, self._answered.get(effect.sid, t0))
+                self._answered[effect.sid] = now
+                self.health.observe(effect.sid, msg.len, now - since)  # type: ignore[attr-defined]
+                self._progress(effect.sid)
             return r.nbytes
+
+    def _progress(self, sid: str) -> None:
+        """``sid`` answered a read: the hedge deadlines of the reads waiting for it run
+        again from now (it is busy, not stalled)."""
+        waiting = self._waiting.get(sid)
+        if waiting:
+            now = trio.current_time()
+            for scope, after in waiting.items():
+                if scope.deadline < now + after:
+                    scope.deadline = now + after
 
     async def _hedge(self, h: Hedge) -> tuple[Any, list[OSError | None] | None]:
         """``h.first`` within its deadline (no task, no nursery: the common case costs
@@ -158,17 +174,24 @@ class TrioDriver:
         task per read would cost several times the request (measured ~100 us here).
         A failure of one while the other runs waits for the other.
 
-        The deadline runs from when the request goes out (a place among the client's
-        requests in flight taken), and is ``h.after`` (one read's) for each request
-        then in flight to that server and this one: a bulk reader (a checkpoint load)
-        keeps dozens queued, and each waits for those before it; hedging them by one
-        read's deadline sent duplicates of most of a load to a busy cluster."""
+        The deadline (``h.after``, one read's) runs from when the request goes out (a
+        place among the client's requests in flight taken), and again from each answer
+        the server gives another read meanwhile: a bulk reader (a checkpoint load)
+        keeps dozens of reads queued, each waiting for those before it at the server,
+        and hedging them by one read's deadline from the call sent duplicates of most
+        of a load to a busy cluster. A stalled server answers nothing: its reads are
+        hedged one deadline after its last answer."""
         assert self.data is not None
+        sid = h.first.sid
         try:
             async with self.data.slots:
-                ahead = self.data.busy.get(h.first.sid, 0)
-                with trio.move_on_after(h.after * (1 + ahead)):
-                    return await self._send(h.first, True), None
+                with trio.move_on_after(h.after) as scope:
+                    waiting = self._waiting.setdefault(sid, {})
+                    waiting[scope] = h.after
+                    try:
+                        return await self._send(h.first, True), None
+                    finally:
+                        del waiting[scope]
         except OSError as exc:
             return None, [exc, None]
         log.debug("hedging a read: %s gave no answer in %.3f s, asking %s too",

@@ -311,7 +311,6 @@ class SlowServers:
         self.sent: list[str] = []
         self.cancelled: list[str] = []
         self.slots = trio.Semaphore(slots)
-        self.busy: dict[str, int] = {}
         # queued: a server answers one request at a time, in order of arrival
         self._serving = {sid: trio.Lock() for sid in delays} if queued else None
 
@@ -321,7 +320,6 @@ class SlowServers:
 
         assert held  # the driver took a place first
         self.sent.append(sid)
-        self.busy[sid] = self.busy.get(sid, 0) + 1
         delay = self.delays[sid]
         try:
             if self._serving is None:
@@ -332,8 +330,6 @@ class SlowServers:
         except trio.Cancelled:
             self.cancelled.append(sid)
             raise
-        finally:
-            self.busy[sid] -= 1
         into[:] = sid[-1].encode() * len(into)
         return Result({"n": len(into)}, None, len(into))
 
@@ -406,3 +402,45 @@ def test_reads_queued_behind_others_are_not_hedged_for_the_wait() -> None:
         assert servers.sent == ["sa"] * 8 and not servers.cancelled  # the last took 0.4 s
         assert all(b == b"a" * 64 for b in bufs)
         assert h.deadline("sa", 64) < 0.15  # per read of the queue: about 0.05 s
+
+
+class StallingServers(SlowServers):
+    """Queued servers; ``sa`` stops answering after its first ``answers`` reads."""
+
+    def __init__(self, answers: int) -> None:
+        super().__init__({"sa": 0.05, "sb": 0.05}, queued=True)
+        self.left = answers
+
+    async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None,
+                   on_reply: Any = None, held: bool = False) -> Any:
+        if sid == "sa":
+            self.delays["sa"] = 0.05 if self.left > 0 else None
+            self.left -= 1
+        return await super().send(sid, msg, payload, into, on_reply, held)
+
+
+def test_reads_queued_at_a_server_that_stalls_are_hedged_a_deadline_after_its_last_answer(
+) -> None:
+    from pfs.client.trio_driver import TrioDriver
+
+    h = Health(hedge_min=0.1, hedge_max=2.0)
+    for _ in range(20):
+        h.observe("sa", 64, 0.05)
+        h.observe("sb", 64, 0.05)
+    lay = Layout(UNIT, 1, 2, (("sa", "sb"),))
+    servers = StallingServers(answers=3)
+    driver = TrioDriver(servers, health=h)  # type: ignore[arg-type]
+    bufs = [bytearray(64) for _ in range(8)]
+
+    async def main() -> float:
+        async with trio.open_nursery() as n:
+            for b in bufs:
+                n.start_soon(driver.run, plan.read(None, INO, lay, 0, memoryview(b), b"c",
+                                                   health=h))
+        return trio.current_time()
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(b[:1] for b in bufs) == [b"a"] * 3 + [b"b"] * 5
+    # sa's last answer at 0.15 s; the five behind it hedged 0.1 s later, then read
+    # from sb one after the other: not one deadline per read queued before them
+    assert elapsed < 0.15 + 0.1 + 5 * 0.05 + 0.01
