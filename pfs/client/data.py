@@ -66,7 +66,9 @@ class DataClient:
         self._conns: dict[str, list[RpcClient]] = {}
         self._rr = itertools.count()
         self._locks: dict[str, trio.Lock] = {}
-        self._slots = trio.Semaphore(MAX_IN_FLIGHT)
+        # a place among the requests in flight: a caller that times a request (a hedged
+        # read) takes it first, so waiting for one is not counted as the server's time
+        self.slots = trio.Semaphore(MAX_IN_FLIGHT)
 
     def known_address(self, sid: str) -> tuple[str, int] | None:
         """Where server ``sid`` was last seen, without asking the metaserver."""
@@ -118,12 +120,15 @@ class DataClient:
             self._conns[sid] = conns
             return conns[next(self._rr) % len(conns)]
 
-    async def send(self, sid: str, msg: RequestMessage, **kw: Any) -> Result:
+    async def send(self, sid: str, msg: RequestMessage, *, held: bool = False,
+                   **kw: Any) -> Result:
         """Request ``msg`` to server ``sid`` (``payload``, ``into``, ``timeout`` as
-        :meth:`RpcClient.send`)."""
-        async with self._slots:
-            conn = await self.connection(sid)
-            return await conn.send(msg, **kw)
+        :meth:`RpcClient.send`); ``held``: the caller holds a place of :attr:`slots`."""
+        if not held:
+            async with self.slots:
+                return await self.send(sid, msg, held=True, **kw)
+        conn = await self.connection(sid)
+        return await conn.send(msg, **kw)
 
     def close(self) -> None:
         for conns in self._conns.values():

@@ -83,6 +83,10 @@ class TrioDriver:
         self.meta = meta
         self.health = health
         self._nursery = nursery  # where reports to the metaserver run
+        self._answered: dict[str, float] = {}  # when each server last answered a read
+        # the hedge deadlines (cancel scopes) of the reads waiting for each server, and
+        # one read's deadline each: moved on by the server's answers (``_progress``)
+        self._waiting: dict[str, dict[trio.CancelScope, float]] = {}
 
     async def run(self, plan: Plan[T]) -> T:
         value: Any = None
@@ -105,16 +109,24 @@ class TrioDriver:
         finally:
             plan.close()
 
-    async def _send(self, effect: Send) -> Any:
-        assert self.data is not None
+    async def _send(self, effect: Send, held: bool = False) -> Any:
+        """``effect`` carried out; ``held``: the caller holds a place among the requests
+        in flight (``DataClient.slots``)."""
+        data = self.data
+        assert data is not None
+        if not held:
+            async with data.slots:
+                return await self._send(effect, True)
         msg = effect.msg
         timed = self.health is not None and msg.method == "read"
+        # timed from here, not from before the wait for a place: that wait is this
+        # client's queue, not the server's time
         t0 = time.monotonic() if timed else 0.0
         while True:
             stream = streamed(msg, effect.into)
-            r = await self.data.send(effect.sid, msg, payload=effect.payload,
-                                     into=effect.into,
-                                     on_reply=None if stream is None else stream.on_reply)
+            r = await data.send(effect.sid, msg, payload=effect.payload,
+                                into=effect.into, held=True,
+                                on_reply=None if stream is None else stream.on_reply)
             parse_reply(msg, r.fields)  # checked: EPROTO when it does not fit
             if effect.reply:
                 return r.fields
@@ -134,20 +146,52 @@ class TrioDriver:
                     continue
             if timed:
                 assert self.health is not None
-                # by the size asked (a hole's short reply is no smaller request)
-                self.health.observe(effect.sid, msg.len, time.monotonic() - t0)  # type: ignore[attr-defined]
+                # by the size asked (a hole's short reply is no smaller request), from
+                # when the server answered its previous read if that came later: the
+                # time it took for this one, not for those queued before it
+                now = time.monotonic()
+                since = max(t0, self._answered.get(effect.sid, t0))
+                self._answered[effect.sid] = now
+                self.health.observe(effect.sid, msg.len, now - since)  # type: ignore[attr-defined]
+                self._progress(effect.sid)
             return r.nbytes
 
+    def _progress(self, sid: str) -> None:
+        """``sid`` answered a read: the hedge deadlines of the reads waiting for it run
+        again from now (it is busy, not stalled)."""
+        waiting = self._waiting.get(sid)
+        if waiting:
+            now = trio.current_time()
+            for scope, after in waiting.items():
+                if scope.deadline < now + after:
+                    scope.deadline = now + after
+
     async def _hedge(self, h: Hedge) -> tuple[Any, list[OSError | None] | None]:
-        """``h.first`` within ``h.after`` seconds (no task, no nursery: the common case
-        costs what a plain send does); past it, the first again and ``h.second`` at once,
-        the first good answer wins and the other is cancelled. The first's request is
-        sent again rather than kept: trio cannot detach a call running in this task, and
-        a task per read would cost several times the request (measured ~100 us here).
-        A failure of one while the other runs waits for the other."""
+        """``h.first`` within its deadline (no task, no nursery: the common case costs
+        what a plain send does); past it, the first again and ``h.second`` at once, the
+        first good answer wins and the other is cancelled. The first's request is sent
+        again rather than kept: trio cannot detach a call running in this task, and a
+        task per read would cost several times the request (measured ~100 us here).
+        A failure of one while the other runs waits for the other.
+
+        The deadline (``h.after``, one read's) runs from when the request goes out (a
+        place among the client's requests in flight taken), and again from each answer
+        the server gives another read meanwhile: a bulk reader (a checkpoint load)
+        keeps dozens of reads queued, each waiting for those before it at the server,
+        and hedging them by one read's deadline from the call sent duplicates of most
+        of a load to a busy cluster. A stalled server answers nothing: its reads are
+        hedged one deadline after its last answer."""
+        assert self.data is not None
+        sid = h.first.sid
         try:
-            with trio.move_on_after(h.after):
-                return await self._send(h.first), None
+            async with self.data.slots:
+                with trio.move_on_after(h.after) as scope:
+                    waiting = self._waiting.setdefault(sid, {})
+                    waiting[scope] = h.after
+                    try:
+                        return await self._send(h.first, True), None
+                    finally:
+                        del waiting[scope]
         except OSError as exc:
             return None, [exc, None]
         log.debug("hedging a read: %s gave no answer in %.3f s, asking %s too",

@@ -305,19 +305,28 @@ class SlowServers:
     """A DataClient stand-in: each server answers a read after its delay, filling the
     buffer with its own byte; ``None``: never (a stopped process)."""
 
-    def __init__(self, delays: dict[str, float | None]) -> None:
+    def __init__(self, delays: dict[str, float | None], slots: int = 64,
+                 queued: bool = False) -> None:
         self.delays = delays
         self.sent: list[str] = []
         self.cancelled: list[str] = []
+        self.slots = trio.Semaphore(slots)
+        # queued: a server answers one request at a time, in order of arrival
+        self._serving = {sid: trio.Lock() for sid in delays} if queued else None
 
     async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None,
-                   on_reply: Any = None) -> Any:
+                   on_reply: Any = None, held: bool = False) -> Any:
         from pfs.core.wire.rpc import Result
 
+        assert held  # the driver took a place first
         self.sent.append(sid)
         delay = self.delays[sid]
         try:
-            await trio.sleep(math.inf if delay is None else delay)
+            if self._serving is None:
+                await trio.sleep(math.inf if delay is None else delay)
+            else:
+                async with self._serving[sid]:
+                    await trio.sleep(math.inf if delay is None else delay)
         except trio.Cancelled:
             self.cancelled.append(sid)
             raise
@@ -366,3 +375,72 @@ def test_a_slow_first_replica_still_wins_the_race_when_it_answers_first() -> Non
     got, servers, _ = _drive({"sa": 0.3, "sb": 5.0}, h)
     assert got == b"a" * 64 and sorted(servers.cancelled) == ["sa", "sb"]
     assert not h.penalised("sa")
+
+
+def test_reads_queued_behind_others_are_not_hedged_for_the_wait() -> None:
+    """A bulk reader (a checkpoint load) keeps many reads in flight: one waiting for a
+    place among them, or for the reads before it at its server, is not late. Hedging
+    them by one read's deadline sent duplicates of much of a load."""
+    from pfs.client.trio_driver import TrioDriver
+
+    h = Health(hedge_min=0.1, hedge_max=2.0)
+    for _ in range(20):
+        h.observe("sa", 64, 0.05)  # steady: one read's deadline is 0.1 s
+    lay = Layout(UNIT, 1, 2, (("sa", "sb"),))
+    for slots in (2, 64):  # waiting for a place; waiting at the server
+        servers = SlowServers({"sa": 0.05, "sb": 0.05}, slots=slots, queued=True)
+        driver = TrioDriver(servers, health=h)  # type: ignore[arg-type]
+        bufs = [bytearray(64) for _ in range(8)]
+
+        async def main(d: TrioDriver = driver, bs: list[bytearray] = bufs) -> None:
+            async with trio.open_nursery() as n:
+                for b in bs:
+                    n.start_soon(d.run, plan.read(None, INO, lay, 0, memoryview(b), b"c",
+                                                  health=h))
+
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        assert servers.sent == ["sa"] * 8 and not servers.cancelled  # the last took 0.4 s
+        assert all(b == b"a" * 64 for b in bufs)
+        assert h.deadline("sa", 64) < 0.15  # per read of the queue: about 0.05 s
+
+
+class StallingServers(SlowServers):
+    """Queued servers; ``sa`` stops answering after its first ``answers`` reads."""
+
+    def __init__(self, answers: int) -> None:
+        super().__init__({"sa": 0.05, "sb": 0.05}, queued=True)
+        self.left = answers
+
+    async def send(self, sid: str, msg: Any, payload: Any = None, into: Any = None,
+                   on_reply: Any = None, held: bool = False) -> Any:
+        if sid == "sa":
+            self.delays["sa"] = 0.05 if self.left > 0 else None
+            self.left -= 1
+        return await super().send(sid, msg, payload, into, on_reply, held)
+
+
+def test_reads_queued_at_a_server_that_stalls_are_hedged_a_deadline_after_its_last_answer(
+) -> None:
+    from pfs.client.trio_driver import TrioDriver
+
+    h = Health(hedge_min=0.1, hedge_max=2.0)
+    for _ in range(20):
+        h.observe("sa", 64, 0.05)
+        h.observe("sb", 64, 0.05)
+    lay = Layout(UNIT, 1, 2, (("sa", "sb"),))
+    servers = StallingServers(answers=3)
+    driver = TrioDriver(servers, health=h)  # type: ignore[arg-type]
+    bufs = [bytearray(64) for _ in range(8)]
+
+    async def main() -> float:
+        async with trio.open_nursery() as n:
+            for b in bufs:
+                n.start_soon(driver.run, plan.read(None, INO, lay, 0, memoryview(b), b"c",
+                                                   health=h))
+        return trio.current_time()
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(b[:1] for b in bufs) == [b"a"] * 3 + [b"b"] * 5
+    # sa's last answer at 0.15 s; the five behind it hedged 0.1 s later, then read
+    # from sb one after the other: not one deadline per read queued before them
+    assert elapsed < 0.15 + 0.1 + 5 * 0.05 + 0.01
