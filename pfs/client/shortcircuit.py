@@ -27,6 +27,8 @@ from typing import Any
 
 import trio
 
+from pfs.client import uffd
+from pfs.client.filled import fill_verified, settle_views
 from pfs.client.mapping import map_verified
 from pfs.client.plan import LocalChunk, open_fd_request, zero_unread
 from pfs.client.verify import read_local
@@ -194,6 +196,8 @@ class HandleObjects:
         # under them (a number reused by another open would be read instead)
         self._busy = 0
         self._closing = threading.Lock()  # close may run in the sync client's thread
+        # objects mapped read-only, the sources of filled chunks (:meth:`_fill_chunk`)
+        self._sources: dict[int, uffd.Source | None] = {}
 
     def _check_open(self) -> None:
         if self.closed:
@@ -423,9 +427,50 @@ class HandleObjects:
         zero_unread(c.dests, counts)
         return counts
 
+    def _source(self, fd: int) -> uffd.Source | None:
+        """The object of ``fd`` mapped read-only (once per handle), or None where the
+        kernel refuses."""
+        with self._closing:
+            if fd in self._sources:
+                return self._sources[fd]
+            try:
+                src: uffd.Source | None = uffd.Source(fd, os.fstat(fd).st_size)
+            except OSError as exc:
+                log.debug("no mapping of a local object: %s", exc)
+                src = None
+            self._sources[fd] = src
+            return src
+
+    def _fill_chunk(self, c: LocalChunk) -> list[int] | None:
+        """:meth:`_read_chunk` into fresh registered memory (:mod:`pfs.client.uffd`):
+        the whole blocks copied from the object's page cache into the missing pages
+        and verified in place (:func:`pfs.client.filled.fill_verified`); an unchecked
+        object is read. Whatever the chunk leaves to the network path (None) has its
+        pages made present first: the network path writes them from the kernel."""
+        fd = self._fds.get(c.stripe)
+        checked = self._crcs.get(fd) if fd is not None else None
+        if fd is None or checked is None:
+            settle_views(c.dests)
+            return self._read_chunk(c)
+        try:
+            counts = fill_verified(checked[1], fd, checked[0], c.obj_off, c.dests,
+                                   self._source(fd))
+        except OSError as exc:
+            settle_views(c.dests)
+            if exc.errno != errno.EIO:
+                raise
+            metrics.checksum_failure("local")
+            log.info("short-circuit copy of stripe %d at %d failed (%s): over the network",
+                     c.stripe, c.obj_off, exc)
+            return None
+        self._count(sum(counts))
+        zero_unread(c.dests, counts)
+        return counts
+
     async def read_chunks(self, chunks: Sequence[LocalChunk], threads: int = BULK_THREADS,
                           done: Any = None, limiter: trio.CapacityLimiter | None = None,
-                          mapped: bool = False) -> list[list[int] | None]:
+                          mapped: bool = False, fill: bool = False
+                          ) -> list[list[int] | None]:
         """Read many chunks (:func:`pfs.client.plan.local_chunks`) on ``threads`` worker
         threads, each taking the next chunk when it is done with one: no event-loop
         hop, no task per chunk, the GIL dropped in preadv and CRC32C, so reads and
@@ -435,9 +480,11 @@ class HandleObjects:
         ``limiter``: shared with other such reads (of other files), so that all of
         them together run at most its number of threads. ``mapped``: the chunks'
         destinations lie in private anonymous mappings of the caller's, and the whole
-        blocks of the objects are mapped there instead of read (:meth:`_map_chunk`)."""
+        blocks of the objects are mapped there instead of read (:meth:`_map_chunk`).
+        ``fill``: the destinations lie in fresh memory registered with
+        :mod:`pfs.client.uffd`, filled by :meth:`_fill_chunk`."""
         out: list[list[int] | None] = [None] * len(chunks)
-        one = self._map_chunk if mapped else self._read_chunk
+        one = self._map_chunk if mapped else self._fill_chunk if fill else self._read_chunk
         if not chunks:
             return out
         progress = _Progress()
@@ -504,3 +551,8 @@ class HandleObjects:
                 os.close(fd)
         for cfd, _obj in crcs.values():
             os.close(cfd)
+        with self._closing:
+            sources, self._sources = self._sources, {}
+        for src in sources.values():
+            if src is not None:
+                src.close()
