@@ -40,11 +40,12 @@ def fill_verified(
     off: int,
     dests: list[memoryview],
     source: uffd.Source | None,
-) -> list[int]:
+) -> tuple[list[int], int]:
     """:func:`pfs.core.checksums.read_verified` with the whole blocks copied from
     ``source`` (the object mapped) into the missing pages of ``dests``; the bytes
-    there were for each destination. ChecksumError (EIO) as a read's: every page of
-    ``dests`` is present then, for the caller to read again the general way."""
+    there were for each destination, and the bytes copied. ChecksumError (EIO) as a
+    read's: every page of ``dests`` is present then, for the caller to read again
+    the general way."""
     vr = VerifiedRead(obj, fd, cfd, off, dests)
     at = vr.direct_off
     rest: list[memoryview] = []
@@ -53,7 +54,6 @@ def fill_verified(
         if source is None or (addr | n | at) % PAGE or at + n > source.length:
             rest = vr.direct[i:]
             break
-        source.populate(at, n)
         try:
             uffd.copy(addr, source.addr + at, n)
         except OSError as exc:  # EFAULT: the object shrank under the mapping
@@ -70,10 +70,11 @@ def fill_verified(
         end = vr.direct_off + sum(len(d) for d in vr.direct)
         edges += slice_views(dests, end - off, vr.total)
     settle_views(edges)
+    copied = vr.got
     if rest:
         vr.got += os.preadv(fd, rest, at)
     try:
-        return vr.finish()
+        return vr.finish(), copied
     except BaseException:
         settle_views(dests)
         raise

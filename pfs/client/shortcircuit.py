@@ -120,7 +120,9 @@ class LocalServers:
         self._connecting: dict[str, trio.Lock] = {}
         self.handles: set[HandleObjects] = set()  # with descriptors; closed with us
         # local_bytes: read or mapped from local objects; mapped_bytes: of them, mapped
-        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0}
+        # filled_bytes: of them, copied into fresh memory by UFFDIO_COPY (filled.py)
+        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0,
+                      "filled_bytes": 0}
 
     @property
     def engine(self) -> Any:
@@ -216,11 +218,11 @@ class HandleObjects:
         if last:
             self._close_fds()
 
-    def _count(self, n: int, mapped: int = 0) -> None:
+    def _count(self, n: int, mapped: int = 0, key: str = "mapped_bytes") -> None:
         with _STATS_LOCK:  # counted from many threads (read_chunks, the sync client's)
             self.servers.stats["local_reads"] += 1
             self.servers.stats["local_bytes"] += n
-            self.servers.stats["mapped_bytes"] += mapped
+            self.servers.stats[key] += mapped
 
     def tried(self, stripe: int) -> bool:
         """Whether a descriptor of ``stripe`` was asked for (None if it was refused)."""
@@ -410,20 +412,43 @@ class HandleObjects:
         """:meth:`_read_chunk` with the whole blocks mapped from the object instead of
         read (:func:`pfs.client.mapping.map_verified`; ``c.dests`` lie in a private
         anonymous mapping of the caller's); an unchecked object is read."""
+        return self._in_place(c, "mapping", lambda fd, cfd, obj: map_verified(
+            obj, fd, cfd, c.obj_off, c.dests))
+
+    def _fill_chunk(self, c: LocalChunk) -> list[int] | None:
+        """:meth:`_read_chunk` into fresh registered memory (:mod:`pfs.client.uffd`):
+        the whole blocks copied from the object's page cache into the missing pages
+        and verified in place (:func:`pfs.client.filled.fill_verified`); an unchecked
+        object is read. Whatever the chunk leaves to the network path (None) has its
+        pages made present first: the network path writes them from the kernel."""
+        return self._in_place(c, "copy", lambda fd, cfd, obj: fill_verified(
+            obj, fd, cfd, c.obj_off, c.dests, self._source(fd)), "filled_bytes")
+
+    def _in_place(self, c: LocalChunk, what: str, how: Any, key: str = "mapped_bytes"
+                  ) -> list[int] | None:
+        """A chunk of a checked object by ``how(fd, sidecar fd, object id)`` (its
+        counts and the bytes mapped or filled, counted under ``key``), else read;
+        None (EIO): over the network. Filled chunks have their pages made present
+        before anything reads them otherwise."""
+        settle = key == "filled_bytes"
         fd = self._fds.get(c.stripe)
         checked = self._crcs.get(fd) if fd is not None else None
         if fd is None or checked is None:
+            if settle:
+                settle_views(c.dests)
             return self._read_chunk(c)
         try:
-            counts, mapped = map_verified(checked[1], fd, checked[0], c.obj_off, c.dests)
+            counts, mapped = how(fd, checked[0], checked[1])
         except OSError as exc:
+            if settle:
+                settle_views(c.dests)
             if exc.errno != errno.EIO:
                 raise
             metrics.checksum_failure("local")
-            log.info("short-circuit mapping of stripe %d at %d failed (%s): over the network",
-                     c.stripe, c.obj_off, exc)
+            log.info("short-circuit %s of stripe %d at %d failed (%s): over the network",
+                     what, c.stripe, c.obj_off, exc)
             return None
-        self._count(sum(counts), mapped)
+        self._count(sum(counts), mapped, key)
         zero_unread(c.dests, counts)
         return counts
 
@@ -440,32 +465,6 @@ class HandleObjects:
                 src = None
             self._sources[fd] = src
             return src
-
-    def _fill_chunk(self, c: LocalChunk) -> list[int] | None:
-        """:meth:`_read_chunk` into fresh registered memory (:mod:`pfs.client.uffd`):
-        the whole blocks copied from the object's page cache into the missing pages
-        and verified in place (:func:`pfs.client.filled.fill_verified`); an unchecked
-        object is read. Whatever the chunk leaves to the network path (None) has its
-        pages made present first: the network path writes them from the kernel."""
-        fd = self._fds.get(c.stripe)
-        checked = self._crcs.get(fd) if fd is not None else None
-        if fd is None or checked is None:
-            settle_views(c.dests)
-            return self._read_chunk(c)
-        try:
-            counts = fill_verified(checked[1], fd, checked[0], c.obj_off, c.dests,
-                                   self._source(fd))
-        except OSError as exc:
-            settle_views(c.dests)
-            if exc.errno != errno.EIO:
-                raise
-            metrics.checksum_failure("local")
-            log.info("short-circuit copy of stripe %d at %d failed (%s): over the network",
-                     c.stripe, c.obj_off, exc)
-            return None
-        self._count(sum(counts))
-        zero_unread(c.dests, counts)
-        return counts
 
     async def read_chunks(self, chunks: Sequence[LocalChunk], threads: int = BULK_THREADS,
                           done: Any = None, limiter: trio.CapacityLimiter | None = None,

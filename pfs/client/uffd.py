@@ -28,6 +28,8 @@ import platform
 import threading
 from typing import Any
 
+from pfs.client import mapping
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -90,20 +92,10 @@ def _open() -> int:
         nr = _NR.get(platform.machine())
         if nr is None:
             return -1
-        lib = ctypes.CDLL(None, use_errno=True)
+        lib = mapping._lib()  # mmap, madvise declared there
         lib.syscall.restype = ctypes.c_long
         lib.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
-        lib.mmap.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        )
-        lib.mmap.restype = ctypes.c_void_p
         lib.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         _libc = lib
         flags = os.O_CLOEXEC | os.O_NONBLOCK
         fd = -1
@@ -200,14 +192,9 @@ class Source:
         self.addr = 0
         if self.length:
             got = _libc.mmap(None, self.length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if got in (None, ctypes.c_void_p(-1).value):
+            if got in (None, mapping.MAP_FAILED):
                 raise _err("mmap", 0, self.length)
             self.addr = int(got)
-
-    def populate(self, off: int, length: int) -> None:
-        """Map what the page cache holds of ``[off, off+length)`` now (large folios, a
-        few faults instead of one per page inside the copy); a hint only."""
-        _libc.madvise(self.addr + off, length, 22)  # MADV_POPULATE_READ (5.14+)
 
     def close(self) -> None:
         if self.addr:
