@@ -25,6 +25,7 @@ from tests.integration.test_loader_zerocopy import (
     object_maps,
     put,
     sc_client,
+    write_holes,
 )
 
 pytestmark = pytest.mark.skipif(not uffd.available(), reason="no userfaultfd here")
@@ -122,16 +123,9 @@ def test_filled_bulk_reads_keep_holes_and_short_objects(client_toml: Path, workd
     bytes as a plain read, the whole blocks filled, the rest in pages made present."""
     import ctypes
     import mmap
-    import os
 
-    path = f"{workdir}/holes"
-    data = os.urandom(37 * UNIT + 1234)
     with sc_client(client_toml) as c:
-        c.set_layout(workdir, count=4, unit=UNIT)
-        c.write_file(path, data)
-        with c.open(path, "r+b") as f:
-            f.pwrite(b"tail", len(data) + 5 * UNIT)
-        want = data + bytes(5 * UNIT) + b"tail"
+        path, want = write_holes(c, workdir)
         off = 3000  # the buffer lies as the file does within pages
         size = -(-(len(want) - off + off % mmap.PAGESIZE) // mmap.PAGESIZE) * mmap.PAGESIZE
         mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
