@@ -24,7 +24,11 @@ How it reads:
    when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
    a fresh one that a thread faults in from its far end while the reads fill it from
    the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
-   reaches them instead of faulting in one by one inside it;
+   reaches them instead of faulting in one by one inside it; a fresh buffer of a pfs
+   shard whose every stripe is local is instead registered with a userfaultfd and
+   filled by the short-circuit reads page for page from the objects' page cache
+   (:mod:`pfs.client.filled`: no fault and no zeroing per page, still a private copy,
+   every block verified in place);
 6. with ``zero_copy=True`` (opt-in, pfs, CPU) a shard with local objects gets one
    anonymous mapping instead, over which the local objects' pages are mapped
    copy-on-write and verified in place (:mod:`pfs.client.mapping`), the rest read into
