@@ -806,6 +806,16 @@ def _register(view: memoryview, registered: list[tuple[int, int]]) -> bool:
     return True
 
 
+def _unregister(registered: list[tuple[int, int]]) -> None:
+    """The registered buffers plain memory again (a page still missing: zeros), each
+    one even if another fails (the load's own error, if any, is the one raised)."""
+    for addr, length in registered:
+        try:
+            uffd.unregister(addr, length)
+        except OSError as exc:
+            log.warning("loader buffer at %#x stays registered: %s", addr, exc)
+
+
 async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
                            views: list[memoryview], progress: Any,
                            landed: Landed | None = None,
@@ -955,8 +965,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
                                              "(the file shrank while loading?)")
     finally:
-        for addr, length in registered:  # plain memory again (missing pages: zeros)
-            uffd.unregister(addr, length)
+        _unregister(registered)
         for sh in shards:
             if sh is not None and sh.handle is not None:
                 with trio.CancelScope(shield=True):
