@@ -57,6 +57,21 @@ _scratch: memoryview | None = None
 _nowait_ok = True  # preadv RWF_NOWAIT works here (asked once per process)
 
 
+def _cached(fd: int, off: int, n: int) -> bool:
+    """Whether the first and last bytes of ``[off, off+n)`` are in the page cache (a
+    1-byte ``RWF_NOWAIT`` read of each; past the end counts as cached). Where
+    ``RWF_NOWAIT`` is refused: True."""
+    try:
+        for at in (off, off + max(n, 1) - 1):
+            os.preadv(fd, [_PROBE], at, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    return True
+
+
 class _Progress:
     """How far the readers of one :meth:`HandleObjects.read_chunks` call are: the
     chunks taken so far, and whether they are done (the prefetcher's cue)."""
@@ -419,8 +434,14 @@ class HandleObjects:
         """:meth:`_read_chunk` into fresh registered memory (:mod:`pfs.client.uffd`):
         the whole blocks copied from the object's page cache into the missing pages
         and verified in place (:func:`pfs.client.filled.fill_verified`); an unchecked
-        object is read. Whatever the chunk leaves to the network path (None) has its
-        pages made present first: the network path writes them from the kernel."""
+        object is read, and so is a chunk not in the page cache (the read path is the
+        one that reads a drive well). Whatever the chunk leaves to the network path
+        (None) has its pages made present first: the network path writes them from
+        the kernel."""
+        fd = self._fds.get(c.stripe)
+        if fd is not None and not _cached(fd, c.obj_off, c.length):
+            settle_views(c.dests)  # cold: read the read path's way (the drive's queue)
+            return self._read_chunk(c)
         return self._in_place(c, "copy", lambda fd, cfd, obj: fill_verified(
             obj, fd, cfd, c.obj_off, c.dests, self._source(fd)), "filled_bytes")
 

@@ -144,3 +144,21 @@ def test_filled_bulk_reads_keep_holes_and_short_objects(client_toml: Path, workd
         assert filled(c) - before >= 30 * UNIT
         del view
         mm.close()
+
+
+def test_a_cold_load_reads_what_is_not_cached(
+    client_toml: Path, cluster_dir: Path, workdir: str, ckpt: Any
+) -> None:
+    """Objects dropped from the page cache: chunks not cached are read the read path's
+    way into pages made present first, the rest filled; bit-exact either way."""
+    from pfs.bench.loader import evict, object_files
+
+    d, truth = ckpt
+    pool.release()
+    with sc_client(client_toml) as c:
+        src = put(c, d, f"{workdir}/ck")
+        evict(object_files(cluster_dir))
+        before = c.aio.local.stats["local_bytes"]
+        out = load_safetensors(src, client=c, framework="numpy")
+        check(out, truth)
+        assert c.aio.local.stats["local_bytes"] > before

@@ -104,3 +104,22 @@ def test_disabled_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(uffd, "ENABLED", False)
     assert not uffd.available()
     assert not uffd.register(0, PAGE)
+
+
+def test_cached_probe(tmp_path: Path) -> None:
+    """The probe that sends a filled chunk to the read path when its object is cold:
+    False once the file's pages are dropped, True once read, True past the end."""
+    from pfs.client.shortcircuit import _cached
+
+    f = tmp_path / "obj"
+    f.write_bytes(os.urandom(64 * PAGE))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not _cached(fd, 0, 64 * PAGE)
+        os.pread(fd, 64 * PAGE, 0)
+        assert _cached(fd, 0, 64 * PAGE)
+        assert _cached(fd, 100 * PAGE, PAGE)
+    finally:
+        os.close(fd)
