@@ -23,6 +23,7 @@ from pfs.client import device, ops, plan
 from pfs.client.blocking_driver import BlockingDriver
 from pfs.client.data import DataClient, run_all
 from pfs.client.direct import DirectData
+from pfs.client.filled import settle_views
 from pfs.client.health import Health
 from pfs.client.meta import MetaClient
 from pfs.client.ops import StatVFS
@@ -235,7 +236,7 @@ class FileHandle:
 
     async def pread_many(self, reads: Sequence[tuple[int, Any]], done: Any = None,
                          chunk: int = 4 << 20, limiter: trio.CapacityLimiter | None = None,
-                         mapped: bool = False) -> list[int]:
+                         mapped: bool = False, fill: bool = False) -> list[int]:
         """Many reads ``(offset, buffer)`` of this file at once (a loader's regions);
         each one's bytes read, as :meth:`pread_into` gives. Whatever lies in local
         objects this handle holds descriptors of (:meth:`open_local`) is read in bulk,
@@ -248,7 +249,11 @@ class FileHandle:
         the buffers lie in private anonymous mappings the caller owns, and the local
         objects' whole blocks are mapped into them copy-on-write instead of read
         (:mod:`pfs.client.mapping`: zero-copy, with the rule for later writes and
-        truncations it says); the rest is read as without it."""
+        truncations it says); the rest is read as without it. ``fill``: the buffers
+        lie in fresh memory registered with :mod:`pfs.client.uffd`, and the local
+        objects' whole blocks are copied into it from their page cache
+        (:mod:`pfs.client.filled`); whatever is read otherwise has its pages made
+        present first."""
         self._check(False)
         todo = []
         for off, buf in reads:
@@ -265,11 +270,13 @@ class FileHandle:
             try:
                 got = await self._objects.read_chunks(
                     chunks, done=None if done is None else partial(_chunk_done, done),
-                    limiter=limiter, mapped=mapped)
+                    limiter=limiter, mapped=mapped, fill=fill)
             except OSError as exc:
                 raise self._named(exc) from exc
             rest = [(o, d) for c, g in zip(chunks, got, strict=True) if g is None
                     for o, d in zip(c.file_offs, c.dests, strict=True)]
+        if fill:  # written by the network path from the kernel: pages there first
+            settle_views([d for _o, d in rest])
 
         limit = trio.CapacityLimiter(64)  # pieces of stripes with no local object
 

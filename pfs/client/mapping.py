@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_FIXED = 0x10  # linux/mman.h; Python's mmap module lacks the name
-_MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_READ = 22  # 5.14+: map what the page cache holds, read the rest
 
 _libc: Any = None
@@ -69,7 +69,7 @@ def address(view: memoryview) -> int:
 
 def _mmap(addr: int, length: int, flags: int, fd: int, off: int) -> None:
     got = _lib().mmap(addr, length, _PROT_RW, flags | _MAP_FIXED, fd, off)
-    if got == _MAP_FAILED or got != addr:
+    if got == MAP_FAILED or got != addr:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {length} bytes at offset {off}: {os.strerror(err)}")
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import trio
 
+from pfs.client import uffd
+from pfs.client.filled import fill_verified, settle_views
 from pfs.client.mapping import map_verified
 from pfs.client.plan import LocalChunk, open_fd_request, zero_unread
 from pfs.client.verify import read_local
@@ -53,6 +55,21 @@ _PROBE = bytearray(1)  # the cache probe's destination (its byte is never used)
 SCRATCH = 4 << 20  # what a prefetching read asks for at most (its bytes are never used)
 _scratch: memoryview | None = None
 _nowait_ok = True  # preadv RWF_NOWAIT works here (asked once per process)
+
+
+def _cached(fd: int, off: int, n: int) -> bool:
+    """Whether the first and last bytes of ``[off, off+n)`` are in the page cache (a
+    1-byte ``RWF_NOWAIT`` read of each; past the end counts as cached). Where
+    ``RWF_NOWAIT`` is refused: True."""
+    try:
+        for at in (off, off + max(n, 1) - 1):
+            os.preadv(fd, [_PROBE], at, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    return True
 
 
 class _Progress:
@@ -118,7 +135,9 @@ class LocalServers:
         self._connecting: dict[str, trio.Lock] = {}
         self.handles: set[HandleObjects] = set()  # with descriptors; closed with us
         # local_bytes: read or mapped from local objects; mapped_bytes: of them, mapped
-        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0}
+        # filled_bytes: of them, copied into fresh memory by UFFDIO_COPY (filled.py)
+        self.stats = {"local_reads": 0, "local_bytes": 0, "fds": 0, "mapped_bytes": 0,
+                      "filled_bytes": 0}
 
     @property
     def engine(self) -> Any:
@@ -194,6 +213,8 @@ class HandleObjects:
         # under them (a number reused by another open would be read instead)
         self._busy = 0
         self._closing = threading.Lock()  # close may run in the sync client's thread
+        # objects mapped read-only, the sources of filled chunks (:meth:`_fill_chunk`)
+        self._sources: dict[int, uffd.Source | None] = {}
 
     def _check_open(self) -> None:
         if self.closed:
@@ -212,11 +233,11 @@ class HandleObjects:
         if last:
             self._close_fds()
 
-    def _count(self, n: int, mapped: int = 0) -> None:
+    def _count(self, n: int, mapped: int = 0, key: str = "mapped_bytes") -> None:
         with _STATS_LOCK:  # counted from many threads (read_chunks, the sync client's)
             self.servers.stats["local_reads"] += 1
             self.servers.stats["local_bytes"] += n
-            self.servers.stats["mapped_bytes"] += mapped
+            self.servers.stats[key] += mapped
 
     def tried(self, stripe: int) -> bool:
         """Whether a descriptor of ``stripe`` was asked for (None if it was refused)."""
@@ -406,26 +427,70 @@ class HandleObjects:
         """:meth:`_read_chunk` with the whole blocks mapped from the object instead of
         read (:func:`pfs.client.mapping.map_verified`; ``c.dests`` lie in a private
         anonymous mapping of the caller's); an unchecked object is read."""
+        return self._in_place(c, "mapping", lambda fd, cfd, obj: map_verified(
+            obj, fd, cfd, c.obj_off, c.dests))
+
+    def _fill_chunk(self, c: LocalChunk) -> list[int] | None:
+        """:meth:`_read_chunk` into fresh registered memory (:mod:`pfs.client.uffd`):
+        the whole blocks copied from the object's page cache into the missing pages
+        and verified in place (:func:`pfs.client.filled.fill_verified`); an unchecked
+        object is read, and so is a chunk not in the page cache (the read path is the
+        one that reads a drive well). Whatever the chunk leaves to the network path
+        (None) has its pages made present first: the network path writes them from
+        the kernel."""
+        fd = self._fds.get(c.stripe)
+        if fd is not None and not _cached(fd, c.obj_off, c.length):
+            settle_views(c.dests)  # cold: read the read path's way (the drive's queue)
+            return self._read_chunk(c)
+        return self._in_place(c, "copy", lambda fd, cfd, obj: fill_verified(
+            obj, fd, cfd, c.obj_off, c.dests, self._source(fd)), "filled_bytes")
+
+    def _in_place(self, c: LocalChunk, what: str, how: Any, key: str = "mapped_bytes"
+                  ) -> list[int] | None:
+        """A chunk of a checked object by ``how(fd, sidecar fd, object id)`` (its
+        counts and the bytes mapped or filled, counted under ``key``), else read;
+        None (EIO): over the network. Filled chunks have their pages made present
+        before anything reads them otherwise."""
+        settle = key == "filled_bytes"
         fd = self._fds.get(c.stripe)
         checked = self._crcs.get(fd) if fd is not None else None
         if fd is None or checked is None:
+            if settle:
+                settle_views(c.dests)
             return self._read_chunk(c)
         try:
-            counts, mapped = map_verified(checked[1], fd, checked[0], c.obj_off, c.dests)
+            counts, mapped = how(fd, checked[0], checked[1])
         except OSError as exc:
+            if settle:
+                settle_views(c.dests)
             if exc.errno != errno.EIO:
                 raise
             metrics.checksum_failure("local")
-            log.info("short-circuit mapping of stripe %d at %d failed (%s): over the network",
-                     c.stripe, c.obj_off, exc)
+            log.info("short-circuit %s of stripe %d at %d failed (%s): over the network",
+                     what, c.stripe, c.obj_off, exc)
             return None
-        self._count(sum(counts), mapped)
+        self._count(sum(counts), mapped, key)
         zero_unread(c.dests, counts)
         return counts
 
+    def _source(self, fd: int) -> uffd.Source | None:
+        """The object of ``fd`` mapped read-only (once per handle), or None where the
+        kernel refuses."""
+        with self._closing:
+            if fd in self._sources:
+                return self._sources[fd]
+            try:
+                src: uffd.Source | None = uffd.Source(fd, os.fstat(fd).st_size)
+            except OSError as exc:
+                log.debug("no mapping of a local object: %s", exc)
+                src = None
+            self._sources[fd] = src
+            return src
+
     async def read_chunks(self, chunks: Sequence[LocalChunk], threads: int = BULK_THREADS,
                           done: Any = None, limiter: trio.CapacityLimiter | None = None,
-                          mapped: bool = False) -> list[list[int] | None]:
+                          mapped: bool = False, fill: bool = False
+                          ) -> list[list[int] | None]:
         """Read many chunks (:func:`pfs.client.plan.local_chunks`) on ``threads`` worker
         threads, each taking the next chunk when it is done with one: no event-loop
         hop, no task per chunk, the GIL dropped in preadv and CRC32C, so reads and
@@ -435,9 +500,11 @@ class HandleObjects:
         ``limiter``: shared with other such reads (of other files), so that all of
         them together run at most its number of threads. ``mapped``: the chunks'
         destinations lie in private anonymous mappings of the caller's, and the whole
-        blocks of the objects are mapped there instead of read (:meth:`_map_chunk`)."""
+        blocks of the objects are mapped there instead of read (:meth:`_map_chunk`).
+        ``fill``: the destinations lie in fresh memory registered with
+        :mod:`pfs.client.uffd`, filled by :meth:`_fill_chunk`."""
         out: list[list[int] | None] = [None] * len(chunks)
-        one = self._map_chunk if mapped else self._read_chunk
+        one = self._map_chunk if mapped else self._fill_chunk if fill else self._read_chunk
         if not chunks:
             return out
         progress = _Progress()
@@ -504,3 +571,8 @@ class HandleObjects:
                 os.close(fd)
         for cfd, _obj in crcs.values():
             os.close(cfd)
+        with self._closing:
+            sources, self._sources = self._sources, {}
+        for src in sources.values():
+            if src is not None:
+                src.close()

@@ -82,9 +82,11 @@ class BufferPool:
         with self._lock:
             return sum(cap for _t, cap, _m in self._free)
 
-    def take(self, n: int) -> Lease:
-        """A buffer of ``n`` bytes (n > 0): a freed one of about that size, else fresh."""
-        cap = -(-n // PAGE) * PAGE
+    def take(self, n: int, pad: int = 0) -> Lease:
+        """A buffer of ``n`` bytes (n > 0): a freed one of about that size, else fresh;
+        it starts ``pad`` bytes (< a page) into its mapping, so that a buffer for file
+        bytes from offset ``f`` can lie in pages as the file does (``pad = f % PAGE``)."""
+        cap = -(-(n + pad) // PAGE) * PAGE
         mm: mmap.mmap | None = None
         if self._dying:
             self._unmap([])
@@ -107,7 +109,7 @@ class BufferPool:
         fresh = mm is None
         if mm is None:
             mm = anon_buffer(cap)
-        array = (ctypes.c_ubyte * n).from_buffer(mm)
+        array = (ctypes.c_ubyte * n).from_buffer(mm, pad)
         fin = weakref.finalize(array, self._returned, mm, cap)
         fin.atexit = False  # at exit the mapping goes with the process
         return Lease(array, memoryview(array).cast("B"), fresh)
@@ -178,9 +180,9 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def take(n: int) -> Lease:
+def take(n: int, pad: int = 0) -> Lease:
     """A buffer of ``n`` bytes from the process's pool (:data:`POOL`)."""
-    return POOL.take(n)
+    return POOL.take(n, pad)
 
 
 def release() -> int:

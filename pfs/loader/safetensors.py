@@ -24,7 +24,11 @@ How it reads:
    when its tensors were freed (:mod:`pfs.loader.pool`: no page to fault in again), or
    a fresh one that a thread faults in from its far end while the reads fill it from
    the front (:mod:`pfs.loader.buffers`), so most pages are there before a copy
-   reaches them instead of faulting in one by one inside it;
+   reaches them instead of faulting in one by one inside it; a fresh buffer of a pfs
+   shard whose every stripe is local is instead registered with a userfaultfd and
+   filled by the short-circuit reads page for page from the objects' page cache
+   (:mod:`pfs.client.filled`: no fault and no zeroing per page, still a private copy,
+   every block verified in place);
 6. with ``zero_copy=True`` (opt-in, pfs, CPU) a shard with local objects gets one
    anonymous mapping instead, over which the local objects' pages are mapped
    copy-on-write and verified in place (:mod:`pfs.client.mapping`), the rest read into
@@ -61,6 +65,7 @@ from typing import Any
 
 import trio
 
+from pfs.client import uffd
 from pfs.client.shortcircuit import BULK_THREADS
 from pfs.core.config import ProfileSettings, profile_settings
 from pfs.loader import pool
@@ -301,13 +306,22 @@ class _Reader:
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
                         progress: Any = None, landed: Landed | None = None,
-                        mapped: frozenset[int] = frozenset()) -> list[int]:
+                        mapped: frozenset[int] = frozenset(),
+                        filled: frozenset[int] = frozenset()) -> list[int]:
         """Read every ``(handle, offset, buffer)`` at once; ``progress.add(n)`` as
         reads complete; ``landed(handle, off, n)`` (where the reader knows: the pfs
         bulk reads) as the ``n`` file bytes at ``off`` are in their buffer. ``mapped``:
         indexes of ops whose buffers lie in a :func:`_reserve` mapping, for a reader
-        that can map its bytes there (:meth:`map_unit`)."""
+        that can map its bytes there (:meth:`map_unit`). ``filled``: indexes of ops
+        whose buffers lie in fresh memory registered with :mod:`pfs.client.uffd`
+        (:meth:`can_fill`)."""
         raise NotImplementedError
+
+    def can_fill(self, handle: Any) -> bool:
+        """Whether fresh buffers of ``handle`` can be filled by ``UFFDIO_COPY``
+        (:func:`_fill_buffers`): every byte of the file is read by the reader itself,
+        page for page as the file lays them out."""
+        return False
 
     def map_unit(self, handle: Any) -> int | None:
         """The span (bytes) whose multiples a zero-copy load of ``handle`` maps, or
@@ -355,7 +369,8 @@ class _LocalReader(_Reader):
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
                         progress: Any = None, landed: Landed | None = None,
-                        mapped: frozenset[int] = frozenset()) -> list[int]:
+                        mapped: frozenset[int] = frozenset(),
+                        filled: frozenset[int] = frozenset()) -> list[int]:
         from pfs.core.engine import Op
 
         batch: list[Op] = []
@@ -421,14 +436,17 @@ class _PfsReader(_Reader):
 
     async def read_many(self, ops: list[tuple[Any, int, memoryview]],
                         progress: Any = None, landed: Landed | None = None,
-                        mapped: frozenset[int] = frozenset()) -> list[int]:
+                        mapped: frozenset[int] = frozenset(),
+                        filled: frozenset[int] = frozenset()) -> list[int]:
         """Each file's reads in one call (``File.pread_many``): its local objects are
         read in bulk on threads, by object, each chunk verified as it is read (or, for
-        the ``mapped`` ops, mapped and verified in place)."""
+        the ``mapped`` ops, mapped and verified in place; for the ``filled`` ones,
+        copied from the page cache into fresh pages and verified in place)."""
         out = [0] * len(ops)
-        by_file: dict[tuple[int, bool], tuple[Any, list[int]]] = {}
+        by_file: dict[tuple[int, int], tuple[Any, list[int]]] = {}
         for i, (f, _off, _view) in enumerate(ops):
-            by_file.setdefault((id(f), i in mapped), (f, []))[1].append(i)
+            mode = 1 if i in mapped else 2 if i in filled else 0
+            by_file.setdefault((id(f), mode), (f, []))[1].append(i)
         lock = threading.Lock()
         # one pool of reader threads for every shard: the files are read one after
         # another, front to back, rather than all at once by 4 threads each
@@ -441,17 +459,23 @@ class _PfsReader(_Reader):
             if landed is not None:
                 landed(f, off, n)
 
-        async def one(f: Any, idx: list[int], zero_copy: bool) -> None:
+        async def one(f: Any, idx: list[int], mode: int) -> None:
             tell = None if progress is None and landed is None else partial(done, f)
             got = await f.pread_many([(ops[i][1], ops[i][2]) for i in idx], done=tell,
-                                     limiter=threads, mapped=zero_copy)
+                                     limiter=threads, mapped=mode == 1, fill=mode == 2)
             for i, n in zip(idx, got, strict=True):
                 out[i] = n
 
         async with trio.open_nursery() as n:
-            for (_id, zero_copy), (f, idx) in by_file.items():
-                n.start_soon(one, f, idx, zero_copy)
+            for (_id, mode), (f, idx) in by_file.items():
+                n.start_soon(one, f, idx, mode)
         return out
+
+    def can_fill(self, handle: Any) -> bool:
+        """A file whose every stripe this handle holds a short-circuit descriptor of,
+        with a page-multiple stripe unit, where the kernel has userfaultfd."""
+        return (handle.layout.unit % mmap.PAGESIZE == 0
+                and handle.local_stripes() == handle.layout.count and uffd.available())
 
     def map_unit(self, handle: Any) -> int | None:
         """The stripe unit, when it is a multiple of the page size and the handle holds
@@ -626,10 +650,10 @@ class _Numpy:
             ml_dtypes = None
         self.ml = ml_dtypes
 
-    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
+    def alloc(self, n: int, pad: int = 0) -> tuple[Any, memoryview, bool]:
         if n == 0:
             return self.np.empty(0, dtype=self.np.uint8), memoryview(b""), False
-        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        lease = pool.take(n, pad)  # a freed buffer of an earlier load, or a fresh mapping
         a = self.np.frombuffer(lease.array, dtype=self.np.uint8, count=n)
         return a, lease.view, lease.fresh
 
@@ -663,13 +687,14 @@ class _Torch:
         self.device = device
         self.pin = device.startswith("cuda")
 
-    def alloc(self, n: int) -> tuple[Any, memoryview, bool]:
-        """A uint8 buffer of ``n`` bytes, a writable view of it, and whether it is fresh
+    def alloc(self, n: int, pad: int = 0) -> tuple[Any, memoryview, bool]:
+        """A uint8 buffer of ``n`` bytes (``pad`` bytes into its first page: see
+        :func:`pfs.loader.pool.take`), a writable view of it, and whether it is fresh
         memory to fault in (pinned pages are faulted in by their allocator)."""
         if self.pin or n == 0:  # pinned: cudaHostAlloc's own pages
             t = self.torch.empty(n, dtype=self.torch.uint8, pin_memory=self.pin)
             return t, memoryview(t.numpy()).cast("B"), False  # type: ignore[arg-type]
-        lease = pool.take(n)  # a freed buffer of an earlier load, or a fresh mapping
+        lease = pool.take(n, pad)  # a freed buffer of an earlier load, or a fresh mapping
         return (self.torch.frombuffer(lease.array, dtype=self.torch.uint8, count=n),
                 lease.view, lease.fresh)
 
@@ -769,22 +794,45 @@ async def _read_gds(fw: _Torch, device: str, regions: list[_Region],
     await trio.to_thread.run_sync(run)
 
 
+def _register(view: memoryview, registered: list[tuple[int, int]]) -> bool:
+    """Register the fresh pages under ``view`` with the userfaultfd (the reader then
+    fills them page for page, :mod:`pfs.client.filled`); noted in ``registered``."""
+    page = mmap.PAGESIZE
+    start = address(view) // page * page
+    length = -(-(address(view) + len(view)) // page) * page - start
+    if not uffd.register(start, length):
+        return False
+    registered.append((start, length))
+    return True
+
+
+def _unregister(registered: list[tuple[int, int]]) -> None:
+    """The registered buffers plain memory again (a page still missing: zeros), each
+    one even if another fails (the load's own error, if any, is the one raised)."""
+    for addr, length in registered:
+        try:
+            uffd.unregister(addr, length)
+        except OSError as exc:
+            log.warning("loader buffer at %#x stays registered: %s", addr, exc)
+
+
 async def _read_populating(reader: _Reader, ops: list[tuple[Any, int, memoryview]],
                            views: list[memoryview], progress: Any,
                            landed: Landed | None = None,
-                           mapped: frozenset[int] = frozenset()) -> list[int]:
+                           mapped: frozenset[int] = frozenset(),
+                           filled: frozenset[int] = frozenset()) -> list[int]:
     """``reader.read_many(ops)`` while a thread faults the fresh buffers in from their
     far end (buffers.py): the reads, which start at the front, copy into pages already
     there instead of faulting each one in; the thread stops once the reads are done."""
     fresh = [(address(v), len(v)) for v in views if len(v)]
     if not fresh:
-        return await reader.read_many(ops, progress, landed, mapped)
+        return await reader.read_many(ops, progress, landed, mapped, filled)
     stop = threading.Event()
     counts: list[int] = []
     async with trio.open_nursery() as n:
         n.start_soon(partial(trio.to_thread.run_sync, populate, fresh, POPULATE_THREADS, stop))
         try:
-            counts = await reader.read_many(ops, progress, landed, mapped)
+            counts = await reader.read_many(ops, progress, landed, mapped, filled)
         finally:
             stop.set()
     return counts
@@ -852,6 +900,7 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
     arrivals: Arrivals | None = None
     early: dict[str, Any] = {}  # tensors handed to on_tensor during the reads
     shards: list[Shard] = [None] * len(paths)  # type: ignore[list-item]
+    registered: list[tuple[int, int]] = []  # fresh buffers filled by UFFDIO_COPY
     try:
         async def head(i: int, p: str) -> None:
             try:
@@ -880,9 +929,17 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
             ops, to_read = _mapped_ops(reader, fw, regions)
             owners += [(names_of[id(h)], len(v)) for h, _o, v in ops]
             mapped = frozenset(range(len(ops)))
+        can_fill: dict[int, bool] = {}
+        filling: list[int] = []  # ops whose fresh buffers are registered (uffd)
         for r in to_read if not gds else []:
-            r.buf, view, fresh = fw.alloc(r.end - r.start)
-            if fresh:
+            fill = device == "cpu" and can_fill.setdefault(
+                id(r.shard), reader.can_fill(r.shard.handle))
+            # a buffer to fill lies as the file does within pages (page-for-page copies)
+            r.buf, view, fresh = fw.alloc(r.end - r.start, r.start % mmap.PAGESIZE
+                                          if fill else 0)
+            if fill and fresh and len(view) and _register(view, registered):
+                filling.append(len(ops))
+            elif fresh:
                 views.append(view)
             if len(view):
                 ops.append((r.shard.handle, r.start, view))
@@ -902,12 +959,13 @@ async def _load(reader: _Reader, source: str, fw: _Numpy | _Torch, device: str,
             arrivals = _arrivals(fw, regions, on_tensor, early)
         counts = await _read_populating(reader, ops, views, stats.progress,
                                         arrivals.landed if arrivals is not None else None,
-                                        mapped)
+                                        mapped, frozenset(filling))
         for (fname, want), got in zip(owners, counts, strict=True):
             if got < want:
                 raise CheckpointError(fname, f"truncated: read {got} of {want} bytes "
                                              "(the file shrank while loading?)")
     finally:
+        _unregister(registered)
         for sh in shards:
             if sh is not None and sh.handle is not None:
                 with trio.CancelScope(shield=True):

@@ -173,6 +173,20 @@ def test_stripes_of_a_remote_server_are_read_into_the_same_mapping(
         cluster.down(cdir)
 
 
+def write_holes(c: Any, workdir: str) -> tuple[str, bytes]:
+    """A file with a hole of several units in the middle (sparse rows inside objects,
+    objects shorter than others) and a tail that ends inside a block; its bytes."""
+    import os
+
+    path = f"{workdir}/holes"
+    data = os.urandom(37 * UNIT + 1234)
+    c.set_layout(workdir, count=4, unit=UNIT)
+    c.write_file(path, data)
+    with c.open(path, "r+b") as f:
+        f.pwrite(b"tail", len(data) + 5 * UNIT)
+    return path, data + bytes(5 * UNIT) + b"tail"
+
+
 def test_mapped_bulk_reads_keep_holes_and_short_objects(
     client_toml: Path, cluster_dir: Path, workdir: str
 ) -> None:
@@ -181,16 +195,9 @@ def test_mapped_bulk_reads_keep_holes_and_short_objects(
     inside a block: the same bytes as a plain read, mapped where whole written blocks
     lie in an object, zeros and partial blocks in anonymous pages."""
     import mmap
-    import os
 
-    path = f"{workdir}/holes"
-    data = os.urandom(37 * UNIT + 1234)
     with sc_client(client_toml) as c:
-        c.set_layout(workdir, count=4, unit=UNIT)
-        c.write_file(path, data)
-        with c.open(path, "r+b") as f:
-            f.pwrite(b"tail", len(data) + 5 * UNIT)
-        want = data + bytes(5 * UNIT) + b"tail"
+        path, want = write_holes(c, workdir)
         before = mapped_bytes(c)
         mm = mmap.mmap(-1, len(want), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(mm)
