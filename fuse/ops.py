@@ -30,10 +30,12 @@ import pyfuse3
 import trio
 
 from pfs.client.aio import AsyncClient, FileHandle
+from pfs.client.meta import MetaClient
 from pfs.client.types import Cred, DirEntry, StatResult
 from pfs.core import errors as E
 from pfs.core import metrics
 from pfs.core.messages.meta import RENAME_EXCHANGE, RENAME_NOREPLACE
+from pfs.core.wire.rpc import HOLD
 from pfs.fuse.attr_cache import AttrCache
 from pfs.fuse.known_dirs import KnownDirs
 from pfs.fuse.options import MountTuning
@@ -119,6 +121,31 @@ def _serving(fn: F) -> F:
             self._active -= 1
 
     return serving  # type: ignore[return-value]
+
+
+def _changing(fn: F) -> F:
+    """``_serving`` for a request made of one metaserver call (an entry change, an
+    open): when nothing else of this mount waits (``_alone``) the worker keeps pyfuse3's
+    read lock and the call waits for its reply holding the event loop, up to
+    ``NOW_TIMEOUT`` (``MetaClient.holding``): no other worker woken to read /dev/fuse,
+    no scheduler passes. A reply that takes longer is waited for the usual way, the
+    read lock handed on first; the request is sent once either way."""
+
+    @functools.wraps(fn)
+    async def changing(self: PfsOperations, *args: Any) -> Any:
+        alone = self._alone()
+        if not alone:
+            yield_reader()
+        self._active += 1
+        token = MetaClient.holding(yield_reader) if alone else None
+        try:
+            return await fn(self, *args)
+        finally:
+            self._active -= 1
+            if token is not None:
+                HOLD.reset(token)
+
+    return changing  # type: ignore[return-value]
 
 
 class _Waiting:
@@ -461,7 +488,7 @@ class PfsOperations(pyfuse3.Operations):
         with fs_errors():
             return await self.meta.readlink(inode)
 
-    @_serving
+    @_changing
     async def mknod(
         self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -473,7 +500,7 @@ class PfsOperations(pyfuse3.Operations):
         self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
-    @_serving
+    @_changing
     async def mkdir(
         self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -487,7 +514,7 @@ class PfsOperations(pyfuse3.Operations):
         self._known.learn(attr.st_ino, (), since)  # made here: empty when it was asked
         return self._looked_up(attr)
 
-    @_serving
+    @_changing
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         try:
@@ -497,7 +524,7 @@ class PfsOperations(pyfuse3.Operations):
             self._attrs.clear()  # the unlinked inode's link count and ctime moved
         self._parent_changed(parent_inode, pa)
 
-    @_serving
+    @_changing
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._check_writable()
         try:
@@ -507,7 +534,7 @@ class PfsOperations(pyfuse3.Operations):
             self._attrs.clear()
         self._parent_changed(parent_inode, pa)
 
-    @_serving
+    @_changing
     async def symlink(
         self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -519,7 +546,7 @@ class PfsOperations(pyfuse3.Operations):
         self._parent_changed(parent_inode, pa)
         return self._looked_up(attr)
 
-    @_serving
+    @_changing
     async def rename(
         self,
         parent_inode_old: int,
@@ -555,7 +582,7 @@ class PfsOperations(pyfuse3.Operations):
             self._known.removed(parent_inode_old, name_old)
         self._known.added(parent_inode_new, name_new)
 
-    @_serving
+    @_changing
     async def link(
         self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
@@ -591,7 +618,7 @@ class PfsOperations(pyfuse3.Operations):
         a = h.attr
         return (a.st_mtime_ns, a.st_size) if a is not None else (-1, -1)
 
-    @_serving
+    @_changing
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & _WRITE_FLAGS:
             self._check_writable()
@@ -603,7 +630,7 @@ class PfsOperations(pyfuse3.Operations):
             since = None  # and the reply's attributes are after it
         return self._file_info(h, self._key(h), since)
 
-    @_serving
+    @_changing
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:

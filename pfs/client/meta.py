@@ -25,12 +25,14 @@ socket, the scheduler's passes, a cancel scope). That connection never carries h
 """
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import trio
@@ -47,7 +49,7 @@ from pfs.core.messages.base import RequestMessage, parse_reply
 from pfs.core.messages.records import At, WireCred
 from pfs.core.wire.blocking import BlockingRpcClient
 from pfs.core.wire.connect import open_blocking, open_rpc
-from pfs.core.wire.rpc import RpcClient
+from pfs.core.wire.rpc import HOLD, Hold, RpcClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -271,16 +273,19 @@ class MetaClient:
         retried within ``timeout`` (the module doc)."""
         if self.direct:
             return self.request_blocking(msg)
+        hold = HOLD.get()
         retry: Retry | None = None
         while True:
             sent = False
             try:
                 rpc = self._rpc
                 if rpc is None or not rpc.alive:
+                    if hold is not None:
+                        hold.waits()
                     rpc = await self._client()
                 closes = self._take_closes() if self._closes else None
                 sent = True
-                reply = parse_reply(msg, (await rpc.send(msg, closes=closes)).fields)
+                reply = parse_reply(msg, (await rpc.send(msg, closes=closes, hold=hold)).fields)
                 self._reached = True
                 return reply
             except OSError as exc:
@@ -288,6 +293,8 @@ class MetaClient:
                     raise  # the answer (ENOENT, EEXIST, ...): no Retry to make
                 retry = retry or self._retry()
                 pause = retry.pause(exc, sent, msg)
+            if hold is not None:
+                hold.waits()
             await trio.sleep(pause)
 
     def run_now(self, plan: Plan[T]) -> T | None:
@@ -325,6 +332,15 @@ class MetaClient:
             return done.value  # type: ignore[no-any-return]
         finally:
             plan.close()
+
+    @staticmethod
+    def holding(waits: Callable[[], None]) -> contextvars.Token[Hold | None]:
+        """The calls this task makes until ``HOLD.reset(token)`` may wait for their
+        reply holding the event loop for up to NOW_TIMEOUT (:class:`Hold`); ``waits()``
+        is called before any other wait. For a caller that knows nothing else waits on
+        the loop (as :meth:`run_now`), for calls that change something too: each is
+        still sent once, on the connection its handles belong to."""
+        return HOLD.set(Hold(NOW_TIMEOUT, waits))
 
     def calls_pending(self) -> bool:
         """Whether a call is waiting for the metaserver on the trio connection."""

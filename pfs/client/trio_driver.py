@@ -44,6 +44,7 @@ from pfs.core import metrics
 from pfs.core.checksums import ChecksumError, copied
 from pfs.core.messages import meta as M
 from pfs.core.messages.base import parse_reply
+from pfs.core.wire.rpc import HOLD
 
 if TYPE_CHECKING:  # annotations only: MetaClient runs its plans on this driver
     from pfs.client.meta import MetaClient
@@ -103,6 +104,9 @@ class TrioDriver:
                         assert self.meta is not None
                         value = await self.meta.request(effect.msg)
                     else:
+                        hold = HOLD.get()
+                        if hold is not None:  # only a metaserver call may hold the loop
+                            hold.waits()
                         value = await self._do(effect)
                 except OSError as e:
                     exc = e

@@ -392,3 +392,70 @@ def test_a_server_waits_for_a_slow_peers_next_request_before_receiving() -> None
         assert transport.LATE_TO_WAIT <= counting.eagain <= transport.LATE_TO_WAIT + 1
 
     _run(body)
+
+
+def _held_call(delay: float, hold_s: float) -> tuple[dict, list[str], int]:
+    """One call made holding the loop (``rpc.Hold``) to a server in a thread that answers
+    after ``delay`` s: the reply's fields, what happened in order ("waits" when the
+    caller gave the loop back, "tick" each time another task ran), requests received."""
+    import socket
+    import threading
+    import time
+
+    from pfs.core.wire.blocking import BlockingConnection
+
+    a, b = socket.socketpair()
+    seen: list[str] = []
+    received: list[int] = []
+
+    def server() -> None:
+        conn = BlockingConnection(b, timeout=10)
+        head = conn.recv_head()
+        assert head is not None
+        received.append(head.rid)
+        time.sleep(delay)
+        conn.send_frame(Kind.REPLY, head.rid, {"ok": head.fields["m"]})
+        conn.recv_head()  # until the client closes
+
+    async def main() -> dict:
+        t = threading.Thread(target=server, daemon=True)
+        t.start()
+        cli = RpcClient(Connection(trio.socket.from_stdlib_socket(a)))
+
+        async def ticker() -> None:
+            while True:
+                await trio.sleep(0.01)
+                seen.append("tick")
+
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(cli.run)
+                n.start_soon(ticker)
+                await trio.sleep(0.05)
+                seen.clear()
+                r = await cli.call("mkdir", hold=rpc.Hold(hold_s, lambda: seen.append("waits")))
+                n.cancel_scope.cancel()
+        finally:
+            cli.close()
+        t.join(5)
+        return r.fields
+
+    fields = trio.run(main)
+    return fields, seen, len(received)
+
+
+def test_a_call_holding_the_loop_gets_its_reply_without_giving_it_back() -> None:
+    """A reply within the hold is read in place: no other task ran meanwhile and the
+    caller never said it waits."""
+    fields, seen, sent = _held_call(delay=0.03, hold_s=2.0)
+    assert fields == {"ok": "mkdir"} and sent == 1
+    assert seen == []
+
+
+def test_a_call_holding_the_loop_past_its_hold_waits_the_usual_way_sent_once() -> None:
+    """A reply later than the hold: the caller says it waits (once), gives the loop back
+    (other tasks run), and gets the reply of its one request."""
+    fields, seen, sent = _held_call(delay=0.3, hold_s=0.05)
+    assert fields == {"ok": "mkdir"} and sent == 1
+    assert seen[0] == "waits" and seen.count("waits") == 1
+    assert "tick" in seen

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextvars
 import errno
 import itertools
 import logging
 import math
 import os
 import resource
+import select
 import socket
 import ssl
 import time
@@ -111,6 +113,25 @@ class Result:
     nbytes: int  # payload bytes received (into ``into`` or ``payload``)
 
 
+@dataclass(slots=True)
+class Hold:
+    """A caller that knows nothing else waits on the event loop (the mount, serving one
+    request at a time) may wait for its reply in a ``poll()`` of the socket, holding the
+    loop, for up to ``seconds``: the reply of a quick call is read without the
+    scheduler's passes, a wait on the socket and a cancel scope. Past that it waits the
+    usual way, the request sent once all the same (a change is never sent again);
+    ``waits()`` is called first, and before any other wait."""
+
+    seconds: float
+    waits: Callable[[], None]
+
+
+# the calls of this task (a context variable: trio gives each task its own) may hold
+# the event loop while they wait, as this says (``MetaClient.holding``)
+HOLD: contextvars.ContextVar[Hold | None] = contextvars.ContextVar("pfs_rpc_hold",
+                                                                  default=None)
+
+
 class RpcClient:
     """Calls over one connection; run :meth:`run` in a nursery before calling.
 
@@ -145,6 +166,7 @@ class RpcClient:
         # when read would never let other tasks run: see ``_exchange``)
         self._unyielded = 0
         self._used = -math.inf  # time.monotonic() of the last call's end (``alive``)
+        self._poller: select.poll | None = None  # of ``_poll``
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, host: str, port: int,
@@ -219,18 +241,19 @@ class RpcClient:
                 self._reading = False
 
     async def _read_own(self, rid: int, call: _Call, *, nowait: bool = False,
-                        resumed: bool = False) -> bool:
+                        resumed: bool = False, ready: bool = False) -> bool:
         """A caller alone on the connection reads until its reply is in (or hands a
         frame whose payload is still arriving to the reader task). ``nowait``: only
         what is there already; False when it would have to wait (the caller still
-        reads: it goes on with ``resumed``, waiting for the socket first)."""
+        reads: it goes on with ``resumed``, waiting for the socket first). ``ready``:
+        the socket was just seen readable (receive at once)."""
         conn = self.conn
         dec = conn.decoder
         pending = self._pending
         self._reading = True
         handoff = paused = False
         try:
-            just_sent, wait_first = not resumed, resumed
+            just_sent, wait_first = not (resumed or ready), resumed and not ready
             while not call.done:
                 head = await conn.recv_head(fair=False, just_sent=just_sent, nowait=nowait,
                                             wait_first=wait_first)
@@ -264,6 +287,19 @@ class RpcClient:
             else:
                 self._reading = False
         return True
+
+    def _poll(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the socket to be readable, in this thread, holding
+        the event loop (:class:`Hold`); whether it is."""
+        poller = self._poller
+        if poller is None:
+            assert self.conn._raw is not None  # (only the plain socket's fast path polls)
+            poller = self._poller = select.poll()
+            poller.register(self.conn._raw.fileno(), select.POLLIN)
+        try:
+            return bool(poller.poll(seconds * 1000.0))
+        except InterruptedError:  # a signal: the usual way
+            return False
 
     async def _complete_or_fail(self, call: _Call, head: FrameHead) -> None:
         try:
@@ -312,33 +348,35 @@ class RpcClient:
     async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
                    timeout: float | None = None, closes: list[int] | None = None,
-                   on_reply: OnReply | None = None) -> Result:
+                   on_reply: OnReply | None = None, hold: Hold | None = None) -> Result:
         """One typed request (with handles to release first, ``closes``: a metaserver
         request); the reply's map unparsed (see :meth:`request`), its payload in
         ``into`` (a buffer, or a list of buffers filled in order) when given.
         ``on_reply(fields, n)``, called with the reply's map before its ``n`` payload
         bytes are received into ``into``, may return a sink to hand each piece to as it
-        lands (it must not raise; the payload's tag is checked only after it)."""
+        lands (it must not raise; the payload's tag is checked only after it).
+        ``hold``: the caller may hold the event loop while it waits (see :class:`Hold`)."""
         wire = msg.to_wire()
         if closes:
             wire["closes"] = closes
-        return await self._exchange(msg.method, wire, payload, into, timeout, on_reply)
+        return await self._exchange(msg.method, wire, payload, into, timeout, on_reply, hold)
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
                    payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
-                   timeout: float | None = None) -> Result:
+                   timeout: float | None = None, hold: Hold | None = None) -> Result:
         """An untyped request, for tests that send what no message allows (a missing
         field, an unknown method); the library sends messages (:meth:`send`,
         :meth:`request`)."""
         wire = {"m": method}
         if fields:
             wire.update(fields)
-        return await self._exchange(method, wire, payload, into, timeout)
+        return await self._exchange(method, wire, payload, into, timeout, None, hold)
 
     async def _exchange(self, method: str, wire: dict[str, Any], payload: Payload | None,
                         into: memoryview | list[memoryview] | None,
-                        timeout: float | None, on_reply: OnReply | None = None) -> Result:
+                        timeout: float | None, on_reply: OnReply | None = None,
+                        hold: Hold | None = None) -> Result:
         if self._dead is not None:
             raise OSError(self._dead.errno, str(self._dead.strerror or self._dead))
         self._unyielded += 1
@@ -366,6 +404,10 @@ class RpcClient:
                 rest = conn.try_send(Kind.REQUEST, rid, wire)
                 if rest is None:
                     resumed = not await self._read_own(rid, call, nowait=True)
+                    if resumed and hold is not None and self._poll(hold.seconds):
+                        resumed = not await self._read_own(rid, call, nowait=True, ready=True)
+            if not call.done and hold is not None:
+                hold.waits()  # the loop is the others' again
             if not call.done:
                 with trio.move_on_after(limit if limit > 0 else math.inf) as scope:
                     if resumed:  # the reply was not there yet: wait for it
