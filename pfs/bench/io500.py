@@ -9,7 +9,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
                       rank's close (each rank's fsync before IOR's barrier)
   mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
                       mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
-                      sync() after the creates, inside the time (-Y)
+                      every rank's system("sync") after the creates, inside the time
+                      (-Y: IOR's POSIX_Sync runs the sync command through a shell)
   (timestamp)         the reference file for find's -newer, in the results directory
                       (io500's resdir: on local disk, not on the target)
   ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, opened
@@ -17,7 +18,7 @@ does, read from their sources, with the same files, order, rank shifts and timin
                       (s * nprocs + r) * 47008, fsync at the end; after each IOR
                       phase every rank stat()s its file, untimed (CheckFileSize)
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
-                      mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
+                      mdtest-hard/test-dir.0-0/mdtest_tree.0; system("sync") inside the time
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
@@ -513,7 +514,7 @@ class Rank:
         while done < target:
             one(done)
             done += 1
-        s.sync()  # mdtest -Y: sync() after the phase, inside its time
+        s.sync()  # mdtest -Y: system("sync") after the phase, inside its time
         return {"items": done, "bytes": done * size, "at_stonewall": at_stonewall,
                 "stonewall_hit": hit}
 
