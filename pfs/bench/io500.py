@@ -9,7 +9,8 @@ does, read from their sources, with the same files, order, rank shifts and timin
                       rank's close (each rank's fsync before IOR's barrier)
   mdtest-easy-write   mdtest -u -F -L -Y: empty files, rank r's in
                       mdtest-easy/test-dir.0-0/mdtest_tree.{r+1}.0 (mdtest's own naming);
-                      sync() after the creates, inside the time (-Y)
+                      every rank's system("sync") after the creates, inside the time
+                      (-Y: IOR's POSIX_Sync runs the sync command through a shell)
   (timestamp)         the reference file for find's -newer, in the results directory
                       (io500's resdir: on local disk, not on the target)
   ior-hard-write      IOR -t 47008 -b 47008 -s N: one shared file ior-hard/file, opened
@@ -17,7 +18,7 @@ does, read from their sources, with the same files, order, rank shifts and timin
                       (s * nprocs + r) * 47008, fsync at the end; after each IOR
                       phase every rank stat()s its file, untimed (CheckFileSize)
   mdtest-hard-write   mdtest -w 3901 -Y: 3,901-byte files, all ranks in
-                      mdtest-hard/test-dir.0-0/mdtest_tree.0; sync() inside the time
+                      mdtest-hard/test-dir.0-0/mdtest_tree.0; system("sync") inside the time
   find                pfind -newer -size 3901c -name *01*: each directory listed once, the
                       rate counts every entry that is not a directory (pfind's
                       total_files), only *01* names are lstat'ed, -newer compares whole
@@ -79,11 +80,13 @@ and in the results directory ``result_summary.txt`` (the same lines), ``result.t
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import io
 import json
 import logging
 import math
+import mmap
 import multiprocessing as mp
 import os
 import random
@@ -124,6 +127,7 @@ HARD_TRANSFER = 47008  # ior-hard: -t 47008 -b 47008, shared file
 HARD_FILE_SIZE = 3901  # mdtest-hard: -w 3901 -e 3901
 MIN_WRITE_S = 300.0  # IO500's minimum runtime of a write phase
 FIND_NAME = "01"  # find -name "*01*"
+WBuf = bytearray | mmap.mmap  # a writable transfer buffer
 HEADER = struct.Struct("<QQQ")  # stamp of every transfer / file: offset, writer rank + 1, seed
 
 # name, score group (bw / md / None), whether the phase is a stonewalled write
@@ -286,11 +290,10 @@ class Rank:
     def reseed(self, seed: int) -> None:
         """The data pattern of ``seed`` (a later run of a read phase takes its writers')."""
         self.cfg = replace(self.cfg, seed=seed)
-        rng = random.Random(seed)
-        self.pattern[:] = rng.randbytes(max(self.cfg.easy_transfer, HARD_TRANSFER))
+        self.pattern[:] = ior_pattern(seed, max(self.cfg.easy_transfer, HARD_TRANSFER))
         self._body.clear()
 
-    def stamped(self, buf: bytearray, off: int, writer: int) -> bytearray:
+    def stamped(self, buf: WBuf, off: int, writer: int) -> WBuf:
         HEADER.pack_into(buf, 0, off, writer + 1, self.cfg.seed)
         return buf
 
@@ -390,7 +393,7 @@ class Rank:
     # -- ior: -g (barriers around open, transfers, close), -e (fsync at close) -----------
     def _ior_write(self, path: str, shared: bool, transfer: int, cap: int,
                    offset: Callable[[int], int]) -> dict[str, float]:
-        buf = bytearray(self.pattern[:transfer])
+        buf = aligned_buffer(self.pattern[:transfer])
         s = self.store
         # IOR's POSIX create: every rank opens O_CREAT|O_RDWR at once, the shared file
         # too (no barrier between rank 0's create and the others' opens)
@@ -418,7 +421,7 @@ class Rank:
 
     def _ior_read(self, path: str, transfer: int, count: int, writer: int,
                   offset: Callable[[int], int]) -> dict[str, float]:
-        buf = memoryview(bytearray(transfer))
+        buf = memoryview(aligned_buffer(self.pattern[:transfer]))
         self._ior_file = path
         h = self.store.open(path, create=False, write=False)
         self.comm.barrier()
@@ -427,7 +430,7 @@ class Rank:
             if self.c is not None:  # offsets are first + k * stride (IOR's -s/-b/-t walk)
                 first = offset(0)
                 stride = offset(1) - first
-                _, got, bad = self.c.ior_read(h, transfer, count, first, stride, writer,
+                _, got, bad = self.c.ior_read(h, buf, count, first, stride, writer,
                                               self.body(transfer), self.cfg.seed,
                                               self.cfg.verify)
             for i in range(count if self.c is None else 0):
@@ -486,7 +489,7 @@ class Rank:
 
     def _md_write(self, dirpath: str, cap: int, size: int) -> dict[str, float]:
         s = self.store
-        data = bytearray(self.pattern[:size])
+        data = aligned_buffer(self.pattern[:size]) if size else bytearray()  # mdtest's too
         done = 0
 
         c = self.c
@@ -511,7 +514,7 @@ class Rank:
         while done < target:
             one(done)
             done += 1
-        s.sync()  # mdtest -Y: sync() after the phase, inside its time
+        s.sync()  # mdtest -Y: system("sync") after the phase, inside its time
         return {"items": done, "bytes": done * size, "at_stonewall": at_stonewall,
                 "stonewall_hit": hit}
 
@@ -699,6 +702,26 @@ class Rank:
         else:
             out["score"] = out["items"] / 1000.0 / runtime if runtime > 0 else 0.0
         return out
+
+
+def aligned_buffer(fill: bytes | bytearray) -> mmap.mmap:
+    """IOR's transfer buffer (aligned_buffer_alloc): page-aligned, here an anonymous
+    mapping, and written through before the clock starts as IOR writes its pattern into
+    it (generate_memory_pattern). A buffer off the page boundary (malloc's, 16 bytes in)
+    makes the kernel's copy to or from the page cache several times slower."""
+    buf = mmap.mmap(-1, max(1, len(fill)))
+    buf[:len(fill)] = fill
+    return buf
+
+
+def ior_pattern(seed: int, n: int) -> bytes:
+    """``n`` bytes of IOR's "timestamp" data packet (io500's dataPacketType; hpc/ior
+    generate_memory_pattern): word i is (rank << 32) | (signature + i), here rank 0 and
+    the signature the seed's low 31 bits. Every file and transfer is its first bytes
+    with the stamp over the first three words; the C read loops check it word by word
+    as IOR's verify_memory_pattern does (io500_loops.c)."""
+    sig = seed & 0x7FFFFFFF
+    return array.array("Q", range(sig, sig + (n + 7) // 8)).tobytes()[:n]
 
 
 def phase_time(name: str, starts: Sequence[float], ends: Sequence[float],

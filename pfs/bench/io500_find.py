@@ -22,6 +22,7 @@ one process.
 from __future__ import annotations
 
 import logging
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,26 @@ LAST_PHASE = 3  # pfind: 1 potential cleanup, 2 stop stealing, 3 terminate
 
 # a queued item: ("d", directory) or ("f", file to lstat), and the lister's hint for it
 Item = tuple[str, str, Any]
+
+# pfind's work_t as it travels in a steal answer: char name[PATH_MAX], dir_start, dir_end,
+# type, padded to 8 bytes (4,120 bytes an item: an answer of n items is n * 4,120 bytes)
+WORK_T = struct.Struct("=4096sQQc7x")
+# Open MPI's shared-memory eager limit (btl_vader_eager_limit): a longer message goes by
+# rendezvous, and MPI_Send returns only once the receiver has matched and copied it
+EAGER_LIMIT = 4096
+
+
+def pack_work(items: list[Item]) -> bytes:
+    """A steal answer as pfind sends it: each item a whole work_t (hints stay behind)."""
+    pack = WORK_T.pack
+    return b"".join(pack(path.encode(), 0, 0, kind.encode()) for kind, path, _ in items)
+
+
+def unpack_work(buf: bytes | bytearray | memoryview) -> list[Item]:
+    out: list[Item] = []
+    for name, _, _, kind in WORK_T.iter_unpack(buf):
+        out.append((kind.decode(), name.split(b"\0", 1)[0].decode(), None))
+    return out
 
 
 class GlibcRand:
@@ -293,14 +314,29 @@ class Walker:
 class LocalNet(Net):
     """pfind's messages between the processes of one node. ``req[v * size + t]`` is set
     by rank t asking rank v; ``tok[r]`` holds the token's phase + 1 for rank r; the work
-    handed to rank t goes through pipe t; ``stop`` ends every spinning rank (a rank
-    failed). Made in the parent (:meth:`make`), bound to a rank in each (:meth:`at`)."""
+    handed to rank t goes through pipe t as pfind's bytes (:func:`pack_work`), and
+    ``taken[t]`` counts the answers rank t has received; ``stop`` ends every spinning rank
+    (a rank failed). Made in the parent (:meth:`make`), bound to a rank in each
+    (:meth:`at`).
+
+    An answer longer than MPI's eager limit (any with an item: 4,120 bytes each) is
+    handed over as Open MPI's shared memory does: the giver spins in its MPI_Send until
+    the asker, in its own loop, has taken it (on a loaded node the giver waits for the
+    asker to be scheduled); an empty answer is left in the pipe."""
 
     def __init__(
-        self, size: int, req: Any, tok: Any, stop: Any, pipes: list[Any], rank: int = 0
+        self,
+        size: int,
+        req: Any,
+        tok: Any,
+        taken: Any,
+        stop: Any,
+        pipes: list[Any],
+        rank: int = 0,
     ) -> None:
         self.size, self.rank = size, rank
-        self._req, self._tok, self._stop, self._pipes = req, tok, stop, pipes
+        self._req, self._tok, self._taken = req, tok, taken
+        self._stop, self._pipes = stop, pipes
 
     @classmethod
     def make(cls, ctx: Any, size: int) -> LocalNet:
@@ -309,20 +345,21 @@ class LocalNet(Net):
             size,
             ctx.RawArray("i", size * size),
             ctx.RawArray("i", size),
+            ctx.RawArray("i", size),
             ctx.RawValue("i", 0),
             pipes,
         )
 
     def at(self, rank: int) -> LocalNet:
         """This net as rank ``rank`` sees it, cleared for a new walk."""
-        net = LocalNet(self.size, self._req, self._tok, self._stop, self._pipes, rank)
+        net = LocalNet(self.size, self._req, self._tok, self._taken, self._stop, self._pipes, rank)
         row = rank * self.size
         for t in range(self.size):
             self._req[row + t] = 0
         self._tok[rank] = 0
         recv = self._pipes[rank][0]
         while recv.poll():  # an answer left by an aborted walk
-            recv.recv()
+            recv.recv_bytes()
         return net
 
     def stop(self) -> None:
@@ -344,7 +381,13 @@ class LocalNet(Net):
         return out
 
     def respond(self, thief: int, items: list[Item]) -> None:
-        self._pipes[thief][1].send(items)
+        data = pack_work(items)
+        taken = self._taken
+        before = taken[thief]
+        self._pipes[thief][1].send_bytes(data)
+        if len(data) > EAGER_LIMIT:
+            while taken[thief] == before:  # MPI_Send of a rendezvous message
+                self.check()
 
     def ask(self, victim: int) -> None:
         self._req[victim * self.size + self.rank] = 1
@@ -353,7 +396,9 @@ class LocalNet(Net):
         recv = self._pipes[self.rank][0]
         if not recv.poll():
             return None
-        return list(recv.recv())
+        data = recv.recv_bytes()
+        self._taken[self.rank] += 1
+        return unpack_work(data)
 
     def token(self) -> int | None:
         t = self._tok[self.rank]
@@ -372,8 +417,9 @@ class LocalNet(Net):
 
 class MpiNet(Net):
     """pfind's messages over MPI (mpi4py), with pfind's tags: a request is an empty
-    message to the victim, the answer a message back with the jobs, the token a message
-    to the right neighbour."""
+    message to the victim, the answer a message back with the jobs as pfind's bytes
+    (:func:`pack_work`, sent with MPI_Send as pfind sends them), the token a message to
+    the right neighbour."""
 
     COMPLETE, STEAL, STEAL_RESPONSE = 777, 800, 820
 
@@ -398,7 +444,8 @@ class MpiNet(Net):
         return out
 
     def respond(self, thief: int, items: list[Item]) -> None:
-        self.comm.send(items, dest=thief, tag=self.STEAL_RESPONSE)
+        data = pack_work(items)
+        self.comm.Send([data, self._mpi.BYTE], dest=thief, tag=self.STEAL_RESPONSE)
 
     def ask(self, victim: int) -> None:
         self._victim = victim
@@ -406,9 +453,12 @@ class MpiNet(Net):
         self._sends.append(self.comm.isend(None, dest=victim, tag=self.STEAL))
 
     def answer(self) -> list[Item] | None:
-        if not self.comm.Iprobe(source=self._victim, tag=self.STEAL_RESPONSE):
+        st = self._status()
+        if not self.comm.Iprobe(source=self._victim, tag=self.STEAL_RESPONSE, status=st):
             return None
-        return list(self.comm.recv(source=self._victim, tag=self.STEAL_RESPONSE))
+        buf = bytearray(st.Get_count(self._mpi.BYTE))
+        self.comm.Recv([buf, self._mpi.BYTE], source=self._victim, tag=self.STEAL_RESPONSE)
+        return unpack_work(buf)
 
     def token(self) -> int | None:
         if not self.comm.Iprobe(source=self._left, tag=self.COMPLETE):

@@ -129,26 +129,79 @@ int io5_md_stat(const char *dir, int owner, int64_t count, int64_t size, int64_t
     return 0;
 }
 
-/* IOR's and mdtest's verify_memory_pattern: every word compared (no early exit: "always
- * read all data to ensure that performance numbers stay the same"), against the stamp
- * (offset or item, writer rank + 1, seed) and then the pattern's bytes */
-static int verify(const unsigned char *buf, size_t n, uint64_t item, int writer, uint64_t seed,
-                  const unsigned char *body) {
-    uint64_t head[3] = {item, (uint64_t)writer + 1, seed};
-    unsigned char hb[HEAD];
-    for (int k = 0; k < 3; k++) put64(hb + 8 * k, head[k]);
+/* The data: every file and transfer is a 24-byte stamp (offset or item, writer rank + 1,
+ * seed: <QQQ) and then the words of IOR's "timestamp" data packet (io500's default
+ * dataPacketType; hpc/ior src/utilities.c generate_memory_pattern): word i is
+ * (rank << 32) | (signature + i), here with rank 0 and the signature the seed's low 31
+ * bits (pfs/bench/io500.py, Rank.reseed), and bytes past the last whole word as the
+ * pattern has them. */
+enum { DATA_TIMESTAMP, DATA_OFFSET, DATA_INCOMPRESSIBLE, DATA_RANDOM };
+#define RANDALGO_GOLDEN_RATIO_PRIME 0x9e37fffffffc0001UL
+#define STAMP_WORDS (HEAD / 8)
+
+/* The packet type the reads check, as IOR passes test->dataPacketType into another
+ * compilation unit: a variable the compiler cannot fold, so that the loop below is
+ * compiled as IOR's is (the type switched per word, not hoisted). */
+int io5_packet_type = DATA_TIMESTAMP;
+
+/* IOR's and mdtest's verify_memory_pattern (IOR -R, mdtest -X), its loop as written
+ * there: every word's expected value computed in turn (the type switched inside the
+ * loop, rand_r once per call), every word compared, no early exit ("always read all
+ * data to ensure that performance numbers stay the same"). Words [from, size). */
+static int ior_verify_words(const unsigned char *buffer, size_t from, size_t size,
+                            uint64_t item, int rand_seed, int pretendRank,
+                            int dataPacketType) {
     int error = 0;
-    size_t words = n / 8;
-    for (size_t i = 0; i < words; i++) {
-        uint64_t got, exp;
-        memcpy(&got, buf + 8 * i, 8);
-        memcpy(&exp, i < 3 ? hb + 8 * i : body + 8 * (i - 3), 8);
+    int k = 1;
+    uint64_t rand_state_local;
+    unsigned seed = (unsigned)rand_seed + (unsigned)pretendRank + (unsigned)item;
+    rand_state_local = (uint64_t)rand_r(&seed);
+    for (size_t i = from; i < size; i++) {
+        uint64_t exp = 0, got;
+        switch (dataPacketType) {
+        case DATA_RANDOM:
+            rand_state_local *= RANDALGO_GOLDEN_RATIO_PRIME;
+            rand_state_local >>= 3;
+            exp = rand_state_local;
+            break;
+        case DATA_INCOMPRESSIBLE: {
+            unsigned s = (unsigned)rand_seed + (unsigned)pretendRank;
+            uint64_t hi = ((uint64_t)rand_r(&s) << 32);
+            uint64_t lo = (uint64_t)rand_r(&s);
+            exp = hi | lo;
+            break;
+        }
+        case DATA_OFFSET:
+        case DATA_TIMESTAMP:
+            exp = ((uint64_t)pretendRank) << 32 | ((size_t)rand_seed + i);
+            break;
+        }
+        if (i % 512 == 0 && (dataPacketType != DATA_TIMESTAMP) && dataPacketType != DATA_RANDOM) {
+            exp = ((uint32_t)item * k) | ((uint64_t)pretendRank) << 32;
+            k++;
+        }
+        memcpy(&got, buffer + 8 * i, 8);
         if (got != exp) error = 1;
     }
-    for (size_t i = words * 8; i < n; i++) {
-        unsigned char exp = i < HEAD ? hb[i] : body[i - HEAD];
-        if (buf[i] != exp) error = 1;
-    }
+    return error;
+}
+
+/* A file or transfer of `n` bytes: the stamp, IOR's words, and the bytes after the last
+ * whole word against `body` (the expected bytes after the stamp) */
+static int verify(const unsigned char *buf, size_t n, uint64_t item, int writer, uint64_t seed,
+                  const unsigned char *body) {
+    uint64_t head[STAMP_WORDS] = {item, (uint64_t)writer + 1, seed};
+    unsigned char hb[HEAD];
+    for (int k = 0; k < STAMP_WORDS; k++) put64(hb + 8 * k, head[k]);
+    int error = 0;
+    size_t words = n / 8;
+    if (memcmp(buf, hb, n < HEAD ? n : HEAD) != 0) error = 1;
+    if (words > STAMP_WORDS &&
+        ior_verify_words(buf, STAMP_WORDS, words, item, (int)(seed & 0x7fffffff), 0,
+                         io5_packet_type))
+        error = 1;
+    for (size_t i = words * 8 > HEAD ? words * 8 : HEAD; i < n; i++)
+        if (buf[i] != body[i - HEAD]) error = 1;
     return error;
 }
 

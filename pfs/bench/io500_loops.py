@@ -14,10 +14,12 @@ import ctypes
 import hashlib
 import logging
 import math
+import mmap
 import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from pfs.core.cbuild import build, cache_dir
 
@@ -75,7 +77,7 @@ class CLoops:
         return deadline - time.perf_counter() + time.clock_gettime(time.CLOCK_MONOTONIC)
 
     def md_create(self, d: str, rank: int, start: int, stop: int, deadline: float,
-                  data: bytearray, seed: int) -> int:
+                  data: bytearray | mmap.mmap, seed: int) -> int:
         """Create files ``start`` .. ``stop - 1`` of ``rank`` in ``d`` until the deadline
         (perf_counter seconds); returns the next item (the count done)."""
         done = _i64(start)
@@ -100,7 +102,8 @@ class CLoops:
         """open/read/compare/close each of ``owner``'s files; (done, bytes, bad)."""
         done, got, bad = _i64(0), _i64(0), _i64(0)
         err = ctypes.create_string_buffer(_ERRLEN)
-        buf = ctypes.create_string_buffer(max(1, size))
+        mem = mmap.mmap(-1, max(1, size))  # page-aligned, as mdtest's aligned_buffer_alloc
+        buf = (ctypes.c_char * len(mem)).from_buffer(mem)
         rc = self.lib.io5_md_read(os.fsencode(d), owner, count, buf, size, body, seed,
                                   int(verify), ctypes.byref(done), ctypes.byref(got),
                                   ctypes.byref(bad), err, _ERRLEN)
@@ -115,14 +118,16 @@ class CLoops:
         self._raise(rc, err)
         return done.value
 
-    def ior_read(self, fd: int, transfer: int, count: int, first: int, stride: int,
+    def ior_read(self, fd: int, buf: Any, count: int, first: int, stride: int,
                  writer: int, body: bytes, seed: int, verify: bool) -> tuple[int, int, int]:
-        """IOR's read loop on ``fd``: transfer k at ``first + k * stride``; (done, bytes,
+        """IOR's read loop on ``fd`` into ``buf`` (a writable buffer of one transfer,
+        page-aligned as IOR's): transfer k at ``first + k * stride``; (done, bytes,
         bad)."""
         done, got, bad = _i64(0), _i64(0), _i64(0)
         err = ctypes.create_string_buffer(_ERRLEN)
-        buf = ctypes.create_string_buffer(max(1, transfer))
-        rc = self.lib.io5_ior_read(fd, buf, transfer, count, first, stride, writer, seed, body,
+        transfer = len(buf)
+        cbuf = (ctypes.c_char * transfer).from_buffer(buf)
+        rc = self.lib.io5_ior_read(fd, cbuf, transfer, count, first, stride, writer, seed, body,
                                    int(verify), ctypes.byref(done), ctypes.byref(got),
                                    ctypes.byref(bad), err, _ERRLEN)
         self._raise(rc, err)

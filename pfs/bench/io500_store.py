@@ -2,6 +2,7 @@
 disk) or pfs through the native client. The phases use only these few operations."""
 from __future__ import annotations
 
+import errno
 import os
 import stat as statmod
 from abc import ABC, abstractmethod
@@ -61,7 +62,8 @@ class Store(ABC):
 
     @abstractmethod
     def sync(self) -> None:
-        """What mdtest's ``-Y`` does after a create phase: ``sync()``."""
+        """What mdtest's ``-Y`` does after a create phase (IOR's POSIX_Sync:
+        ``system("sync")``)."""
 
     def close(self) -> None:  # noqa: B027 - most stores hold nothing to release
         return None
@@ -165,7 +167,11 @@ class PosixStore(Store):
         os.close(h)
 
     def sync(self) -> None:
-        os.sync()
+        # IOR's POSIX_Sync, which mdtest -Y calls on every rank: system("sync"), a shell
+        # forked and the sync command run, not the bare system call
+        rc = os.system("sync")
+        if rc != 0:
+            raise OSError(errno.EIO, f"sync: the sync command failed ({rc}) for {self.root}")
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)

@@ -457,3 +457,23 @@ def test_ior_phases_stat_their_file_after_close(tmp_path: Path) -> None:
         assert rec["verify_errors"] == 0
         path = store.ops[0][1]
         assert store.ops == [("open", path), ("close", path), ("stat", path)], phase
+
+
+def test_mdtest_sync_runs_the_sync_command_through_a_shell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mdtest -Y calls IOR's POSIX_Sync, system("sync"): a shell and the sync command,
+    inside the phase's time, not the bare system call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ran = tmp_path / "ran"
+    fake = bin_dir / "sync"
+    fake.write_text(f"#!/bin/sh\necho $$ >> {ran}\nexit ${{FAKE_SYNC_RC:-0}}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    store = io500.PosixStore(str(tmp_path))
+    store.sync()
+    assert len(ran.read_text().split()) == 1
+    monkeypatch.setenv("FAKE_SYNC_RC", "1")
+    with pytest.raises(OSError, match="sync command failed"):
+        store.sync()

@@ -4,10 +4,13 @@ errors as OSError with the errno and path; and the Python loops taking over, sai
 output, when the library cannot be built. Nothing here judges speed."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
+import mmap
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +101,7 @@ def test_c_and_python_do_the_same_work(tmp_path: Path, c_loops: io500_loops.CLoo
 
 def test_md_loops_directly(tmp_path: Path, c_loops: io500_loops.CLoops) -> None:
     d = str(tmp_path)
-    data = bytearray(os.urandom(HARD_FILE_SIZE))
+    data = bytearray(io500.ior_pattern(7, HARD_FILE_SIZE))  # IOR's words after the stamp
     body = bytes(data[24:])
     assert c_loops.md_create(d, 3, 0, 10, 0.0, data, 7) == 0  # the stonewall passed already
     assert c_loops.md_create(d, 3, 0, 4, float("inf"), data, 7) == 4
@@ -114,6 +117,10 @@ def test_md_loops_directly(tmp_path: Path, c_loops: io500_loops.CLoops) -> None:
         f.seek(HARD_FILE_SIZE - 1)
         f.write(b"\0" if body[-1] else b"\1")
     assert c_loops.md_read(d, 3, 10, HARD_FILE_SIZE, body, 7, True)[2] == 1
+    with open(tmp_path / "file.mdtest.3.5", "r+b") as f:  # and one in a word of IOR's
+        f.seek(1000)
+        f.write(bytes([body[1000 - 24] ^ 1]))
+    assert c_loops.md_read(d, 3, 10, HARD_FILE_SIZE, body, 7, True)[2] == 2
     assert c_loops.md_read(d, 3, 10, HARD_FILE_SIZE, body, 7, False)[2] == 0
     assert c_loops.md_unlink(d, 3, 10) == 10
     assert os.listdir(d) == []
@@ -226,3 +233,15 @@ def test_switched_off(no_c: Any) -> None:
 
 def test_c_loops_said_in_the_output(c_loops: io500_loops.CLoops) -> None:
     assert io500.loops_note().startswith("[NOTE  ] C loops: ")
+
+
+def test_ior_buffers_are_page_aligned_and_hold_iors_timestamp_words() -> None:
+    """IOR's transfer buffer is page-aligned (aligned_buffer_alloc): one 16 bytes into a
+    page, as malloc gives, makes the kernel's copy from the page cache slower."""
+    pat = io500.ior_pattern((1 << 40) + 99, 47008)
+    words = struct.unpack(f"={len(pat) // 8}Q", pat)
+    assert words[:3] == (99, 100, 101) and words[-1] == 99 + 47008 // 8 - 1
+    buf = io500.aligned_buffer(pat)
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    assert ctypes.addressof(view) % mmap.PAGESIZE == 0 and bytes(buf) == pat
+    del view

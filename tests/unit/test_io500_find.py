@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import multiprocessing as mp
+import threading
 from collections import deque
 from typing import Any
 
@@ -15,10 +17,13 @@ import pytest
 from pfs.bench.io500_find import (
     GlibcRand,
     Item,
+    LocalNet,
     Net,
     SoloNet,
     StoreLister,
     Walker,
+    pack_work,
+    unpack_work,
 )
 
 SIZE = 3901
@@ -244,3 +249,35 @@ def test_pfinds_distribution_of_the_io500_tree() -> None:
     assert [
         (w.mon.steal_tries, w.mon.work_stolen, w.mon.steal_inbound, w.mon.work_send) for w in ws
     ] == [(6, 30, 2, 2), (2, 2, 6, 30)]
+
+
+def test_an_answer_travels_as_pfinds_work_items() -> None:
+    items: list[Item] = [("d", "/r/mdtest-easy", None), ("f", "/r/x/file.mdtest.0.101", None)]
+    data = pack_work(items)
+    assert len(data) == 2 * 4120  # sizeof(work_t): char name[PATH_MAX], 2 x uint64, char
+    assert unpack_work(data) == items
+    assert pack_work([]) == b"" and unpack_work(b"") == []
+
+
+def test_a_giver_waits_until_the_asker_took_work_but_not_an_empty_answer() -> None:
+    """Open MPI's shared memory sends anything over 4 KiB by rendezvous: pfind's MPI_Send
+    of one or more work items returns only once the asker has received them."""
+    net = LocalNet.make(mp.get_context("spawn"), 2)
+    try:
+        giver, thief = net.at(0), net.at(1)
+        sent = threading.Event()
+
+        def give() -> None:
+            giver.respond(1, [("f", "/r/a01", None)])
+            sent.set()
+
+        t = threading.Thread(target=give)
+        t.start()
+        assert not sent.wait(0.3)  # still in its MPI_Send
+        assert thief.answer() == [("f", "/r/a01", None)]
+        assert sent.wait(10)
+        t.join()
+        giver.respond(1, [])  # an empty answer is eager: back at once
+        assert thief.answer() == []
+    finally:
+        net.close()
