@@ -148,3 +148,34 @@ def test_read_chunks_reads_every_chunk_and_stops_its_prefetcher(tmp_path: Path) 
     assert sorted(seen) == [i * MIB for i in range(6)]  # (and it returned: the
     # prefetcher's thread, which its nursery waits for, ended with the readers)
     os.close(fd)
+
+
+def test_read_chunks_advises_each_object_sequential_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bulk read tells the kernel that each object it reads goes front to back
+    (``POSIX_FADV_SEQUENTIAL``: twice the readahead window for a cold object), once per
+    object, before its readers start; the bytes are the same."""
+    fds = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        fds.append(_file(tmp_path / str(i), 2 * MIB, cached=False))
+    want = [os.pread(fd, 2 * MIB, 0) for fd in fds]
+    advised: list[tuple[int, int, int, int]] = []
+    real_fadvise = os.posix_fadvise
+
+    def fadvise(fd: int, off: int, n: int, advice: int) -> None:
+        advised.append((fd, off, n, advice))
+        real_fadvise(fd, off, n, advice)
+
+    monkeypatch.setattr(sc.os, "posix_fadvise", fadvise)
+    h = _handle(fds[0])
+    h._fds[1] = fds[1]
+    bufs = [bytearray(2 * MIB) for _ in fds]
+    chunks = [LocalChunk(s, i * MIB, [memoryview(bufs[s])[i * MIB:(i + 1) * MIB]],
+                         [i * MIB]) for i in range(2) for s in range(2)]
+    got = trio.run(lambda: h.read_chunks(chunks, threads=2))
+    assert got == [[MIB]] * 4 and [bytes(b) for b in bufs] == want
+    seq = [a for a in advised if a[3] == os.POSIX_FADV_SEQUENTIAL]
+    assert sorted(seq) == sorted((fd, 0, 0, os.POSIX_FADV_SEQUENTIAL) for fd in fds)
+    for fd in fds:
+        os.close(fd)
