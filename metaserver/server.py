@@ -43,7 +43,7 @@ from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.metaserver import batch, watch
 from pfs.metaserver import keys as K
 from pfs.metaserver.catchup import CatchUp
-from pfs.metaserver.commit import CommitQueue, dry_run
+from pfs.metaserver.commit import CommitQueue, Op, dry_run
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.detector import Detector
@@ -84,6 +84,87 @@ class MetaService(RpcService):
             flags = req.fields.get("flags", os.O_RDONLY)
             return isinstance(flags, int) and not flags & os.O_TRUNC
         return req.method in self.inline_methods
+
+    # changes answered from the group commit itself (``take``)
+    taken_methods = frozenset({"create", "unlink"})
+
+    def take(self, ctx: ConnContext, rid: int, req: Request) -> bool:
+        """A create (without O_TRUNC) or an unlink: checked and queued here, in the
+        reader task, and answered by the writer right after the flush that makes it
+        durable (``_answer_change``), where a handler task would wait for the flush,
+        be woken and switched to, and send. Anything else, and a request that is not
+        plain (a data server's credentials, a bad field), goes the usual way."""
+        method = req.method
+        ident = ctx.identity
+        if method not in self.taken_methods or ident is None or ident.role == "server":
+            return False
+        try:
+            _, msg = self.decode(req)
+        except OSError:
+            return False  # dispatch answers it, and releases its closes
+        if method == "create" and msg.flags & os.O_TRUNC:
+            return False  # objects to cut first: the handler waits for that
+        started = time.perf_counter() if metrics.enabled() else 0.0
+        try:
+            if msg.closes:
+                self.handles.release_closed(ctx, msg.closes)
+            if method == "create":
+                self._take_create(ctx, rid, msg, started)
+            else:
+                self._take_unlink(ctx, rid, msg, started)
+        except Exception as exc:  # noqa: BLE001 - answered, as a handler's would be
+            self.answer(ctx, rid, method, exc, started)
+        return True
+
+    def _take_create(self, ctx: ConnContext, rid: int, msg: M.Create, started: float
+                     ) -> None:
+        """``rpc_create`` (no O_TRUNC) answered from the writer: its reply (a handle,
+        a signed capability) is made once the file is durable; if the connection is gone
+        by then, or the batch failed, the open count taken in the batch is dropped."""
+        cred = self._cred(ctx, msg)
+        parent, name = self._at(msg.at, cred)
+        mode, flags, want_parent = msg.mode, msg.flags, msg.want_parent
+
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
+            attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
+            self.handles.ref(attr["ino"])
+            return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
+
+        def done(o: Op) -> None:
+            err = o.error
+            if o.result is not None:  # it ran: its open count was taken
+                attr, layout, parent_attr = o.result
+                if err is None and not ctx.conn.closed:
+                    try:
+                        reply = self.encode(msg, self._opened_reply(
+                            ctx, attr, layout, flags, cred, parent_attr))
+                    except Exception as exc:  # noqa: BLE001 - answered below
+                        err = exc
+                    else:
+                        self.answer(ctx, rid, msg.method, reply, started)
+                        return
+                self.handles.release_later(attr["ino"])  # nobody gets a handle
+            self.answer(ctx, rid, msg.method, err if err is not None else OSError(
+                errno.ECONNRESET, "connection closed"), started)
+
+        self.commit.then(op, done)
+
+    def _take_unlink(self, ctx: ConnContext, rid: int, msg: M.Unlink, started: float
+                     ) -> None:
+        """``rpc_unlink`` answered from the writer."""
+        cred = self._cred(ctx, msg)
+        parent, name = self._at(msg.at, cred)
+        want_parent = msg.want_parent
+
+        def op(txn: WriteTxn) -> Any:
+            self.ns.unlink(txn, cred, parent, name)
+            return self.ns.getattr(txn, parent) if want_parent else None
+
+        def done(o: Op) -> None:
+            self.answer(ctx, rid, msg.method, o.error if o.error is not None else self.encode(
+                msg, M.EntryReply(attr=None, parent_attr=o.result)), started)
+
+        self.commit.then(op, done, frees=True)
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
@@ -238,7 +319,7 @@ class MetaService(RpcService):
         (one round trip for path-based clients instead of a resolve, then the call)."""
         if at.path is not None:
             with self.store.read() as txn:
-                return self.ns.entry_of(txn, cred, at.path)
+                return self.ns.entry_of(txn, cred, at.path, cache=True)
         assert at.parent is not None and at.name is not None  # the message checked
         return at.parent, at.name
 
@@ -291,7 +372,7 @@ class MetaService(RpcService):
     async def rpc_resolve(self, ctx: ConnContext, req: M.Resolve) -> M.ResolveReply:
         cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            r = self.ns.resolve(txn, cred, req.path, req.follow)
+            r = self.ns.resolve(txn, cred, req.path, req.follow, cache=True)
         return M.ResolveReply(attr=r["attr"], parent=r["parent"], name=r["name"])
 
     async def rpc_lookup(self, ctx: ConnContext, req: M.Lookup) -> M.AttrReply:
