@@ -86,10 +86,10 @@ class MetaService(RpcService):
         return req.method in self.inline_methods
 
     # changes answered from the group commit itself (``take``)
-    taken_methods = frozenset({"create", "unlink"})
+    taken_methods = frozenset({"create", "mkdir", "mknod", "symlink", "unlink", "rmdir"})
 
     def take(self, ctx: ConnContext, rid: int, req: Request) -> bool:
-        """A create (without O_TRUNC) or an unlink: checked and queued here, in the
+        """A create (without O_TRUNC) or another entry change: checked and queued here, in the
         reader task, and answered by the writer right after the flush that makes it
         durable (``_answer_change``), where a handler task would wait for the flush,
         be woken and switched to, and send. Anything else, and a request that is not
@@ -111,7 +111,7 @@ class MetaService(RpcService):
             if method == "create":
                 self._take_create(ctx, rid, msg, started)
             else:
-                self._take_unlink(ctx, rid, msg, started)
+                self._take_entry_change(ctx, rid, msg, started)
         except Exception as exc:  # noqa: BLE001 - answered, as a handler's would be
             self.answer(ctx, rid, method, exc, started)
         return True
@@ -149,22 +149,20 @@ class MetaService(RpcService):
 
         self.commit.then(op, done)
 
-    def _take_unlink(self, ctx: ConnContext, rid: int, msg: M.Unlink, started: float
-                     ) -> None:
-        """``rpc_unlink`` answered from the writer."""
-        cred = self._cred(ctx, msg)
-        parent, name = self._at(msg.at, cred)
-        want_parent = msg.want_parent
-
-        def op(txn: WriteTxn) -> Any:
-            self.ns.unlink(txn, cred, parent, name)
-            return self.ns.getattr(txn, parent) if want_parent else None
+    def _take_entry_change(self, ctx: ConnContext, rid: int, msg: M.EntryChange,
+                           started: float) -> None:
+        """``_entry_change`` answered from the writer."""
+        parent, fn, frees = self._entry_fn(ctx, msg)
 
         def done(o: Op) -> None:
-            self.answer(ctx, rid, msg.method, o.error if o.error is not None else self.encode(
-                msg, M.EntryReply(attr=None, parent_attr=o.result)), started)
+            if o.error is not None:
+                self.answer(ctx, rid, msg.method, o.error, started)
+                return
+            result, parent_attr = o.result
+            self.answer(ctx, rid, msg.method, self.encode(
+                msg, M.EntryReply(attr=result, parent_attr=parent_attr)), started)
 
-        self.commit.then(op, done, frees=True)
+        self.commit.then(self._entry_op(msg, parent, fn), done, frees)
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
@@ -416,33 +414,51 @@ class MetaService(RpcService):
             self.ns.access(txn, cred, req.ino, req.mask)
         return Empty()
 
-    async def _entry_change(self, req: M.EntryChange, parent: int,
-                            fn: Callable[[WriteTxn], Any], frees: bool = False
-                            ) -> M.EntryReply:
-        """Run ``fn`` (it makes or removes an entry of ``parent``; its result, if any, is
-        the reply's ``attr``). With ``want_parent`` the reply also carries the parent's
-        new attributes: the kernel asks for them next (its cached ones went stale), and
-        the mount can answer without a round trip."""
+    def _entry_fn(self, ctx: ConnContext, req: M.EntryChange
+                  ) -> tuple[int, Callable[[WriteTxn], Any], bool]:
+        """An entry change other than create: the directory whose entry it makes or
+        removes, the change (its result, if any, is the reply's ``attr``) and whether
+        it frees space."""
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req.at, cred)
+        ns = self.ns
+        if isinstance(req, M.Mkdir):
+            mode = req.mode
+            return parent, lambda t: ns.mkdir(t, cred, parent, name, mode), False
+        if isinstance(req, M.Mknod):
+            mode, rdev = req.mode, req.rdev
+            return parent, lambda t: ns.mknod(t, cred, parent, name, mode, rdev), False
+        if isinstance(req, M.Symlink):
+            target = req.target
+            return parent, lambda t: ns.symlink(t, cred, parent, name, target), False
+        if isinstance(req, M.Unlink):
+            return parent, lambda t: ns.unlink(t, cred, parent, name), True
+        if isinstance(req, M.Rmdir):
+            return parent, lambda t: ns.rmdir(t, cred, parent, name), True
+        raise OSError(errno.ENOSYS, f"{req.method}: not an entry change")
+
+    def _entry_op(self, req: M.EntryChange, parent: int, fn: Callable[[WriteTxn], Any]
+                  ) -> Callable[[WriteTxn], tuple[Any, Any]]:
+        """``fn`` and, with ``want_parent``, the parent's new attributes: the kernel
+        asks for them next (its cached ones went stale), and the mount can answer
+        without a round trip."""
         want = req.want_parent
 
         def op(txn: WriteTxn) -> tuple[Any, Any]:
             return fn(txn), self.ns.getattr(txn, parent) if want else None
 
-        result, parent_attr = await self.commit.mutate(op, frees)
+        return op
+
+    async def _entry_change(self, ctx: ConnContext, req: M.EntryChange) -> M.EntryReply:
+        parent, fn, frees = self._entry_fn(ctx, req)
+        result, parent_attr = await self.commit.mutate(self._entry_op(req, parent, fn), frees)
         return M.EntryReply(attr=result, parent_attr=parent_attr)
 
     async def rpc_mkdir(self, ctx: ConnContext, req: M.Mkdir) -> M.EntryReply:
-        cred, mode = self._cred(ctx, req), req.mode
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.mkdir(t, cred, parent, name, mode))
+        return await self._entry_change(ctx, req)
 
     async def rpc_mknod(self, ctx: ConnContext, req: M.Mknod) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        mode, rdev = req.mode, req.rdev
-        return await self._entry_change(
-            req, parent, lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))
+        return await self._entry_change(ctx, req)
 
     async def rpc_create(self, ctx: ConnContext, req: M.Create) -> M.OpenedReply:
         cred = self._cred(ctx, req)
@@ -540,18 +556,10 @@ class MetaService(RpcService):
             lambda t: self.ns.commit_size(t, ino, written_end, mtime, root)))
 
     async def rpc_unlink(self, ctx: ConnContext, req: M.Unlink) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.unlink(t, cred, parent, name),
-                                        frees=True)
+        return await self._entry_change(ctx, req)
 
     async def rpc_rmdir(self, ctx: ConnContext, req: M.Rmdir) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.rmdir(t, cred, parent, name),
-                                        frees=True)
+        return await self._entry_change(ctx, req)
 
     async def rpc_rename(self, ctx: ConnContext, req: M.Rename) -> Empty:
         cred = self._cred(ctx, req)
@@ -569,10 +577,7 @@ class MetaService(RpcService):
             lambda t: self.ns.link(t, cred, ino, newparent, newname)))
 
     async def rpc_symlink(self, ctx: ConnContext, req: M.Symlink) -> M.EntryReply:
-        cred, target = self._cred(ctx, req), req.target
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(
-            req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
+        return await self._entry_change(ctx, req)
 
     # ------------------------------------------------------------------ batched calls
     async def rpc_create_many(self, ctx: ConnContext, req: M.CreateMany) -> M.ManyReply:

@@ -493,8 +493,9 @@ class _RecordingConn:
 
 
 def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> None:
-    """A create the reader hands straight to the group commit (``take``) is answered
-    from the writer once durable, with a handle; if its connection closed before that,
+    """A create (or another entry change) the reader hands straight to the group
+    commit (``take``) is answered from the writer once durable, with a handle; if its
+    connection closed before that,
     nobody gets the handle, so its open count is dropped: an unlink then deletes the
     file instead of keeping an orphan forever."""
     from pfs.core.auth import OPEN
@@ -526,6 +527,15 @@ def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> Non
             assert replies[2][0] == Kind.ERROR and not ctx.inflight
             kept = replies[1][1]["attr"]["ino"]
             assert svc.handles.is_open(kept)
+            ctx.inflight.add(4)  # another entry change, taken the same way
+            assert svc.take(ctx, 4, Request("mkdir", {
+                "parent": 1, "name": b"d", "mode": 0o755, "cred": ROOTC, "want_parent": True},
+                None))
+            await svc.commit.mutate(lambda t: None)
+            await trio.testing.wait_all_tasks_blocked()
+            kind, _, made = conn.frames[-1]
+            assert kind == Kind.REPLY and stat.S_ISDIR(made["attr"]["mode"])
+            assert made["parent_attr"]["nlink"] == 3
             create(3, b"lost")
             conn.closed = True  # the connection ends before the commit
             await svc.commit.mutate(lambda t: None)
