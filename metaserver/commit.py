@@ -5,6 +5,8 @@ The writer takes every queued operation (up to ``MAX_BATCH``), runs each in its 
 nested transaction (a failing one rolls back alone and its error goes to its caller),
 commits the batch once and wakes the callers only once the batch is on stable storage.
 An acknowledged mutation is therefore on disk, and concurrent callers share one commit.
+A caller with no task to wait (:meth:`CommitQueue.then`: the server answering a change
+from the writer) gets a completion called at that same point instead.
 
 **One flush per batch.** A commit flushes the store once (its pages) and writes its
 meta page unflushed (``LmdbStore``, "One flush per commit"); that meta page reaches the
