@@ -79,7 +79,7 @@ def stat_many(ns: Namespace, txn: Txn, cred: Cred, paths: list[bytes], follow: b
     out: list[Result] = []
     for path in paths:
         try:
-            out.append([0, ns.resolve(txn, cred, path, follow)["attr"]])
+            out.append([0, ns.resolve(txn, cred, path, follow, cache=True)["attr"]])
         except OSError as exc:
             out.append(_failed(path, exc))
     return out

@@ -5,6 +5,8 @@ The writer takes every queued operation (up to ``MAX_BATCH``), runs each in its 
 nested transaction (a failing one rolls back alone and its error goes to its caller),
 commits the batch once and wakes the callers only once the batch is on stable storage.
 An acknowledged mutation is therefore on disk, and concurrent callers share one commit.
+A caller with no task to wait (:meth:`CommitQueue.then`: the server answering a change
+from the writer) gets a completion called at that same point instead.
 
 **One flush per batch.** A commit flushes the store once (its pages) and writes its
 meta page unflushed (``LmdbStore``, "One flush per commit"); that meta page reaches the
@@ -46,7 +48,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
-class _Op:
+class Op:
     fn: Callable[[WriteTxn], Any]
     # the task waiting for it (woken with ``trio.lowlevel.reschedule``, cheaper than an
     # Event per operation); None once woken, cancelled, or for a background operation
@@ -55,6 +57,9 @@ class _Op:
     result: Any = None
     error: BaseException | None = None
     frees: bool = False  # it frees space: on ENOSPC, run again in the store's reserve
+    # called with the operation once it is durable (or failed), instead of waking a
+    # task: the caller answers from there (see ``then``)
+    then: Callable[[Op], None] | None = None
 
 
 def _is_full(exc: BaseException | None) -> bool:
@@ -83,7 +88,7 @@ class CommitQueue:
         self._after_batch = after_batch
         # the queue: handlers append, the writer takes; a plain deque and a parked
         # writer task (no channel, no Event per operation: the commit path is hot)
-        self._queue: deque[_Op] = deque()
+        self._queue: deque[Op] = deque()
         self._writer: trio.lowlevel.Task | None = None  # parked, waiting for work
         self._closed = False
         # batches committed (visible) and batches made durable, counted; ``durable``
@@ -108,7 +113,7 @@ class CommitQueue:
         ``frees``: ``fn`` frees space (unlink, rmdir): when the store is full it runs
         again in the reserve kept for that (``Store.write(headroom=True)``). A caller
         cancelled while it waits leaves the operation queued: it still runs."""
-        op = _Op(fn, trio.lowlevel.current_task(), frees=frees)
+        op = Op(fn, trio.lowlevel.current_task(), frees=frees)
         self._enqueue(op)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
@@ -125,16 +130,25 @@ class CommitQueue:
         """Queue ``fn`` without waiting for it (a failure is logged); nothing once
         closed."""
         if not self._closed:
-            self._enqueue(_Op(fn, None, background=True))
+            self._enqueue(Op(fn, None, background=True))
 
-    def _enqueue(self, op: _Op) -> None:
+    def then(self, fn: Callable[[WriteTxn], Any], done: Callable[[Op], None],
+             frees: bool = False) -> None:
+        """Run ``fn`` in the next batch and call ``done(op)`` once that batch is on disk
+        (``op.result``) or failed (``op.error``), in the writer, right after the flush:
+        what :meth:`mutate` does without a task waiting (a reply sent from there skips
+        waking the handler's task and switching to it). ``done`` must not block; what
+        it raises is logged."""
+        self._enqueue(Op(fn, None, frees=frees, then=done))
+
+    def _enqueue(self, op: Op) -> None:
         self._queue.append(op)
         writer = self._writer
         if writer is not None:
             self._writer = None
             trio.lowlevel.reschedule(writer)
 
-    async def _next(self) -> _Op:
+    async def _next(self) -> Op:
         """The first queued operation, waiting for one."""
         while not self._queue:
             self._writer = trio.lowlevel.current_task()
@@ -166,7 +180,7 @@ class CommitQueue:
 
     async def run(self) -> None:
         """The writer: batches until cancelled."""
-        unsynced: list[_Op] = []  # the last batch: committed, not yet flushed
+        unsynced: list[Op] = []  # the last batch: committed, not yet flushed
         try:
             while True:
                 queue = self._queue
@@ -211,7 +225,7 @@ class CommitQueue:
             if unsynced:  # cancelled (the service stops): flushed before anyone is told
                 self._flush(unsynced)
 
-    def _flush(self, batch: list[_Op], flushed: bool = False) -> None:
+    def _flush(self, batch: list[Op], flushed: bool = False) -> None:
         """``batch`` (committed) is made durable (``flushed``: it already is); wake its
         callers. A failed flush fails the batch's operations: they may be lost."""
         if not flushed:
@@ -227,7 +241,7 @@ class CommitQueue:
         self._synced_event = trio.Event()
         self._wake(batch)
 
-    def _wake(self, batch: list[_Op]) -> None:
+    def _wake(self, batch: list[Op]) -> None:
         self._after_batch()
         reschedule = trio.lowlevel.reschedule
         for op in batch:
@@ -235,10 +249,15 @@ class CommitQueue:
             if task is not None:
                 op.task = None
                 reschedule(task)
+            elif op.then is not None:
+                try:
+                    op.then(op)
+                except Exception:  # noqa: BLE001 - one caller's bug must not stop the writer
+                    log.exception("metadata completion failed")
             elif op.background and op.error is not None:
                 log.warning("background metadata update failed: %s", op.error)
 
-    def _run_batch(self, batch: list[_Op], headroom: bool = False) -> bool:
+    def _run_batch(self, batch: list[Op], headroom: bool = False) -> bool:
         """Run and commit ``batch``; whether the commit flushed the store (False when
         it failed: nothing of the batch is stored, and earlier commits may not be
         flushed)."""

@@ -127,13 +127,13 @@ class OpenFiles:
         for fh in fhs:
             h = table.discard(fh)
             if h is not None:
-                self._release_later(h.ino)
+                self.release_later(h.ino)
 
     def connection_lost(self, ctx: ConnContext) -> None:
         table = ctx.state.pop("handles", None)
         if isinstance(table, HandleTable):
             for h in table.drain():
-                self._release_later(h.ino)
+                self.release_later(h.ino)
 
     # ------------------------------------------------------------------ per inode
     def ref(self, ino: int) -> None:
@@ -149,7 +149,7 @@ class OpenFiles:
         if self._unref(ino):
             await self._commit.mutate(lambda t: self._reclaim(t, ino))
 
-    def _release_later(self, ino: int) -> None:
+    def release_later(self, ino: int) -> None:
         """:meth:`release` without waiting for the reclaim."""
         if self._unref(ino):
             self._commit.submit(lambda t: self._reclaim(t, ino))

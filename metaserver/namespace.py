@@ -55,6 +55,7 @@ from pfs.core.messages.records import (  # the POSIX limits, defined once with t
 from pfs.metaserver import keys as K
 from pfs.metaserver.chains import Chain, ChainTable
 from pfs.metaserver.store import Txn
+from pfs.metaserver.walks import WalkCache
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,13 @@ def check_name(name: bytes) -> None:
         raise _err(errno.ENAMETOOLONG, f"name of {len(name)} bytes")
 
 
+def _plain_last(path: bytes, name: bytes) -> bool:
+    """Whether ``name``, the last component of ``path``, is a plain name a directory
+    holds (not ``.``, ``..``, empty or too long) in a path of valid length."""
+    return (bool(name) and name != b"." and name != b".." and len(name) <= NAME_MAX
+            and len(path) < PATH_MAX and b"\0" not in path)
+
+
 def _is_dot(name: bytes) -> bool:
     return name in (b".", b"..")
 
@@ -214,6 +222,9 @@ class Namespace:
         # instead of a decoding. Never stale (the record is read each time); shared, so
         # only read-only callers (the walk) use it.
         self._dirs: dict[int, tuple[bytes, Rec]] = {}
+        # the directories path walks in read transactions reached (walks.py); every
+        # change that could alter a walk drops them all
+        self.walks = WalkCache()
         # placement's stripe assignments by (server order, domains, count, replicas)
         self._placements: dict[tuple[Any, ...],
                                tuple[tuple[tuple[str, ...], ...], bool]] = {}
@@ -703,17 +714,33 @@ class Namespace:
         rec = cur_rec if cur_rec is not None else self._dir(txn, cur)
         return rec.get("parent", K.ROOT_INO), b"", cur, rec
 
-    def resolve(self, txn: Txn, cred: Cred, path: bytes, follow: bool) -> dict[str, Any]:
+    def resolve(self, txn: Txn, cred: Cred, path: bytes, follow: bool, cache: bool = False
+                ) -> dict[str, Any]:
+        """``path``'s attributes, directory and name. ``cache``: ``txn`` is a read
+        transaction, and its directory may come from (and go to) the walk cache."""
         if not path.startswith(b"/"):
             raise _err(errno.EINVAL, "path must be absolute inside pfs")
+        if cache:
+            head, _, name = path.rpartition(b"/")
+            if _plain_last(path, name):
+                parent = self._dir_of(txn, cred, head or b"/", True)
+                ent = self._entry(txn, parent, name)
+                if ent is None:
+                    raise _err(errno.ENOENT, path.decode("utf-8", "replace"))
+                found = self._rec_shared(txn, ent[0])
+                if not (follow and stat.S_ISLNK(found["mode"])):
+                    return {"attr": self.attr(ent[0], found), "parent": parent, "name": name}
         parent, name, ino, rec = self._walk_rec(txn, cred, K.ROOT_INO, path, follow)
         if ino is None or rec is None:
             raise _err(errno.ENOENT, path.decode("utf-8", "replace"))
         return {"attr": self.attr(ino, rec), "parent": parent, "name": name}
 
-    def entry_of(self, txn: Txn, cred: Cred, path: bytes) -> tuple[int, bytes]:
+    def entry_of(self, txn: Txn, cred: Cred, path: bytes, cache: bool = False
+                 ) -> tuple[int, bytes]:
         """The directory and name of ``path``'s last component (not followed), for
-        path-based calls; the directories on the way need search permission."""
+        path-based calls; the directories on the way need search permission.
+        ``cache``: ``txn`` is a read transaction, and the directory may come from (and
+        go to) the walk cache."""
         if not path.startswith(b"/"):
             raise _err(errno.EINVAL, "path must be absolute inside pfs")
         head, _, name = path.rpartition(b"/")
@@ -721,7 +748,7 @@ class Namespace:
                 and b"\0" not in path):
             # the common case: only the directories are walked; the last component is
             # the caller's to look up (its change reads it again in the write anyway)
-            parent = self._dir_of(txn, cred, head or b"/")
+            parent = self._dir_of(txn, cred, head or b"/", cache)
             if len(name) > NAME_MAX:
                 raise _err(errno.ENAMETOOLONG, f"component {name[:32]!r}...")
             return parent, name
@@ -737,16 +764,23 @@ class Namespace:
             raise _err(errno.EBUSY, "the root directory has no parent entry")
         return parent, name
 
-    def _dir_of(self, txn: Txn, cred: Cred, head: bytes) -> int:
+    def _dir_of(self, txn: Txn, cred: Cred, head: bytes, cache: bool = False) -> int:
         """:meth:`entry_of`'s directory for a last component that is a plain name:
         ``head`` walked (symlinks followed, as on the way to any component), with the
-        checks the full walk makes before it looks a name up in the directory."""
+        checks the full walk makes before it looks a name up in the directory.
+        ``cache``: ``txn`` is a read transaction; use and fill the walk cache."""
+        if cache:
+            hit = self.walks.get(head, cred)
+            if hit is not None:
+                return hit
         _, comp, ino, rec = self._walk_rec(txn, cred, K.ROOT_INO, head, True)
         if ino is None or rec is None:
             raise _err(errno.ENOENT, f"{comp!r}")
         if not stat.S_ISDIR(rec["mode"]):
             raise _err(errno.ENOTDIR, f"{comp!r}" if comp else f"inode {ino}")
         self.check_perm(cred, rec, X_OK)
+        if cache:
+            self.walks.put(head, cred, ino)
         return ino
 
     def readlink(self, txn: Txn, ino: int) -> bytes:
@@ -796,6 +830,8 @@ class Namespace:
             uid = None
         if gid == -1:
             gid = None
+        if mode is not None or uid is not None or gid is not None:
+            self.walks.invalidate()  # a directory's search permission may change
         if uid is not None or gid is not None:
             if not cred.root:
                 if uid is not None and (cred.uid != rec["uid"] or uid != rec["uid"]):
@@ -1081,6 +1117,8 @@ class Namespace:
             raise _err(errno.EISDIR, f"{name!r}")
         self.check_perm(cred, prec, W_OK | X_OK)
         self._sticky(cred, prec, rec)
+        if not stat.S_ISREG(rec["mode"]):
+            self.walks.invalidate()  # a symlink a walk may have followed
         now = self.clock()
         self._remove_entry(txn, parent, name, seq)
         self._drop_link(txn, ino, rec, now)
@@ -1102,6 +1140,7 @@ class Namespace:
         self._sticky(cred, prec, rec)
         if self._has_entries(txn, ino):
             raise _err(errno.ENOTEMPTY, f"{name!r}")
+        self.walks.invalidate()
         now = self.clock()
         self._remove_entry(txn, parent, name, seq)
         self._drop_link(txn, ino, rec, now)
@@ -1125,6 +1164,7 @@ class Namespace:
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == (
                 RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise _err(errno.EINVAL, f"rename flags {flags}")
+        self.walks.invalidate()  # entries on some walk's way may move or be replaced
         check_name(name)
         check_name(newname)
         if _is_dot(name) or _is_dot(newname):

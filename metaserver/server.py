@@ -43,7 +43,7 @@ from pfs.core.wire.rpc import ConnContext, Reply, Request, RpcService
 from pfs.metaserver import batch, watch
 from pfs.metaserver import keys as K
 from pfs.metaserver.catchup import CatchUp
-from pfs.metaserver.commit import CommitQueue, dry_run
+from pfs.metaserver.commit import CommitQueue, Op, dry_run
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.detector import Detector
@@ -84,6 +84,85 @@ class MetaService(RpcService):
             flags = req.fields.get("flags", os.O_RDONLY)
             return isinstance(flags, int) and not flags & os.O_TRUNC
         return req.method in self.inline_methods
+
+    # changes answered from the group commit itself (``take``)
+    taken_methods = frozenset({"create", "mkdir", "mknod", "symlink", "unlink", "rmdir"})
+
+    def take(self, ctx: ConnContext, rid: int, req: Request) -> bool:
+        """A create (without O_TRUNC) or another entry change: checked and queued here, in the
+        reader task, and answered by the writer right after the flush that makes it
+        durable (``_answer_change``), where a handler task would wait for the flush,
+        be woken and switched to, and send. Anything else, and a request that is not
+        plain (a data server's credentials, a bad field), goes the usual way."""
+        method = req.method
+        ident = ctx.identity
+        if method not in self.taken_methods or ident is None or ident.role == "server":
+            return False
+        try:
+            _, msg = self.decode(req)
+        except OSError:
+            return False  # dispatch answers it, and releases its closes
+        if method == "create" and msg.flags & os.O_TRUNC:
+            return False  # objects to cut first: the handler waits for that
+        started = time.perf_counter() if metrics.enabled() else 0.0
+        try:
+            if msg.closes:
+                self.handles.release_closed(ctx, msg.closes)
+            if method == "create":
+                self._take_create(ctx, rid, msg, started)
+            else:
+                self._take_entry_change(ctx, rid, msg, started)
+        except Exception as exc:  # noqa: BLE001 - answered, as a handler's would be
+            self.answer(ctx, rid, method, exc, started)
+        return True
+
+    def _take_create(self, ctx: ConnContext, rid: int, msg: M.Create, started: float
+                     ) -> None:
+        """``rpc_create`` (no O_TRUNC) answered from the writer: its reply (a handle,
+        a signed capability) is made once the file is durable; if the connection is gone
+        by then, or the batch failed, the open count taken in the batch is dropped."""
+        cred = self._cred(ctx, msg)
+        parent, name = self._at(msg.at, cred)
+        mode, flags, want_parent = msg.mode, msg.flags, msg.want_parent
+
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
+            attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
+            self.handles.ref(attr["ino"])
+            return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
+
+        def done(o: Op) -> None:
+            err = o.error
+            if o.result is not None:  # it ran: its open count was taken
+                attr, layout, parent_attr = o.result
+                if err is None and not ctx.conn.closed:
+                    try:
+                        reply = self.encode(msg, self._opened_reply(
+                            ctx, attr, layout, flags, cred, parent_attr))
+                    except Exception as exc:  # noqa: BLE001 - answered below
+                        err = exc
+                    else:
+                        self.answer(ctx, rid, msg.method, reply, started)
+                        return
+                self.handles.release_later(attr["ino"])  # nobody gets a handle
+            self.answer(ctx, rid, msg.method, err if err is not None else OSError(
+                errno.ECONNRESET, "connection closed"), started)
+
+        self.commit.then(op, done)
+
+    def _take_entry_change(self, ctx: ConnContext, rid: int, msg: M.EntryChange,
+                           started: float) -> None:
+        """``_entry_change`` answered from the writer."""
+        parent, fn, frees = self._entry_fn(ctx, msg)
+
+        def done(o: Op) -> None:
+            if o.error is not None:
+                self.answer(ctx, rid, msg.method, o.error, started)
+                return
+            result, parent_attr = o.result
+            self.answer(ctx, rid, msg.method, self.encode(
+                msg, M.EntryReply(attr=result, parent_attr=parent_attr)), started)
+
+        self.commit.then(self._entry_op(msg, parent, fn), done, frees)
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
@@ -238,7 +317,7 @@ class MetaService(RpcService):
         (one round trip for path-based clients instead of a resolve, then the call)."""
         if at.path is not None:
             with self.store.read() as txn:
-                return self.ns.entry_of(txn, cred, at.path)
+                return self.ns.entry_of(txn, cred, at.path, cache=True)
         assert at.parent is not None and at.name is not None  # the message checked
         return at.parent, at.name
 
@@ -291,7 +370,7 @@ class MetaService(RpcService):
     async def rpc_resolve(self, ctx: ConnContext, req: M.Resolve) -> M.ResolveReply:
         cred = self._cred(ctx, req)
         with self.store.read() as txn:
-            r = self.ns.resolve(txn, cred, req.path, req.follow)
+            r = self.ns.resolve(txn, cred, req.path, req.follow, cache=True)
         return M.ResolveReply(attr=r["attr"], parent=r["parent"], name=r["name"])
 
     async def rpc_lookup(self, ctx: ConnContext, req: M.Lookup) -> M.AttrReply:
@@ -335,33 +414,51 @@ class MetaService(RpcService):
             self.ns.access(txn, cred, req.ino, req.mask)
         return Empty()
 
-    async def _entry_change(self, req: M.EntryChange, parent: int,
-                            fn: Callable[[WriteTxn], Any], frees: bool = False
-                            ) -> M.EntryReply:
-        """Run ``fn`` (it makes or removes an entry of ``parent``; its result, if any, is
-        the reply's ``attr``). With ``want_parent`` the reply also carries the parent's
-        new attributes: the kernel asks for them next (its cached ones went stale), and
-        the mount can answer without a round trip."""
+    def _entry_fn(self, ctx: ConnContext, req: M.EntryChange
+                  ) -> tuple[int, Callable[[WriteTxn], Any], bool]:
+        """An entry change other than create: the directory whose entry it makes or
+        removes, the change (its result, if any, is the reply's ``attr``) and whether
+        it frees space."""
+        cred = self._cred(ctx, req)
+        parent, name = self._at(req.at, cred)
+        ns = self.ns
+        if isinstance(req, M.Mkdir):
+            mode = req.mode
+            return parent, lambda t: ns.mkdir(t, cred, parent, name, mode), False
+        if isinstance(req, M.Mknod):
+            mode, rdev = req.mode, req.rdev
+            return parent, lambda t: ns.mknod(t, cred, parent, name, mode, rdev), False
+        if isinstance(req, M.Symlink):
+            target = req.target
+            return parent, lambda t: ns.symlink(t, cred, parent, name, target), False
+        if isinstance(req, M.Unlink):
+            return parent, lambda t: ns.unlink(t, cred, parent, name), True
+        if isinstance(req, M.Rmdir):
+            return parent, lambda t: ns.rmdir(t, cred, parent, name), True
+        raise OSError(errno.ENOSYS, f"{req.method}: not an entry change")
+
+    def _entry_op(self, req: M.EntryChange, parent: int, fn: Callable[[WriteTxn], Any]
+                  ) -> Callable[[WriteTxn], tuple[Any, Any]]:
+        """``fn`` and, with ``want_parent``, the parent's new attributes: the kernel
+        asks for them next (its cached ones went stale), and the mount can answer
+        without a round trip."""
         want = req.want_parent
 
         def op(txn: WriteTxn) -> tuple[Any, Any]:
             return fn(txn), self.ns.getattr(txn, parent) if want else None
 
-        result, parent_attr = await self.commit.mutate(op, frees)
+        return op
+
+    async def _entry_change(self, ctx: ConnContext, req: M.EntryChange) -> M.EntryReply:
+        parent, fn, frees = self._entry_fn(ctx, req)
+        result, parent_attr = await self.commit.mutate(self._entry_op(req, parent, fn), frees)
         return M.EntryReply(attr=result, parent_attr=parent_attr)
 
     async def rpc_mkdir(self, ctx: ConnContext, req: M.Mkdir) -> M.EntryReply:
-        cred, mode = self._cred(ctx, req), req.mode
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.mkdir(t, cred, parent, name, mode))
+        return await self._entry_change(ctx, req)
 
     async def rpc_mknod(self, ctx: ConnContext, req: M.Mknod) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        mode, rdev = req.mode, req.rdev
-        return await self._entry_change(
-            req, parent, lambda t: self.ns.mknod(t, cred, parent, name, mode, rdev))
+        return await self._entry_change(ctx, req)
 
     async def rpc_create(self, ctx: ConnContext, req: M.Create) -> M.OpenedReply:
         cred = self._cred(ctx, req)
@@ -459,18 +556,10 @@ class MetaService(RpcService):
             lambda t: self.ns.commit_size(t, ino, written_end, mtime, root)))
 
     async def rpc_unlink(self, ctx: ConnContext, req: M.Unlink) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.unlink(t, cred, parent, name),
-                                        frees=True)
+        return await self._entry_change(ctx, req)
 
     async def rpc_rmdir(self, ctx: ConnContext, req: M.Rmdir) -> M.EntryReply:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(req, parent,
-                                        lambda t: self.ns.rmdir(t, cred, parent, name),
-                                        frees=True)
+        return await self._entry_change(ctx, req)
 
     async def rpc_rename(self, ctx: ConnContext, req: M.Rename) -> Empty:
         cred = self._cred(ctx, req)
@@ -488,10 +577,7 @@ class MetaService(RpcService):
             lambda t: self.ns.link(t, cred, ino, newparent, newname)))
 
     async def rpc_symlink(self, ctx: ConnContext, req: M.Symlink) -> M.EntryReply:
-        cred, target = self._cred(ctx, req), req.target
-        parent, name = self._at(req.at, cred)
-        return await self._entry_change(
-            req, parent, lambda t: self.ns.symlink(t, cred, parent, name, target))
+        return await self._entry_change(ctx, req)
 
     # ------------------------------------------------------------------ batched calls
     async def rpc_create_many(self, ctx: ConnContext, req: M.CreateMany) -> M.ManyReply:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from pfs.core.config import LayoutDefaults, MetaConfig
 from pfs.core.messages import meta as M
@@ -472,6 +473,81 @@ def test_cancelled_open_handlers_leave_no_open_count() -> None:
             await svc.rpc_unlink(ctx, M.Unlink.from_wire({"parent": 1, "name": b"f",
                                                           "cred": ROOTC}))
             await expect(errno.ENOENT, svc.rpc_getattr(ctx, M.Getattr(ino=ino)))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _RecordingConn:
+    """A connection's stand-in for ``MetaService.take``: records the frames sent."""
+
+    _raw = None  # no plain socket: replies go through ``send_frame`` in a task
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.frames: list[tuple[int, int, dict[str, Any]]] = []
+
+    async def send_frame(self, kind: int, rid: int, fields: dict[str, Any],
+                         payload: Any = None) -> None:
+        self.frames.append((kind, rid, fields))
+
+
+def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> None:
+    """A create (or another entry change) the reader hands straight to the group
+    commit (``take``) is answered from the writer once durable, with a handle; if its
+    connection closed before that,
+    nobody gets the handle, so its open count is dropped: an unlink then deletes the
+    file instead of keeping an orphan forever."""
+    from pfs.core.auth import OPEN
+    from pfs.core.wire.protocol import Kind
+    from pfs.metaserver.store import MemoryStore
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            svc = MetaService(MemoryStore(), MetaConfig(port=0))
+            await nursery.start(svc.run)
+            svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
+            conn = _RecordingConn()
+            ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
+            ctx.tasks = nursery
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+
+            def create(rid: int, name: bytes) -> None:
+                ctx.inflight.add(rid)
+                assert svc.take(ctx, rid, Request("create", {
+                    "parent": 1, "name": name, "mode": 0o644, "flags": flags,
+                    "cred": ROOTC}, None))
+
+            create(1, b"kept")
+            create(2, b"kept")  # EEXIST, answered as an error
+            await svc.commit.mutate(lambda t: None)  # both ran and were answered
+            await trio.testing.wait_all_tasks_blocked()
+            replies = {rid: (kind, fields) for kind, rid, fields in conn.frames}
+            assert replies[1][0] == Kind.REPLY and replies[1][1]["fh"] and replies[1][1]["cap"]
+            assert replies[2][0] == Kind.ERROR and not ctx.inflight
+            kept = replies[1][1]["attr"]["ino"]
+            assert svc.handles.is_open(kept)
+            ctx.inflight.add(4)  # another entry change, taken the same way
+            assert svc.take(ctx, 4, Request("mkdir", {
+                "parent": 1, "name": b"d", "mode": 0o755, "cred": ROOTC, "want_parent": True},
+                None))
+            await svc.commit.mutate(lambda t: None)
+            await trio.testing.wait_all_tasks_blocked()
+            kind, _, made = conn.frames[-1]
+            assert kind == Kind.REPLY and stat.S_ISDIR(made["attr"]["mode"])
+            assert made["parent_attr"]["nlink"] == 3
+            create(3, b"lost")
+            conn.closed = True  # the connection ends before the commit
+            await svc.commit.mutate(lambda t: None)
+            assert 3 not in {rid for _, rid, _ in conn.frames}
+            lost = (await svc.rpc_lookup(ctx, M.Lookup.from_wire({
+                "parent": 1, "name": b"lost", "cred": ROOTC}))).attr["ino"]
+            assert not svc.handles.is_open(lost)
+            await svc.rpc_unlink(ctx, M.Unlink.from_wire({"parent": 1, "name": b"lost",
+                                                          "cred": ROOTC}))
+            await expect(errno.ENOENT, svc.rpc_getattr(ctx, M.Getattr(ino=lost)))
+            svc.connection_lost(ctx)
+            assert not svc.handles.is_open(kept)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -717,3 +717,50 @@ def test_walks_see_every_change_of_a_directory(fs: FS, store: Any) -> None:
     fs.rmdir(ROOT, d, b"sub")
     with pytest.raises(FileNotFoundError):
         fs.resolve(USER, b"/d/sub", True)
+
+
+def test_walk_cache_sees_every_change_that_alters_a_walk(fs: FS, store: Any) -> None:
+    """Path-based calls in read transactions keep the directory each head walked to
+    (walks.py): a change of a mode or owner on the way, a rename, a removed or replaced
+    symlink or directory is seen at once; a regular file's unlink keeps them."""
+    def res(cred: Cred, path: bytes, follow: bool = True) -> dict[str, Any]:
+        with store.read() as txn:
+            return fs.ns.resolve(txn, cred, path, follow, cache=True)
+
+    def ent(cred: Cred, path: bytes) -> tuple[int, bytes]:
+        with store.read() as txn:
+            return fs.ns.entry_of(txn, cred, path, cache=True)
+
+    d = fs.mkdir(ROOT, K.ROOT_INO, b"d", 0o755)["ino"]
+    sub = fs.mkdir(ROOT, d, b"sub", 0o755)["ino"]
+    f = fs.file(sub, b"f")
+    fs.file(sub, b"g")
+    fs.symlink(ROOT, K.ROOT_INO, b"l", b"d/sub")
+    assert res(USER, b"/d/sub/f")["attr"]["ino"] == f
+    assert stat.S_ISLNK(res(USER, b"/l", False)["attr"]["mode"])
+    assert res(USER, b"/l")["attr"]["ino"] == sub  # a symlink last: followed in full
+    assert ent(USER, b"/l/x") == (sub, b"x")
+    fs.unlink(ROOT, sub, b"g")  # a regular file: no walk changes
+    assert fs.ns.walks.get(b"/d/sub", USER) == sub
+    err(errno.ENOENT, res, USER, b"/d/sub/g")
+    fs.setattr(ROOT, d, mode=0o700)  # USER may no longer search /d
+    err(errno.EACCES, res, USER, b"/d/sub/f")
+    err(errno.EACCES, ent, USER, b"/l/x")
+    fs.setattr(ROOT, d, uid=USER.uid)  # ... until it owns it
+    assert ent(USER, b"/d/sub/x") == (sub, b"x")
+    fs.setattr(ROOT, d, uid=OTHER.uid)
+    err(errno.EACCES, ent, USER, b"/d/sub/x")
+    fs.setattr(ROOT, d, mode=0o755)
+    fs.rename(ROOT, d, b"sub", d, b"moved")
+    err(errno.ENOENT, res, USER, b"/d/sub/f")
+    err(errno.ENOENT, ent, USER, b"/l/x")  # the symlink dangles now
+    assert res(USER, b"/d/moved/f")["parent"] == sub
+    fs.unlink(ROOT, K.ROOT_INO, b"l")
+    fs.symlink(ROOT, K.ROOT_INO, b"l", b"d")
+    assert ent(USER, b"/l/x") == (d, b"x")
+    fs.unlink(ROOT, sub, b"f")
+    assert ent(USER, b"/d/moved/x") == (sub, b"x")
+    fs.rmdir(ROOT, d, b"moved")
+    again = fs.mkdir(ROOT, d, b"moved", 0o755)["ino"]
+    assert again != sub and ent(USER, b"/d/moved/x") == (again, b"x")
+    assert res(OTHER, b"/d/moved")["attr"]["ino"] == again  # keyed by credentials too

@@ -528,6 +528,9 @@ class ConnContext:
     local: bool = False  # came through the local Unix socket (same host)
     # set when a request ends, while the reader waits for one to (max_in_flight reached)
     slot_freed: trio.Event | None = None
+    # the connection's handler tasks: where a reply :meth:`RpcService.answer` could not
+    # send whole at once is finished
+    tasks: trio.Nursery | None = None
 
     @property
     def version(self) -> int:
@@ -670,6 +673,66 @@ class RpcService:
         """Whether ``req`` is answered in the reader task (see ``inline_methods``); a
         service may also inline a method's requests that will not wait."""
         return req.method in self.inline_methods
+
+    def take(self, ctx: ConnContext, rid: int, req: Request) -> bool:
+        """Whether the service takes ``req`` (authenticated, no payload, not inline)
+        to answer it itself with :meth:`answer` once it can, from whatever runs then:
+        no worker task is handed it, none waits for it and none is woken to send its
+        reply (the metaserver's group commit answers its changes right after the
+        flush). Called in the reader task; it must not block. Default: never."""
+        return False
+
+    def answer(self, ctx: ConnContext, rid: int, method: str,
+               result: Reply | dict[str, Any] | BaseException, started: float = 0.0) -> None:
+        """Answer request ``rid`` that :meth:`take` took, without waiting: its reply
+        (as :meth:`encode` made it) or its error, sent now when the socket takes it
+        whole, else by a task of the connection; its in-flight slot freed. Nothing is
+        sent on a connection already closed. ``started``: ``time.perf_counter()`` when
+        it was taken, for the metrics (0 when they are off)."""
+        ctx.inflight.discard(rid)
+        freed = ctx.slot_freed
+        if freed is not None:
+            ctx.slot_freed = None
+            freed.set()
+        err = None
+        if isinstance(result, BaseException):
+            if not isinstance(result, OSError):  # a bug: logged, the peer gets EIO
+                log.error("%s: %s failed", self.name, method, exc_info=result)
+                result = OSError(errno.EIO, f"internal error in {method}; see the server "
+                                            "log")
+            err = result.errno or errno.EIO
+        if started:
+            metrics.rpc_done(self.name, method, started, err, 0, 0)
+        conn = ctx.conn
+        if conn.closed:
+            return
+        if isinstance(result, Reply):
+            self._send_later(ctx, self._send_reply(conn, rid, result))
+            return
+        kind, fields = ((Kind.ERROR, to_wire(result)) if isinstance(result, OSError)
+                        else (Kind.REPLY, result))
+        if conn._raw is not None and not conn._send_lock.busy:
+            rest = conn.try_send(kind, rid, fields)
+            if rest is not None:
+                self._send_later(ctx, conn.send_rest(rest))
+        else:
+            self._send_later(ctx, conn.send_frame(kind, rid, fields, None))
+
+    @staticmethod
+    def _send_later(ctx: ConnContext, send: Awaitable[Any]) -> None:
+        """Finish ``send`` in a task of the connection (none left: dropped)."""
+        async def finish() -> None:
+            try:
+                await send
+            except ConnectionClosed:
+                pass
+
+        try:
+            if ctx.tasks is None:
+                raise RuntimeError("no tasks")
+            ctx.tasks.start_soon(finish)
+        except RuntimeError:  # the connection's tasks are over: it is closing
+            send.close()  # type: ignore[attr-defined]
 
     async def connection_made(self, ctx: ConnContext) -> None:
         """Hook: authenticate or set up per-connection state. The base authenticates
@@ -837,6 +900,7 @@ class RpcService:
             metrics.connections(self.name, 1)
             async with trio.open_nursery() as handlers:
                 workers = _Workers(self, handlers)
+                ctx.tasks = handlers
                 try:
                     # requests in flight are bounded by counting ``inflight`` (a semaphore
                     # would add a scheduler round trip to every request)
@@ -888,6 +952,8 @@ class RpcService:
                         held = (mine, budget, n) if n else None
                         if inline:
                             await self._handle(ctx, rid, req, held)
+                        elif not n and self.take(ctx, rid, req):
+                            answered = True  # as below: the client waits for it
                         else:
                             workers.submit((ctx, rid, req, held))
                             # a client that waits for this reply sends nothing more
