@@ -7,9 +7,11 @@ Safe because a record is never written again once indexed (slabs are append-only
 slab is only ever unlinked, never shortened while the server runs: the bytes checked are
 the bytes tagged and sent, and a mapping outlives the unlink (the views of a reply in
 flight keep it). Only values whose pages are in the page cache are read this way, and
-they are faulted in with ``MADV_POPULATE_READ`` first, which reports an I/O error as an
-``OSError`` instead of the ``SIGBUS`` a plain access would raise: the caller then takes
-the ``preadv`` path, which counts the block as unreadable.
+their pages are locked (faulted in and kept from reclaim, pfs/core/pinning.py) until
+the reply was sent: a page the kernel dropped and could not read again would raise
+``SIGBUS`` in the CRC or the send, killing the server. A page that cannot be read fails
+the pin instead, and so does a process that may not lock memory: the caller then takes
+the ``preadv`` path, which counts an unreadable block as such.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from __future__ import annotations
 import mmap
 import os
 
-# madvise: fault a range in now, failing with EFAULT on an I/O error (Linux 5.14; Python
-# 3.11's mmap module does not name it)
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-PAGE = mmap.PAGESIZE
+from pfs.core.pinning import Pin, pin
+
 _probe = bytearray(1)
 
 
@@ -47,9 +47,9 @@ class SlabMap:
         self.mapped: mmap.mmap | None = None
         self.view: memoryview | None = None  # of the whole mapping
 
-    def value(self, fd: int, off: int, n: int) -> memoryview | None:
-        """The ``n`` bytes at ``off``, mapped and faulted in; None when they cannot be
-        (the caller reads them instead)."""
+    def value(self, fd: int, off: int, n: int) -> tuple[memoryview, Pin] | None:
+        """The ``n`` bytes at ``off``, mapped and locked (release the pin once they are
+        sent); None when they cannot be (the caller reads them instead)."""
         end = off + n
         view, mapped = self.view, self.mapped
         if view is None or mapped is None or len(view) < end:
@@ -57,12 +57,15 @@ class SlabMap:
             if mapped is None:
                 return None
             view = self.view = memoryview(mapped)
-        start = off - off % PAGE
+        got = view[off:end]
         try:
-            mapped.madvise(MADV_POPULATE_READ, start, end - start)
-        except OSError:  # an I/O error, or a kernel without MADV_POPULATE_READ
+            pinned = pin(got)
+        except OSError:  # a page could not be read: the read reports it
+            pinned = None
+        if pinned is None:
+            got.release()
             return None
-        return view[off:end]
+        return got, pinned
 
     def _remap(self, fd: int, end: int) -> mmap.mmap | None:
         try:

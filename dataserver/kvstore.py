@@ -52,6 +52,7 @@ from typing import TypeVar
 import trio
 
 from pfs.core import crcfast
+from pfs.core.pinning import Pin
 from pfs.dataserver import kvslab as fmt
 from pfs.dataserver.kvindex import PublishedIndex
 from pfs.dataserver.kvmap import SlabMap, resident
@@ -176,17 +177,22 @@ class BufferPool:
 class Value:
     """A value read by :meth:`KvStore.get`: its bytes, their CRC32C, and ``release``,
     to call once the bytes are no longer needed (sent): the buffer is reused. A value
-    served from the slab's mapping (``buf`` None) has no buffer to give back."""
+    served from the slab's mapping (``buf`` None) has no buffer to give back, but its
+    pages are locked until then (``pinned``)."""
 
-    __slots__ = ("view", "crc", "_buf", "_pool")
+    __slots__ = ("view", "crc", "_buf", "_pool", "_pinned")
 
     def __init__(self, view: memoryview, crc: int, buf: bytearray | None = None,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, pinned: Pin | None = None) -> None:
         self.view, self.crc, self._buf, self._pool = view, crc, buf, pool
+        self._pinned = pinned
 
     def release(self) -> None:
         if self._buf is not None and self._pool is not None:
             self._pool.give(self._buf)
+        if self._pinned is not None:
+            self._pinned.release()
+            self._pinned = None
 
 
 class Slab:
@@ -723,12 +729,14 @@ class KvStore:
                 probed is e or resident(slab.fd, e.off + e.hlen, e.vlen)):
             # in the page cache: checked and sent from the slab's mapping, no copy (a
             # smaller value is read as cheaply as it is mapped)
-            view = slab.mapped.value(slab.fd, e.off + e.hlen, e.vlen)
-            if view is not None:
+            got = slab.mapped.value(slab.fd, e.off + e.hlen, e.vlen)
+            if got is not None:
+                view, pinned = got
                 if _crc(view) == e.crc:
                     await trio.lowlevel.checkpoint()
-                    return self._hit(e, Value(view, e.crc))
+                    return self._hit(e, Value(view, e.crc, pinned=pinned))
                 view.release()
+                pinned.release()
                 self._corrupt(k, e, why)
                 return None
         buf = self.buffers.take(e.vlen)

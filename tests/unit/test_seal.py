@@ -433,10 +433,12 @@ def test_map_range_only_maps_what_the_file_holds(tmp_path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         for off, n in ((0, len(data)), (4096 * 5 + 3, 70_000), (len(data) - 1, 1)):
-            m = _map_range(fd, off, n)
-            assert m is not None
+            got = _map_range(fd, off, n)
+            assert got is not None
+            m, pinned = got
             skip = off % mmap.ALLOCATIONGRANULARITY
             assert m[skip:skip + n] == data[off:off + n]
+            pinned.release()
             m.close()
         assert _map_range(fd, 0, len(data) + 1) is None
         assert _map_range(fd, len(data) - 10, 11) is None

@@ -1007,6 +1007,8 @@ class RpcService:
                     sent = await self._send_reply(conn, rid, reply)
         except ConnectionClosed:
             pass
+        except OSError as exc:  # reading the reply's file failed
+            err = await self._reply_failed(conn, rid, req, exc)
         if timed:
             metrics.rpc_done(self.name, req.method, started, err, 0, sent)
 
@@ -1029,6 +1031,8 @@ class RpcService:
             sent = await self._send_reply(conn, rid, reply)
         except ConnectionClosed:
             pass
+        except OSError as exc:  # reading the reply's file failed
+            err = await self._reply_failed(conn, rid, req, exc)
         finally:
             metrics.rpc_done(self.name, req.method, started, err, held[2] if held else 0, sent)
             ctx.inflight.discard(rid)
@@ -1039,6 +1043,17 @@ class RpcService:
             if held is not None:
                 req.payload = None
                 self._release_payload(*held)
+
+    async def _reply_failed(self, conn: Connection, rid: int, req: Request,
+                            exc: OSError) -> int:
+        """A reply whose file could not be read (a disk error): the error instead where
+        none of the reply went out, else the connection was cut (the peer's other
+        calls on it fail and are retried); never the server's end."""
+        log.warning("%s: %s reply to %s failed: %s", self.name, req.method, conn.name,
+                    exc.strerror or exc)
+        if conn.closed:
+            return exc.errno or errno.EIO
+        return await self._answer_error(conn, rid, req, exc)
 
     async def _answer_error(self, conn: Connection, rid: int, req: Request,
                             exc: Exception) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from pfs.core.errors import RemoteProtocolError
+from pfs.core.pinning import Pin, pin
 from pfs.core.wire.protocol import (
     HEADER_SIZE,
     FrameDecoder,
@@ -68,9 +69,6 @@ IOV_MAX = 1024
 FILE_CHUNK = 1 << 20
 FILE_BUFS_KEPT = 8
 _file_bufs: list[bytearray] = []
-# madvise: fault a mapping in now, reporting I/O errors (EFAULT) rather than raising
-# SIGBUS later (Linux 5.14; Python 3.11's mmap module does not name it)
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
 Payload = bytes | bytearray | memoryview | list[memoryview]
 # Handed each piece of a payload as it lands (in order), while the piece is in cache.
@@ -420,9 +418,9 @@ class Connection:
                 piece[k:] = bytes(count - k)
             await self._send_sealed(sealer, head, [piece], count)
             return
-        mapped = _map_range(fd, offset, count) if stable and not sealer.encrypt else None
-        if mapped is not None:
-            await self._send_mapped(sealer, head, mapped, offset, count)
+        got = _map_range(fd, offset, count) if stable and not sealer.encrypt else None
+        if got is not None:
+            await self._send_mapped(sealer, head, *got, offset, count)
             return
         await self._sendall(sealer.head(head, HEADER_SIZE))
         enc = sealer.encrypt_stream() if sealer.encrypt else None
@@ -449,11 +447,13 @@ class Connection:
         await self._sendall(enc.tag() if enc is not None else mac.tag())  # type: ignore[union-attr]
 
     async def _send_mapped(self, sealer: Sealer, head: bytes, mapped: mmap.mmap,
-                           offset: int, count: int) -> None:
+                           pinned: Pin, offset: int, count: int) -> None:
         """A MAC'd payload tagged and sent straight from a mapping of a stable file range
         (no copy into a buffer first: the page cache read was a third of a data
         server's CPU per GiB). The bytes tagged are the bytes sent: nothing may write
-        them meanwhile (``stable``)."""
+        them meanwhile (``stable``). Its pages stay locked until the last send returned
+        (a plain send has copied them into the socket by then): none is read from the
+        disk again while the tag or the send reads it (pfs/core/pinning.py)."""
         view = memoryview(mapped)
         skip = offset % mmap.ALLOCATIONGRANULARITY
         try:
@@ -469,6 +469,7 @@ class Connection:
             await self._sendall(mac.tag())
         finally:
             view.release()
+            pinned.release()
             with contextlib.suppress(BufferError):  # else unmapped once the last view goes
                 mapped.close()
 
@@ -902,12 +903,13 @@ class Connection:
         self.sock.close()
 
 
-def _map_range(fd: int, offset: int, count: int) -> mmap.mmap | None:
-    """``count`` bytes of ``fd`` at ``offset`` mapped and faulted in (from the page
-    before ``offset`` that a mapping may start at), or None where that cannot be done
-    safely: the file ends before the range (a page past the end would raise SIGBUS),
-    or faulting it in failed (an I/O error, a kernel without MADV_POPULATE_READ): the
-    caller reads it instead, which reports what is wrong as an error."""
+def _map_range(fd: int, offset: int, count: int) -> tuple[mmap.mmap, Pin] | None:
+    """``count`` bytes of ``fd`` at ``offset`` mapped, faulted in and locked (from the
+    page before ``offset`` that a mapping may start at), or None where that cannot be
+    done safely: the file ends before the range (a page past the end would raise
+    SIGBUS), or this process may not lock it: the caller reads it instead. EIO where a
+    page could not be read from the disk, before anything of the frame went out (the
+    peer gets an error, not a cut connection, and reads another replica)."""
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
         if os.fstat(fd).st_size < offset + count:
@@ -917,11 +919,15 @@ def _map_range(fd: int, offset: int, count: int) -> mmap.mmap | None:
     except (OSError, ValueError):
         return None
     try:
-        mapped.madvise(MADV_POPULATE_READ)
-    except OSError:
+        pinned = pin(mapped)
+    except OSError as exc:
+        mapped.close()
+        raise OSError(exc.errno, f"reading {count} bytes at offset {offset} to send: "
+                                 f"{exc.strerror}") from None
+    if pinned is None:
         mapped.close()
         return None
-    return mapped
+    return mapped, pinned
 
 
 def _peer_name(sock: trio.socket.SocketType) -> str:
