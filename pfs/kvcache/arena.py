@@ -131,8 +131,8 @@ class Arena:
             self.mm = mmap.mmap(mfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(mfd)
-        self.busy = 0  # this process's writers copying outside the lock (closed after)
-        self.closing = False
+        self.writing: set[int] = set()  # records this process's writers copy into
+        self.closing = False  # closed when the last of them is done
         self.populating = True
         self.populate(0, data_off)
         self.mv = memoryview(self.mm)
@@ -227,6 +227,7 @@ class Arena:
         self.fd = os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC)
         self.pid = os.getpid()
         os.close(old)
+        self.writing = set()  # the parent's: held through its own open file
 
     # -- a writer's hold on the record it copies outside the lock ------------------
     def _ofd(self, cmd: int, kind: int, off: int) -> int:
@@ -252,7 +253,7 @@ class Arena:
         return self._ofd(fcntl.F_OFD_GETLK, fcntl.F_WRLCK, off) != fcntl.F_UNLCK
 
     def close(self) -> None:
-        if self.busy:
+        if self.writing:
             self.closing = True  # the last writer copying outside the lock closes it
             return
         try:

@@ -100,7 +100,6 @@ class NodeTier:
         self.budget = budget
         self._names: dict[tuple[str, bytes], tuple[int, bytes]] = {}
         self._lock = threading.Lock()  # this process's writers (flock is per open file)
-        self._writing: set[int] = set()  # records this process's writers copy into
         self.hits = self.misses = self.puts = self.evictions = self.corrupt = 0
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.root.stat()
@@ -287,7 +286,7 @@ class NodeTier:
         got = self._at_head(reclen, lambda a, st: self._reserve(a, st, head, reclen))
         if got is None:
             return False
-        a, off, epoch = got
+        a, off, epoch, seq = got
         named = False
         try:
             _pwrite_all(a.fd, value, a.data_off + off + vstart)
@@ -303,10 +302,7 @@ class NodeTier:
         def name() -> None:
             nonlocal named
             if a.epoch == epoch:  # (else the ring was emptied meanwhile)
-                st = self._state(a)
-                st.seq += 1
-                a.set_state(st)
-                self._publish(a, h, off, st.seq - 1, reclen)
+                self._publish(a, h, off, seq, reclen)
                 named = True
 
         self._end_reservation(a, off, epoch, name)
@@ -341,11 +337,12 @@ class NodeTier:
 
     def _reserve(
         self, a: Arena, st: State, head: bytes, reclen: int
-    ) -> tuple[Arena, int, int] | None:
-        """(arena, offset, epoch) of ``reclen`` bytes at the ring's head reserved for
-        this writer (writers' lock held): held (an OFD lock on its first byte, which the
-        kernel drops with this process), the record's head written (flagged WRITING, its
-        number 0), then the ring's head moved past it; None when it cannot be had."""
+    ) -> tuple[Arena, int, int, int] | None:
+        """(arena, offset, epoch, sequence number) of ``reclen`` bytes at the ring's head
+        reserved for this writer (writers' lock held): held (an OFD lock on its first
+        byte, which the kernel drops with this process), the record's head written
+        (flagged WRITING, its number 0), then the ring's head moved past it, the number
+        it will be named with taken; None when it cannot be had."""
         off = st.head
         if not a.hold(off):
             return None  # a writer from before the ring was emptied still copies here
@@ -355,11 +352,12 @@ class NodeTier:
             a.release(off)
             _tmpfs_full(a, exc)
             return None
+        seq = st.seq
         st.head += reclen
+        st.seq += 1
         a.set_state(st)  # in the ring, flagged, held: the sweep waits for it
-        self._writing.add(off)
-        a.busy += 1
-        return a, off, a.epoch
+        a.writing.add(off)
+        return a, off, a.epoch, seq
 
     def _end_reservation(
         self, a: Arena, off: int, epoch: int, name: Callable[[], None] | None = None
@@ -373,12 +371,11 @@ class NodeTier:
                     name()
                 if a.epoch == epoch:  # (else the place may be another writer's now)
                     a.mv[a.data_off + off + REC_FLAGS_AT] = 0
-                self._writing.discard(off)
+                a.writing.discard(off)
                 a.release(off)
-                a.busy -= 1
             finally:
                 a.unlock()
-            if a.closing and not a.busy:
+            if a.closing and not a.writing:
                 a.close()
 
     def _locked(self) -> Arena:
@@ -403,19 +400,25 @@ class NodeTier:
         key's old record, or the bucket's least useful entry, is dropped)."""
         q = a.q
         q[(a.data_off + off + REC_SEQ_AT) >> 3] = seq
-        i = self._find(a, h)
+        ways = [a.idx_q + (h & a.mask) * (WAYS * 4), a.idx_q + _other_bucket(a, h) * (WAYS * 4)]
+        i = empty = None
+        for base in ways:
+            for j in range(base, base + WAYS * 4, 4):
+                if q[j] == h:
+                    i = j
+                    break
+                if empty is None and not q[j]:
+                    empty = j  # the first empty way of the two buckets (the first's first)
+            if i is not None:
+                break
         if i is None:
-            ways = [
-                a.idx_q + b * (WAYS * 4) + 4 * w
-                for b in (h & a.mask, _other_bucket(a, h))
-                for w in range(WAYS)
-            ]
-            empty = [j for j in ways if not q[j]]
-            # the first empty way of the two buckets (the first's first), else the
-            # oldest unreferenced entry (then the oldest): the index is full here
-            i = empty[0] if empty else min(ways, key=lambda j: (q[j + 3] & 0xFF, q[j + 2]))
-            if not empty:
-                self.evictions += 1
+            i = empty
+        if i is None:  # both buckets full: their oldest unreferenced entry (then oldest)
+            self.evictions += 1
+            i = min(
+                (j for b in ways for j in range(b, b + WAYS * 4, 4)),
+                key=lambda j: (q[j + 3] & 0xFF, q[j + 2]),
+            )
         if q[i] and q[i + 2]:
             a.kill_record(q[i + 1], q[i + 2])
         q[i + 2] = 0
@@ -447,7 +450,7 @@ class NodeTier:
                 log.warning("node tier %s: a damaged record in the ring; emptying it", a.path)
                 st = a.reset()
                 continue
-            if flags & WRITING and (off in self._writing or a.held_elsewhere(off)):
+            if flags & WRITING and (off in a.writing or a.held_elsewhere(off)):
                 a.set_state(st)
                 raise _Busy(off)  # a live writer's copy: wait for it
             i = self._find(a, h) if seq else None
@@ -526,7 +529,10 @@ class NodeTier:
                 a = self._locked()
                 try:
                     want = int(a.data_size * (1 - LOW_WATER)) & ~(ALIGN - 1)
-                    self._room(a, self._state(a), want)
+                    try:
+                        self._room(a, self._state(a), want)
+                    except _Busy:
+                        pass  # freed up to a writer's copy in progress
                 finally:
                     a.unlock()
             u = self.usage()
