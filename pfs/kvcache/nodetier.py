@@ -16,10 +16,14 @@ Writers (puts, removals, eviction) serialize on ``flock`` of the arena (and a th
 lock within a process) and zero a record's sequence number before its bytes are reused,
 so a reader whose copy raced a writer sees the number change: a miss, never another
 key's bytes or a torn block (on x86 stores and loads are not reordered with their own
-kind, which is all a seqlock needs; the CRC is the second line). A put writes the whole
-record (its number 0) past the ring's head with ``pwritev`` before the head moves over
-it, then sets the number and the index entry: a writer killed at any step leaves a
-record no entry names (a miss) and the lock released with its process.
+kind, which is all a seqlock needs; the CRC is the second line). A small put writes the
+whole record (its number 0) past the ring's head with ``pwritev`` before the head moves
+over it, then sets the number and the index entry: a writer killed at any step leaves a
+record no entry names (a miss) and the lock released with its process. A large put
+(COPY_OUTSIDE) holds the lock only to reserve its room (the record's head written,
+flagged WRITING, held by an OFD lock on its first byte) and, after copying its value
+outside the lock, to name it: writers copy in parallel. The sweep waits for a record a
+live writer holds and passes one whose writer died (the kernel dropped its lock).
 
 The ring is bounded by the budget; room is made by sweeping from its oldest end, clock
 fashion: a record read since the sweep last passed (its reference byte set by a reader)
