@@ -41,9 +41,12 @@ WORKER = (
     VALUES
     + r"""
 import json, os, random, sys, threading, time
+from pfs.kvcache import nodetier
 from pfs.kvcache.nodetier import NodeTier
 root, rank, budget, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 sizes = json.loads(sys.argv[5]) if len(sys.argv) > 5 else [100, 3000, 9000, 20000, 47000]
+if len(sys.argv) > 6:  # copy records from this size on outside the lock (more of them)
+    nodetier.COPY_OUTSIDE = int(sys.argv[6])
 tier = NodeTier(root, budget)
 keys = [b"key-%d" % i for i in range(24)]
 res = {"bad": 0, "hits": 0, "misses": 0, "puts": 0}
@@ -96,7 +99,8 @@ def test_processes_and_threads_share_overlapping_keys_every_byte_checked(
     root = str(tmp_path / "tier")  # small budgets: the ring wraps and sweeps all the time
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, root, str(r), str(budget), "3", json.dumps(sizes)],
+            [sys.executable, "-c", WORKER, root, str(r), str(budget), "3", json.dumps(sizes)]
+            + ["65536"],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -124,6 +128,7 @@ tier = nodetier.NodeTier(root, 1 << 20)
 size = 40000
 if mode == "reserved":  # a large block: dies copying its value outside the lock
     size = 100000
+    nodetier.COPY_OUTSIDE = 65536
     def copy_half(fd, parts, off):
         os.pwrite(fd, bytes(parts[0][:30000]), off)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -258,6 +263,7 @@ def test_the_sweep_waits_for_a_live_writers_copy(
     root = tmp_path / "tier"
     slow, other = NodeTier(root, 1 << 20), NodeTier(root, 1 << 20)
     monkeypatch.setattr(nodetier, "RESERVE_WAIT", 0.05)
+    monkeypatch.setattr(nodetier, "COPY_OUTSIDE", 65536)
     copying, go = threading.Event(), threading.Event()
     plain = nodetier._pwrite_all
 
