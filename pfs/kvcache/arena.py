@@ -11,13 +11,20 @@ puts, the clock) is :mod:`pfs.kvcache.nodetier`'s.
   ``retired`` word (set on an arena that another has replaced: its users map the new
   one), and the ring's state (head, sweep, end, the next sequence number) with a CRC32C
   over it, written with one store under the writers' lock.
+- An ``epoch`` word, counted up each time the ring is emptied after damage: a writer
+  that reserved room before that does not name what it wrote.
 - An index entry is four little-endian u64: the key's hash (0: empty), the record's
   offset in the data area, its sequence number, and the record's length << 8 | a
-  reference byte that readers set on a hit (the clock's).
-- A record, 64-byte aligned: a head (magic, namespace and key lengths, value length,
-  value CRC32C, sequence number, hash), the namespace and key, then the value from the
-  next 64-byte boundary. Its sequence number is 0 while it is written and once it is
-  evicted: readers trust a record only while its number is the index entry's.
+  reference byte that readers set on a hit (the clock's). A key's entry lies in one of
+  two buckets (chosen by two parts of its hash), so the index fills evenly.
+- A record, 64-byte aligned: a head (magic, namespace and key lengths, flags, value
+  length, value CRC32C, sequence number, hash), the namespace and key, then the value
+  from the next 64-byte boundary. Its sequence number is 0 while it is written and once
+  it is evicted: readers trust a record only while its number is the index entry's.
+  The ``WRITING`` flag marks a record whose writer copies its value outside the
+  writers' lock; that writer holds an open-file-description lock on the record's first
+  byte until it names the record or gives it up, so the sweep can tell a live writer's
+  record (which it must not pass) from one a killed writer left (reclaimed).
 
 An arena is never shrunk or truncated in place (a mapping past a file's end faults):
 one of another size or version is built under a temporary name and renamed over it.
@@ -39,7 +46,7 @@ from pfs.core import crcfast
 log = logging.getLogger(__name__)
 
 MAGIC = b"PFSKVARN"
-VERSION = 1
+VERSION = 2
 NAME = "arena"
 PAGE = 4096
 ALIGN = 64  # records start on a cache line; values too
@@ -51,13 +58,18 @@ RETIRED_AT = 12  # byte offset of the retired word (a u32; read as part of u64 w
 STATE_AT = 64
 STATE = struct.Struct("<QQQQ")  # head, sweep, end, next sequence number
 STATE_CRC = struct.Struct("<I")
+EPOCH_Q = 16  # the epoch: u64 word 16 (byte 128, past the state and its CRC)
 # magic, namespace length, flags, key length, value length, value crc32c, seq, hash
 REC = struct.Struct("<4sBBHIIQQ")
 REC_MAGIC = b"PKVR"
+REC_FLAGS_AT = 5  # byte offset of a record's flags
 REC_SEQ_AT = 16  # byte offset of a record's sequence number
+WRITING = 1  # a record's flag: its value is being copied outside the writers' lock
+# struct flock (x86-64 and aarch64 Linux): type, whence, start, len, pid
+FLOCK = struct.Struct("hh4xqqi4x")
 MIN_DATA = 64 << 10
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
-BYTES_PER_ENTRY = 4096  # index entries: one per this many bytes of budget
+BYTES_PER_ENTRY = 1024  # index entries: one per this many bytes of budget (1 KiB blocks fit)
 
 
 def align(n: int) -> int:
@@ -112,7 +124,15 @@ class Arena:
         self.data_off = data_off
         self.data_size = data_size
         self.size = size
-        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # mapped through an open file of its own (mmap keeps a duplicate of the one it
+        # is given): a forked child holds no reference to ``fd``, whose locks are ours
+        mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mm = mmap.mmap(mfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(mfd)
+        self.writing: set[int] = set()  # records this process's writers copy into
+        self.closing = False  # closed when the last of them is done
         self.populating = True
         self.populate(0, data_off)
         self.mv = memoryview(self.mm)
@@ -159,16 +179,28 @@ class Arena:
         raw = STATE.pack(st.head, st.sweep, st.end, st.seq)
         self.mv[STATE_AT : STATE_AT + len(raw) + 4] = raw + STATE_CRC.pack(crcfast.crc32c(raw))
 
-    def reset(self) -> State:
+    @property
+    def epoch(self) -> int:
+        return int(self.q[EPOCH_Q])
+
+    def forget(self) -> None:
         """Forget every block (writers' lock held): records' sequence numbers first,
-        so a reader in the middle of a copy sees the change, then the index."""
+        so a reader in the middle of a copy sees the change, then the index. The ring
+        stays as it is (writers copying into it go on; their records die unnamed)."""
         q, idx = self.q, self.idx_q
         for e in range(self.buckets * WAYS):
             i = idx + 4 * e
             if q[i] and q[i + 2]:
                 self.kill_record(q[i + 1], q[i + 2])
         self.mv[PAGE : self.data_off] = bytes(self.data_off - PAGE)
-        st = State(0, self.data_size, self.data_size, 1)
+
+    def reset(self) -> State:
+        """Forget every block and empty the ring (writers' lock held; after damage):
+        the epoch moves on, so no reservation made before is named."""
+        old = self.state()
+        self.forget()
+        self.q[EPOCH_Q] = self.q[EPOCH_Q] + 1
+        st = State(0, self.data_size, self.data_size, old.seq if old else 1)
         self.set_state(st)
         return st
 
@@ -189,11 +221,41 @@ class Arena:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def reopen_fd(self) -> None:
-        """A new open file of this arena's inode (the parent's stays the parent's)."""
-        self.fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        """A new open file of this arena's inode (the parent's stays the parent's: our
+        copy is closed, so the parent's locks go when the parent does)."""
+        old = self.fd
+        self.fd = os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC)
         self.pid = os.getpid()
+        os.close(old)
+        self.writing = set()  # the parent's: held through its own open file
+
+    # -- a writer's hold on the record it copies outside the lock ------------------
+    def _ofd(self, cmd: int, kind: int, off: int) -> int:
+        arg = FLOCK.pack(kind, os.SEEK_SET, self.data_off + off, 1, 0)
+        return int(FLOCK.unpack(fcntl.fcntl(self.fd, cmd, arg))[0])
+
+    def hold(self, off: int) -> bool:
+        """Lock the first byte of the record at ``off`` for this open file; False when
+        another holds it (a writer that reserved it before the ring was emptied)."""
+        try:
+            self._ofd(fcntl.F_OFD_SETLK, fcntl.F_WRLCK, off)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def release(self, off: int) -> None:
+        self._ofd(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, off)
+
+    def held_elsewhere(self, off: int) -> bool:
+        """Whether another open file (a live writer's) holds the record at ``off``."""
+        return self._ofd(fcntl.F_OFD_GETLK, fcntl.F_WRLCK, off) != fcntl.F_UNLCK
 
     def close(self) -> None:
+        if self.writing:
+            self.closing = True  # the last writer copying outside the lock closes it
+            return
         try:
             os.close(self.fd)
         except OSError:

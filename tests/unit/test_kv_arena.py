@@ -11,12 +11,14 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pfs.kvcache import arena as A
+from pfs.kvcache import nodetier
 from pfs.kvcache.nodetier import NodeTier
 
 NS = "model-a:tp8"
@@ -39,19 +41,23 @@ WORKER = (
     VALUES
     + r"""
 import json, os, random, sys, threading, time
+from pfs.kvcache import nodetier
 from pfs.kvcache.nodetier import NodeTier
 root, rank, budget, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+sizes = json.loads(sys.argv[5]) if len(sys.argv) > 5 else [100, 3000, 9000, 20000, 47000]
+if len(sys.argv) > 6:  # copy records from this size on outside the lock (more of them)
+    nodetier.COPY_OUTSIDE = int(sys.argv[6])
 tier = NodeTier(root, budget)
 keys = [b"key-%d" % i for i in range(24)]
 res = {"bad": 0, "hits": 0, "misses": 0, "puts": 0}
 def run(seed):
     rnd = random.Random(seed)
-    out = bytearray(48 << 10)
+    out = bytearray(max(sizes))
     end = time.monotonic() + secs
     while time.monotonic() < end:
         k = rnd.choice(keys)
         if rnd.random() < 0.3:
-            size = rnd.choice((100, 3000, 9000, 20000, 47000))
+            size = rnd.choice(sizes)
             tier.put("ns", k, memoryview(value(k, rnd.randrange(1 << 30), size)))
             res["puts"] += 1
         else:
@@ -78,12 +84,23 @@ print(json.dumps(res))
 )
 
 
-def test_processes_and_threads_share_overlapping_keys_every_byte_checked(tmp_path: Path) -> None:
-    root = str(tmp_path / "tier")
-    budget = 256 << 10  # small: the ring wraps and sweeps all the time
+@pytest.mark.parametrize(
+    "budget, sizes",
+    [
+        (256 << 10, [100, 3000, 9000, 20000, 47000]),  # small blocks: written under the lock
+        # large ones copied outside it, several at once: a ring this small makes writers
+        # wait for each other's copies as the sweep comes round to them
+        (3 << 20, [70000, 150000, 300000, 600000]),
+    ],
+)
+def test_processes_and_threads_share_overlapping_keys_every_byte_checked(
+    tmp_path: Path, budget: int, sizes: list[int]
+) -> None:
+    root = str(tmp_path / "tier")  # small budgets: the ring wraps and sweeps all the time
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, root, str(r), str(budget), "3"],
+            [sys.executable, "-c", WORKER, root, str(r), str(budget), "3", json.dumps(sizes)]
+            + ["65536"],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -108,7 +125,15 @@ import os, signal, sys
 from pfs.kvcache import nodetier
 root, mode = sys.argv[1], sys.argv[2]
 tier = nodetier.NodeTier(root, 1 << 20)
-if mode == "write":  # dies between the record's head and the end of its value
+size = 40000
+if mode == "reserved":  # a large block: dies copying its value outside the lock
+    size = 100000
+    nodetier.COPY_OUTSIDE = 65536
+    def copy_half(fd, parts, off):
+        os.pwrite(fd, bytes(parts[0][:30000]), off)
+        os.kill(os.getpid(), signal.SIGKILL)
+    nodetier._pwrite_all = copy_half
+elif mode == "write":  # dies between the record's head and the end of its value
     def half(fd, parts, off):
         os.pwrite(fd, b"".join(bytes(p) for p in parts)[:6000], off)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -117,12 +142,12 @@ else:  # "publish": the record is in the ring, not yet named
     def die(*args):
         os.kill(os.getpid(), signal.SIGKILL)
     nodetier.NodeTier._publish = die
-tier.put("ns", b"victim", memoryview(value(b"victim", 2, 40000)))
+tier.put("ns", b"victim", memoryview(value(b"victim", 2, size)))
 """
 )
 
 
-@pytest.mark.parametrize("mode", ["write", "publish"])
+@pytest.mark.parametrize("mode", ["write", "publish", "reserved"])
 def test_a_writer_killed_mid_put_leaves_no_torn_block(tmp_path: Path, mode: str) -> None:
     ns: dict[str, Any] = {}
     exec(VALUES, ns)  # the workers' value functions, shared
@@ -133,8 +158,18 @@ def test_a_writer_killed_mid_put_leaves_no_torn_block(tmp_path: Path, mode: str)
     for i in range(10):
         tier.put("ns", b"k%d" % i, memoryview(value(b"k%d" % i, 1, 30000)))
     p = subprocess.run([sys.executable, "-c", KILLED, str(root), mode], timeout=60)
-    assert p.returncode == -signal.SIGKILL  # it died holding the writers' lock
-    out = bytearray(64 << 10)
+    assert p.returncode == -signal.SIGKILL  # it died holding the lock, or a reservation
+    if mode == "reserved":  # its record is in the ring, flagged, its holder gone
+        st = tier._arena.state()
+        assert st is not None
+        flags = [
+            tier._arena.mv[tier._arena.data_off + off + A.REC_FLAGS_AT]
+            for off in range(0, st.head, A.ALIGN)
+            if tier._arena.mv[tier._arena.data_off + off : tier._arena.data_off + off + 4]
+            == A.REC_MAGIC
+        ]
+        assert A.WRITING in flags
+    out = bytearray(128 << 10)
     n = tier.get_into("ns", b"victim", memoryview(out))
     assert n is None or check(b"victim", bytes(out[:n]))  # the old value or a miss
     # the lock went with the process; the ring sweeps over the dead record, laps on end
@@ -217,3 +252,71 @@ def test_blocks_of_the_file_per_block_layout_are_removed(tmp_path: Path) -> None
     (root / "ab" / "0123").write_bytes(b"x" * 1000)
     NodeTier(root, 1 << 20)
     assert list((root / "ab").iterdir()) == [] and (root / "ab").is_dir()
+
+
+def test_the_sweep_waits_for_a_live_writers_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer copying outside the lock keeps its room: another (here another open file
+    of the arena, as another process has) laps the ring up to it and waits (its puts give
+    up after RESERVE_WAIT) rather than write over the copy."""
+    root = tmp_path / "tier"
+    slow, other = NodeTier(root, 1 << 20), NodeTier(root, 1 << 20)
+    monkeypatch.setattr(nodetier, "RESERVE_WAIT", 0.05)
+    monkeypatch.setattr(nodetier, "COPY_OUTSIDE", 65536)
+    copying, go = threading.Event(), threading.Event()
+    plain = nodetier._pwrite_all
+
+    def paused(fd: int, parts: Any, off: int) -> None:
+        if threading.current_thread().name == "slow":
+            copying.set()
+            go.wait(30)
+        plain(fd, parts, off)
+
+    monkeypatch.setattr(nodetier, "_pwrite_all", paused)
+    assert other.put(NS, b"first", memoryview(b"f" * 30000))  # (the copy not at the start)
+    big = os.urandom(200000)
+    t = threading.Thread(target=slow.put, args=(NS, b"slow", memoryview(big)), name="slow")
+    t.start()
+    assert copying.wait(30)
+    refused, put = 0, {}
+    for i in range(40):  # 4 laps of the ring (sizes that do not line up with the copy's)
+        put[b"o%d" % i] = v = bytes([i]) * (90000 + 4160 * (i % 5))
+        if not other.put(NS, b"o%d" % i, memoryview(v)):
+            refused += 1
+    assert refused >= 30  # once round, the others wait on the copy
+    go.set()
+    t.join(30)
+    out = memoryview(bytearray(200000))
+    assert slow.get_into(NS, b"slow", out) == 200000 and bytes(out) == big
+    for k, v in put.items():  # what the others hold was not written over
+        n = other.get_into(NS, k, out)
+        assert n is None or bytes(out[:n]) == v
+    assert other.put(NS, b"after", memoryview(b"a" * 100000))
+    assert slow.corrupt == other.corrupt == 0
+
+
+@pytest.mark.parametrize("size", [1 << 10, 16 << 10])
+def test_small_blocks_fill_the_budget_and_hot_ones_survive(tmp_path: Path, size: int) -> None:
+    """Blocks of 1 KiB: the index has room for as many as the ring holds, so a budget
+    keeps about as many blocks as its data area fits (not fewer for want of entries),
+    and blocks read as the others stream past survive."""
+    budget = 4 << 20
+    tier = NodeTier(tmp_path / "tier", budget)
+    nsk = len(NS.encode()) + len(b"k-00000")
+    fits = tier._arena.data_size // A.record_length(nsk, size)[1]
+    hot = [b"k-%05d" % i for i in range(20)]
+    out = memoryview(bytearray(size))
+    n = 3 * fits
+    for i in range(n):
+        k = b"k-%05d" % i
+        assert tier.put(NS, k, memoryview(k * (size // len(k)) + bytes(size % len(k))))
+        if i % 50 == 0:
+            for h in hot:
+                tier.get_into(NS, h, out)
+    held = [i for i in range(n) if tier.exists(NS, b"k-%05d" % i)]
+    assert all(tier.exists(NS, h) for h in hot)
+    assert len(held) >= 0.9 * fits, (len(held), fits)
+    assert tier.usage().blocks == len(held)
+    k = b"k-%05d" % (n - 1)
+    assert tier.get_into(NS, k, out) == size and bytes(out[: len(k)]) == k
