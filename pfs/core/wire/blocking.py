@@ -225,15 +225,18 @@ class BlockingConnection:
         None when the peer closed the connection between frames."""
         dec = self._decoder
         while True:
-            try:
-                head = dec.next_head()
-            except ProtocolError as exc:
-                if isinstance(exc, FrameAuthError):
-                    log.warning("%s", exc)
-                self.close()
-                raise
-            if head is not None:
-                return head
+            # without a whole header buffered (the usual case: the reply is not here
+            # yet) the decoder has nothing to look at: receive first
+            if dec.buffered >= HEADER_SIZE or dec.pending_payload or dec.tag_due:
+                try:
+                    head = dec.next_head()
+                except ProtocolError as exc:
+                    if isinstance(exc, FrameAuthError):
+                        log.warning("%s", exc)
+                    self.close()
+                    raise
+                if head is not None:
+                    return head
             if self.closed:
                 return None
             try:
@@ -337,7 +340,10 @@ class BlockingRpcClient:
     def request(self, msg: RequestMessage, *, closes: list[int] | None = None) -> Any:
         """A typed call whose reply carries no payload (metadata): its typed reply
         (``EPROTO`` if the reply does not fit it)."""
-        return parse_reply(msg, self.send(msg, closes=closes)[0])
+        wire = msg.to_wire()
+        if closes:
+            wire["closes"] = closes
+        return parse_reply(msg, self._exchange(wire, None, None)[0])
 
     def send(self, msg: RequestMessage, *, closes: list[int] | None = None,
              payload: bytes | bytearray | memoryview | None = None,
