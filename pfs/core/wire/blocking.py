@@ -340,10 +340,7 @@ class BlockingRpcClient:
     def request(self, msg: RequestMessage, *, closes: list[int] | None = None) -> Any:
         """A typed call whose reply carries no payload (metadata): its typed reply
         (``EPROTO`` if the reply does not fit it)."""
-        wire = msg.to_wire()
-        if closes:
-            wire["closes"] = closes
-        return parse_reply(msg, self._exchange(wire, None, None)[0])
+        return parse_reply(msg, self.send(msg, closes=closes)[0])
 
     def send(self, msg: RequestMessage, *, closes: list[int] | None = None,
              payload: bytes | bytearray | memoryview | None = None,
