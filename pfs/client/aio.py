@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import trio
@@ -73,8 +73,20 @@ class _InodeState:
         return max(self.size, self.written_end)
 
 
+_FLAGS: dict[str, int] = {}  # open_flags of the modes seen so far (a handful)
+
+
 def open_flags(mode: str) -> int:
     """os.O_* flags for a Python ``open`` mode string."""
+    flags = _FLAGS.get(mode)
+    if flags is None:
+        flags = _open_flags(mode)
+        if len(_FLAGS) < 64:
+            _FLAGS[mode] = flags
+    return flags
+
+
+def _open_flags(mode: str) -> int:
     base = mode.replace("b", "").replace("t", "")
     plus = "+" in base
     kind = base.replace("+", "")
@@ -97,22 +109,31 @@ class FileHandle:
     """An open pfs file: positionless reads and writes straight into/from buffers."""
 
     def __init__(self, client: AsyncClient, ino: int, fh: int, flags: int,
-                 layout: Layout, state: _InodeState, path: str = "",
-                 attr: StatResult | None = None, cap: bytes | None = None,
+                 layout: Layout | dict[str, Any], state: _InodeState, path: str = "",
+                 attr: StatResult | dict[str, Any] | None = None, cap: bytes | None = None,
                  cap_ttl: float = 0.0, cred: Cred | None = None) -> None:
         self.client = client
         self.cred = cred  # who opened it (a reopen after a lost handle uses it again)
         self.cap = cap  # the data capability (docs/rpc.md); renewed before it expires
         self._renew_at = math.inf
         self._cap_gen = 0  # capabilities set so far: concurrent renewals make one
-        self._renewing = trio.Lock()
+        self._renewing: trio.Lock | None = None  # made by the first renewal
         self._set_cap(cap, cap_ttl)
-        self.attr = attr  # the metaserver's attributes at open (FUSE replies with them)
+        # the layout and the attributes at open, as records or still as the reply's
+        # maps: read at first use (a file created and closed, the commonest handle of
+        # a metadata workload, never reads them)
+        if isinstance(attr, dict):
+            self._attr_wire = attr
+        else:
+            self.attr = attr
+        if isinstance(layout, dict):
+            self._layout_wire = layout
+        else:
+            self.layout = layout
         self.ino = ino
         self.fh = fh
         self.meta_gen = client.meta.generation  # the metadata connection fh belongs to
         self.flags = flags
-        self.layout = layout
         self.state = state
         self.path = path
         self.closed = False
@@ -120,6 +141,16 @@ class FileHandle:
         # a read-only handle reads local objects through descriptors (short circuit)
         self._objects = (HandleObjects(client.local) if client.local is not None
                          and flags & os.O_ACCMODE == os.O_RDONLY else None)
+
+    @cached_property
+    def layout(self) -> Layout:
+        """The file's layout (decoded from the open's reply at first use)."""
+        return Layout.from_wire(self._layout_wire)
+
+    @cached_property
+    def attr(self) -> StatResult | None:
+        """The metaserver's attributes at open (FUSE replies with them)."""
+        return StatResult.from_wire(self._attr_wire)
 
     # -- capabilities ------------------------------------------------------------
     def _set_cap(self, cap: bytes | None, ttl: float) -> None:
@@ -133,6 +164,8 @@ class FileHandle:
         """Get a fresh capability (``ops.renew``: a lost handle is opened again);
         concurrent renewals of this handle make one."""
         gen = self._cap_gen
+        if self._renewing is None:  # (trio: no other task runs before it is set)
+            self._renewing = trio.Lock()
         async with self._renewing:
             if self._cap_gen == gen:  # else another task renewed (or reopened) meanwhile
                 await self.client.driver.run(ops.renew(self))
@@ -592,10 +625,11 @@ class AsyncClient:
     # -- handles by inode (FUSE) -------------------------------------------------
     def _handle(self, r: OpenedReply, flags: int, path: str = "",
                 cred: Cred | None = None) -> FileHandle:
-        attr = StatResult.from_wire(r.attr)
-        state = self._acquire_state(attr.st_ino, attr.st_size)
-        h = FileHandle(self, attr.st_ino, r.fh, flags, Layout.from_wire(r.layout),  # type: ignore[arg-type]
-                       state, path, attr, r.cap, float(r.cap_ttl or 0.0), cred)
+        a = r.attr  # (a map: the handle makes its StatResult when asked)
+        ino = a["ino"]
+        state = self._acquire_state(ino, a["size"])
+        h = FileHandle(self, ino, r.fh, flags, r.layout, state, path,  # type: ignore[arg-type]
+                       a, r.cap, float(r.cap_ttl or 0.0), cred)
         self.handles.add(h)
         return h
 

@@ -71,11 +71,13 @@ class BlockingDriver:
     def run(self, plan: Plan[T]) -> T:
         send = plan.send
         do = self._do
+        meta = self.meta.request_blocking
         try:
             effect = send(None)
             while True:
                 try:
-                    value = do(effect)
+                    # a metadata call (most plans are one) without the look-up of _do
+                    value = meta(effect.msg) if type(effect) is MetaCall else do(effect)
                 except OSError as exc:
                     effect = plan.throw(exc)
                 else:

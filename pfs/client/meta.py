@@ -198,7 +198,9 @@ class MetaClient:
         while True:
             sent = False
             try:
-                rpc = self._blocking_client()
+                rpc = self._blocking  # (up and in use: no lock to take)
+                if rpc is None or not rpc.alive or self._disconnected:
+                    rpc = self._blocking_client()
                 closes = self._take_closes() if self._closes else None
                 sent = True
                 reply = rpc.request(msg, closes=closes)

@@ -17,6 +17,7 @@ import logging
 import os
 import posixpath
 import stat as statmod
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,13 @@ def norm(path: str | bytes) -> str:
     return posixpath.normpath("/" + p) if not p.startswith("/") else p
 
 
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 def _path(path: str | bytes) -> bytes:
+    """``fsname(norm(path))``; an absolute str path (what programs pass) in one step."""
+    if type(path) is str and path[:1] == "/" and "\0" not in path:
+        return path.encode(_FS_ENCODING, _FS_ERRORS)  # (what os.fsencode does)
     return fsname(norm(path))
 
 
@@ -214,8 +221,9 @@ def resolve(c: AsyncClient, path: str, follow: bool = True) -> Plan[StatResult]:
 
 
 def stat(c: AsyncClient, path: str | bytes, follow_symlinks: bool = True) -> Plan[StatResult]:
-    attr = (yield from meta_resolve(fsname(norm(path)), follow_symlinks, _cred(c)))[0]
-    return c.merged_attr(attr)
+    # meta_resolve's request, not a plan over it: a hot path (see the entry changes)
+    r = yield MetaCall(M.Resolve(path=_path(path), follow=follow_symlinks, cred=_cred(c)))
+    return c.merged_attr(StatResult.from_wire(r.attr))
 
 
 def lstat(c: AsyncClient, path: str | bytes) -> Plan[StatResult]:
@@ -272,7 +280,7 @@ def makedirs(c: AsyncClient, path: str | bytes, mode: int = 0o777,
 
 
 def remove(c: AsyncClient, path: str | bytes) -> Plan[None]:
-    yield from meta_unlink(At.by_path(_path(path)), _cred(c))
+    yield MetaCall(M.Unlink(at=At.by_path(_path(path)), cred=_cred(c)))  # (as stat)
 
 
 def rmdir(c: AsyncClient, path: str | bytes) -> Plan[None]:
@@ -438,8 +446,8 @@ def open_path(c: AsyncClient, path: str | bytes, flags: int, perm: int = 0o666) 
     p = norm(path)
     if flags & os.O_CREAT:
         try:
-            r, _ = yield from meta_create(At.by_path(fsname(p)), perm & ~c.umask, flags,
-                                          _cred(c))
+            r = yield MetaCall(M.Create(at=At.by_path(_path(p)), mode=perm & ~c.umask,
+                                        flags=flags, cred=_cred(c)))  # (as stat)
             return c._handle(r, flags, p)
         except FileExistsError:
             if flags & os.O_EXCL:

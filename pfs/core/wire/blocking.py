@@ -225,15 +225,18 @@ class BlockingConnection:
         None when the peer closed the connection between frames."""
         dec = self._decoder
         while True:
-            try:
-                head = dec.next_head()
-            except ProtocolError as exc:
-                if isinstance(exc, FrameAuthError):
-                    log.warning("%s", exc)
-                self.close()
-                raise
-            if head is not None:
-                return head
+            # without a whole header buffered (the usual case: the reply is not here
+            # yet) the decoder has nothing to look at: receive first
+            if dec.buffered >= HEADER_SIZE or dec.pending_payload or dec.tag_due:
+                try:
+                    head = dec.next_head()
+                except ProtocolError as exc:
+                    if isinstance(exc, FrameAuthError):
+                        log.warning("%s", exc)
+                    self.close()
+                    raise
+                if head is not None:
+                    return head
             if self.closed:
                 return None
             try:

@@ -103,7 +103,13 @@ def encode_head(kind: Kind, rid: int, fields: dict[str, Any], payload_len: int =
     """Header + map bytes; the payload (if any) is sent separately after them. ``pk``:
     the caller's reusable :func:`packer`."""
     lim = limits or _DEFAULT_LIMITS
-    body = pack_map(fields, pk)
+    if pk is None:
+        body = pack_map(fields)
+    else:  # (pack_map's work inline: every frame)
+        try:
+            body = pk.pack(fields)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise LocalProtocolError(f"cannot encode frame fields: {exc}") from exc
     if len(body) > lim.max_map:
         raise LocalProtocolError(f"frame map of {len(body)} bytes exceeds limit {lim.max_map}")
     if payload_len < 0 or payload_len > lim.max_payload:
