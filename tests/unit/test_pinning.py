@@ -23,11 +23,16 @@ def _locked(addr: int, n: int) -> bool:
     return True
 
 
-def test_overlapping_pins_keep_the_shared_pages_locked(tmp_path: Path) -> None:
+def _mapping(tmp_path: Path, pages: int) -> mmap.mmap:
+    """A read-only mapping of a new file of ``pages`` random pages."""
     path = tmp_path / "f"
-    path.write_bytes(os.urandom(8 * PAGE))
+    path.write_bytes(os.urandom(pages * PAGE))
     with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+
+
+def test_overlapping_pins_keep_the_shared_pages_locked(tmp_path: Path) -> None:
+    m = _mapping(tmp_path, 8)
     view = memoryview(m)
     base = pinning.address(m)
     a = pinning.pin(view[100 : 3 * PAGE + 5])  # pages 0-3
@@ -58,4 +63,34 @@ def test_a_pin_over_the_limit_is_refused(tmp_path: Path, monkeypatch: pytest.Mon
     small = pinning.pin(memoryview(m)[:PAGE])
     assert small is not None
     small.release()
+    m.close()
+
+
+def test_a_mapped_range_is_locked_without_faulting_it_in_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = _mapping(tmp_path, 8)
+    view = memoryview(m)
+    base = pinning.address(m)
+    populated: list[int] = []
+    madvise = pinning._libc.madvise
+
+    def counting(addr: int, n: int, advice: int) -> int:
+        if advice == pinning.MADV_POPULATE_READ:
+            populated.append(n)
+        return int(madvise(addr, n, advice))
+
+    monkeypatch.setattr(pinning._libc, "madvise", counting)
+    sum(view[::PAGE])  # every page mapped
+    p = pinning.pin(view[100 : 6 * PAGE])
+    assert p is not None and populated == []  # the lock alone keeps them
+    assert _locked(base, 6 * PAGE)
+    p.release()
+    assert madvise(base, 8 * PAGE, pinning.MADV_PAGEOUT) == 0  # unmapped (reclaimed)
+    assert not pinning._mapped(base, base + 6 * PAGE)
+    p = pinning.pin(view[100 : 6 * PAGE])
+    assert p is not None and populated == [6 * PAGE]  # faulted in, and locked
+    assert pinning._mapped(base, base + 6 * PAGE) and _locked(base, 6 * PAGE)
+    p.release()
+    view.release()
     m.close()
