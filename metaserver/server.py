@@ -44,6 +44,7 @@ from pfs.metaserver import batch, watch
 from pfs.metaserver import keys as K
 from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, Op, dry_run
+from pfs.metaserver.counters import Counters
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.detector import Detector
@@ -250,7 +251,8 @@ class MetaService(RpcService):
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
-        self.commit = CommitQueue(store, self._batch_committed)
+        counters = Counters()  # the namespace's, stored once per batch by the writer
+        self.commit = CommitQueue(store, self._batch_committed, counters)
         self.registry = Registry(cfg.heartbeat_timeout,
                                  reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent),
                                  suspect_after=cfg.suspect_after)
@@ -261,7 +263,7 @@ class MetaService(RpcService):
         self._grace_end = 0.0
         self.ns = Namespace(self.config.layout, servers=self._placeable,
                             opened=self.handles.opened, is_open=self.handles.is_open,
-                            deleting=self._deleting_objects)
+                            deleting=self._deleting_objects, counters=counters)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
         self.detector = Detector(self.registry, self.dataplane.open,
                                  probe_timeout=cfg.probe_timeout)
