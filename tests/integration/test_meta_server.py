@@ -492,24 +492,32 @@ class _RecordingConn:
         self.frames.append((kind, rid, fields))
 
 
+async def _taking_service(nursery: trio.Nursery
+                          ) -> tuple[MetaService, _RecordingConn, ConnContext]:
+    """A running service with one data server, and a recorded connection to take from."""
+    from pfs.core.auth import OPEN
+    from pfs.metaserver.store import MemoryStore
+
+    svc = MetaService(MemoryStore(), MetaConfig(port=0))
+    await nursery.start(svc.run)
+    svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
+    conn = _RecordingConn()
+    ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
+    ctx.tasks = nursery
+    return svc, conn, ctx
+
+
 def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> None:
     """A create (or another entry change) the reader hands straight to the group
     commit (``take``) is answered from the writer once durable, with a handle; if its
     connection closed before that,
     nobody gets the handle, so its open count is dropped: an unlink then deletes the
     file instead of keeping an orphan forever."""
-    from pfs.core.auth import OPEN
     from pfs.core.wire.protocol import Kind
-    from pfs.metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            svc = MetaService(MemoryStore(), MetaConfig(port=0))
-            await nursery.start(svc.run)
-            svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
-            conn = _RecordingConn()
-            ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
-            ctx.tasks = nursery
+            svc, conn, ctx = await _taking_service(nursery)
             flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
 
             def create(rid: int, name: bytes) -> None:
@@ -559,18 +567,11 @@ def test_taken_closes_setattrs_renames_and_links_answer_after_the_commit() -> No
     closed handle leaves its connection at once, so a close whose connection died
     before its commit still drops the open count: the file unlinked while open is
     reclaimed. A truncation that must reach data servers first is not taken."""
-    from pfs.core.auth import OPEN
     from pfs.core.wire.protocol import Kind
-    from pfs.metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            svc = MetaService(MemoryStore(), MetaConfig(port=0))
-            await nursery.start(svc.run)
-            svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
-            conn = _RecordingConn()
-            ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
-            ctx.tasks = nursery
+            svc, conn, ctx = await _taking_service(nursery)
             rids = iter(range(1, 100))
 
             async def take(method: str, fields: dict[str, Any]) -> tuple[int, dict[str, Any]]:
