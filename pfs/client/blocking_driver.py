@@ -71,13 +71,15 @@ class BlockingDriver:
     def run(self, plan: Plan[T]) -> T:
         send = plan.send
         do = self._do
-        meta = self.meta.request_blocking
+        # None: a driver for plans that make no metadata call (tests of data plans)
+        meta = getattr(self.meta, "request_blocking", None)
         try:
             effect = send(None)
             while True:
                 try:
                     # a metadata call (most plans are one) without the look-up of _do
-                    value = meta(effect.msg) if type(effect) is MetaCall else do(effect)
+                    value = (meta(effect.msg) if type(effect) is MetaCall and meta is not None
+                             else do(effect))
                 except OSError as exc:
                     effect = plan.throw(exc)
                 else:
