@@ -140,6 +140,17 @@ class _State:
 _state = _State()
 
 
+def _reopen_pagemap() -> None:
+    # /proc/self/pagemap names the process that opened it: a forked child would read
+    # its parent's page table and skip faulting in pages that it lacks
+    if _state.pagemap is not None:
+        os.close(_state.pagemap)
+    _state.pagemap = _pagemap()
+
+
+os.register_at_fork(after_in_child=_reopen_pagemap)
+
+
 class Pin:
     """A locked range; ``release`` once nothing reads it any more."""
 

@@ -94,3 +94,18 @@ def test_a_mapped_range_is_locked_without_faulting_it_in_again(
     p.release()
     view.release()
     m.close()
+
+
+def test_a_forked_child_reads_its_own_page_table() -> None:
+    """/proc/self/pagemap names the process that opened it: after a fork the child
+    must see its own pages (mapped or not), or a pin would skip faulting them in."""
+    pid = os.fork()
+    if pid == 0:
+        m = mmap.mmap(-1, 1 << 20)
+        lo = pinning.address(m)
+        before = pinning._mapped(lo, lo + (1 << 20))
+        m[:] = b"y" * (1 << 20)
+        after = pinning._mapped(lo, lo + (1 << 20))
+        os._exit(0 if (not before and after) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
