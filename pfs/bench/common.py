@@ -164,10 +164,26 @@ def cluster_pids(d: Path) -> dict[str, int]:
 
 
 @contextlib.contextmanager
+def cluster_in_dir(d: Path, data_servers: int) -> Iterator[Path]:
+    """The cluster of ``--dir``: used as it is when running; otherwise started there
+    (with ``data_servers`` if the directory holds none yet) and stopped afterwards, its
+    data kept, so a benchmark leaves no servers behind that it started."""
+    from pfs.tools import cluster
+
+    was_running = bool(cluster_pids(d))
+    toml = cluster.up(d, data_servers=None if cluster.load_spec(d) else data_servers)
+    try:
+        yield toml
+    finally:
+        if not was_running:
+            cluster.down(d)
+
+
+@contextlib.contextmanager
 def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[ClusterUnderTest]:
     """The cluster to measure: ``--config`` (an existing one; server CPU counted when its
-    client.toml sits in a cluster directory), ``--dir`` (started there if not running,
-    left running), or a fresh one of ``data_servers`` in ``workdir/cluster``, stopped
+    client.toml sits in a cluster directory), ``--dir`` (used if running; else started
+    there and stopped afterwards, its data kept), or a fresh one of ``data_servers`` in ``workdir/cluster``, stopped
     and removed afterwards."""
     from pfs.tools import cluster
 
@@ -177,8 +193,8 @@ def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[Clu
         return
     if getattr(args, "dir", None):
         d = Path(args.dir).resolve()
-        toml = cluster.up(d, data_servers=None if cluster.load_spec(d) else data_servers)
-        yield ClusterUnderTest(toml, cluster_pids(d), False, d)
+        with cluster_in_dir(d, data_servers) as toml:
+            yield ClusterUnderTest(toml, cluster_pids(d), False, d)
         return
     d = workdir / "cluster"
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ import trio
 from pfs.bench.common import (
     CpuMeter,
     bench_main,
+    cluster_in_dir,
     cluster_pids,
     fmt_size,
     log,
@@ -249,8 +250,8 @@ def clusters(args: argparse.Namespace, wd: Path, engines: list[str]
         return
     if args.dir:
         d = Path(args.dir).resolve()
-        toml = cluster.up(d, data_servers=None if cluster.load_spec(d) else args.data_servers)
-        yield {"servers": (toml, list(cluster_pids(d).values()))}
+        with cluster_in_dir(d, args.data_servers) as toml:
+            yield {"servers": (toml, list(cluster_pids(d).values()))}
         return
     started: list[Path] = []
     try:

@@ -229,3 +229,24 @@ def test_repair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert res["n_errors"] == 0, res["errors"]
     assert res["recopied_bytes"] > 0 and _positive(res["repair_gbps"]), res
     assert _positive(res["read_before_gbps"]), res
+
+
+def test_dir_cluster_stopped_only_if_the_bench_started_it(cluster_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dir`` of a stopped cluster: started for the run and stopped after it (data kept);
+    ``--dir`` of a running one: left running."""
+    from pfs.tools import cluster
+
+    d = tmp_path / "c"
+    args = ["close", "--sizes", "256k", "--reps", "1", "--local-dir", str(tmp_path)]
+    try:
+        assert bench_main([*args, "--dir", str(d)]) == 0
+        assert cluster.running(d) == {}
+        assert (d / "client.toml").exists()  # stopped, not removed
+        before = cluster.running(cluster_dir)
+        assert before
+        assert bench_main([*args, "--dir", str(cluster_dir)]) == 0
+        assert cluster.running(cluster_dir) == before
+    finally:
+        cluster.down(d)
+    capsys.readouterr()
