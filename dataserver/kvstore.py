@@ -270,10 +270,10 @@ class KvStore:
         self._pressure_until = 0.0
         # the index in shared memory for short-circuit gets (kvindex.py); None: off
         self.published: PublishedIndex | None = None
-        # found cached by ``answers_at_once`` just now, and a value under MAP_MIN read
-        # by it (the read was the probe): the get that follows at once takes them
-        self._probed: Entry | None = None
-        self._probed_buf: bytearray | None = None
+        # the entry ``answers_at_once`` found cached just now, and the bytes of a value
+        # under MAP_MIN that it read (the read was the probe; None: one to map); the
+        # get that follows at once takes them
+        self._probed: tuple[Entry, bytearray | None] | None = None
 
     def publish(self) -> PublishedIndex:
         """Publish the index in shared memory from now on (the server's local socket
@@ -724,7 +724,6 @@ class KvStore:
         (absent, or its record failed its checksum: dropped). ERANGE when the value is
         longer than ``maxlen``. The caller releases the value once sent."""
         probed, self._probed = self._probed, None
-        read, self._probed_buf = self._probed_buf, None
         k = (ns, key)
         e = self.index.get(k)
         if e is None:
@@ -735,7 +734,9 @@ class KvStore:
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
         why = "failed its checksum"
-        if read is not None and probed is e:  # read by the probe (records never change)
+        found = probed is not None and probed[0] is e
+        read = probed[1] if probed is not None and found else None
+        if read is not None:  # read by the probe (a record never changes once indexed)
             view = memoryview(read)[:e.vlen]
             if _crc(view) == e.crc:
                 return self._hit(e, Value(view, e.crc, read, self.buffers))
@@ -743,7 +744,7 @@ class KvStore:
             self._corrupt(k, e, why)
             return None
         if MAP_MIN <= e.vlen <= NOWAIT_MAX and (
-                probed is e or resident(slab.fd, e.off + e.hlen, e.vlen)):
+                found or resident(slab.fd, e.off + e.hlen, e.vlen)):
             # in the page cache: checked and sent from the slab's mapping, no copy (a
             # smaller value is read more cheaply than it is mapped: MAP_MIN). No
             # checkpoint: the connection's reader yields between requests (recv_head)
@@ -807,12 +808,12 @@ class KvStore:
             # not two probes and a read), its bytes kept for the get that follows
             buf = self.buffers.take(e.vlen)
             if _pread_cached(e.slab.fd, e.off + e.hlen, memoryview(buf)[:e.vlen]):
-                self._probed, self._probed_buf = e, buf
+                self._probed = (e, buf)
                 return True
             self.buffers.give(buf)
             return False
         if e.vlen <= NOWAIT_MAX and resident(e.slab.fd, e.off + e.hlen, e.vlen):
-            self._probed = e  # the get that follows at once need not probe again
+            self._probed = (e, None)  # the get that follows at once need not probe again
             return True
         return False
 

@@ -167,10 +167,11 @@ def test_a_cached_value_under_map_min_is_read_checked_and_answered_at_once(
     """A cached value under MAP_MIN is read into a pooled buffer (cheaper than locking
     its pages), in the event loop, and checked there: rot is a miss, never bytes."""
     async def main() -> None:
-        async with store([tmp_path], budget=8 << 20, slab=1 << 20) as kv:
-            a, b = os.urandom(256 << 10), os.urandom(200 << 10)
+        async with store([tmp_path], budget=16 << 20, slab=4 << 20) as kv:
+            a, b, c = os.urandom(256 << 10), os.urandom(200 << 10), os.urandom(MAP_MIN)
             await put(kv, b"a", a)
             await put(kv, b"b", b)
+            await put(kv, b"c", c)
             assert kv.answers_at_once(NS, b"a")  # (read by the probe)
             got = await kv.get(NS, b"a", 1 << 20)
             assert got is not None and not isinstance(got.view.obj, mmap.mmap)
@@ -179,6 +180,9 @@ def test_a_cached_value_under_map_min_is_read_checked_and_answered_at_once(
             assert kv.answers_at_once(NS, b"a")  # a probe whose get never came ...
             assert await get(kv, b"b") == b  # ... is not another key's value
             assert await get(kv, b"a") == a
+            assert kv.answers_at_once(NS, b"a") and kv.answers_at_once(NS, b"c")
+            assert await get(kv, b"c") == c  # (mapped: a's bytes read are not its)
+            assert kv.stats()["corrupt"] == 0
             (slab,) = slabs(tmp_path)
             with slab.open("r+b") as f:  # rot in a's value, in the page cache
                 data = f.read()
