@@ -73,10 +73,10 @@ CRC_INLINE_MAX = 1 << 20  # values up to this are checksummed in the event loop
 # more per get (a 2 MiB get: ~10 % of the server's CPU for it)
 NOWAIT_MAX = 4 << 20
 # cached values from this size are sent from the slab's mapping (kvmap.py); smaller ones
-# are read into a pooled buffer: below it the read costs less than locking the pages
-# (mlock2, a page-table read, munlock: each splits or merges the mapping's VMA) and the
-# send copies from a buffer still in the CPU's cache (a 256 KiB get, read, checked,
-# tagged and sent: ~20 us less of the server's CPU; equal at 1 MiB)
+# are read into a pooled buffer by the probe itself: one system call where the mapping
+# takes five (two probes, mlock2, a page-table read, munlock: the lock and unlock split
+# and merge the mapping's VMA), and the send copies from a buffer still in the CPU's
+# cache (a 256 KiB value read, checked, tagged and sent: ~30 us less; equal at 1 MiB)
 MAP_MIN = 1 << 20
 QUEUE_DEPTH = 32  # reads and writes in worker threads at once
 POOL_BYTES = 256 << 20  # get buffers kept for reuse, at most
