@@ -72,6 +72,12 @@ CRC_INLINE_MAX = 1 << 20  # values up to this are checksummed in the event loop
 # cached 4 MiB value stall the loop ~0.25 ms, a worker-thread hop costs ~0.1 ms of CPU
 # more per get (a 2 MiB get: ~10 % of the server's CPU for it)
 NOWAIT_MAX = 4 << 20
+# cached values from this size are sent from the slab's mapping (kvmap.py); smaller ones
+# are read into a pooled buffer by the probe itself: one system call where the mapping
+# takes five (two probes, mlock2, a page-table read, munlock: the lock and unlock split
+# and merge the mapping's VMA), and the send copies from a buffer still in the CPU's
+# cache (a 256 KiB value read, checked, tagged and sent: ~30 us less; equal at 1 MiB)
+MAP_MIN = 1 << 20
 QUEUE_DEPTH = 32  # reads and writes in worker threads at once
 POOL_BYTES = 256 << 20  # get buffers kept for reuse, at most
 STATFS_EVERY = 1.0  # seconds a filesystem's free space is trusted
@@ -264,7 +270,10 @@ class KvStore:
         self._pressure_until = 0.0
         # the index in shared memory for short-circuit gets (kvindex.py); None: off
         self.published: PublishedIndex | None = None
-        self._probed: Entry | None = None  # found cached by ``answers_at_once`` just now
+        # the entry ``answers_at_once`` found cached just now, and the bytes of a value
+        # under MAP_MIN that it read (the read was the probe; None: one to map); the
+        # get that follows at once takes them
+        self._probed: tuple[Entry, bytearray | None] | None = None
 
     def publish(self) -> PublishedIndex:
         """Publish the index in shared memory from now on (the server's local socket
@@ -725,15 +734,24 @@ class KvStore:
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
         why = "failed its checksum"
-        if INLINE_MAX <= e.vlen <= NOWAIT_MAX and (
-                probed is e or resident(slab.fd, e.off + e.hlen, e.vlen)):
+        found = probed is not None and probed[0] is e
+        read = probed[1] if probed is not None and found else None
+        if read is not None:  # read by the probe (a record never changes once indexed)
+            view = memoryview(read)[:e.vlen]
+            if _crc(view) == e.crc:
+                return self._hit(e, Value(view, e.crc, read, self.buffers))
+            self.buffers.give(read)
+            self._corrupt(k, e, why)
+            return None
+        if MAP_MIN <= e.vlen <= NOWAIT_MAX and (
+                found or resident(slab.fd, e.off + e.hlen, e.vlen)):
             # in the page cache: checked and sent from the slab's mapping, no copy (a
-            # smaller value is read as cheaply as it is mapped)
+            # smaller value is read more cheaply than it is mapped: MAP_MIN). No
+            # checkpoint: the connection's reader yields between requests (recv_head)
             got = slab.mapped.value(slab.fd, e.off + e.hlen, e.vlen)
             if got is not None:
                 view, pinned = got
                 if _crc(view) == e.crc:
-                    await trio.lowlevel.checkpoint()
                     return self._hit(e, Value(view, e.crc, pinned=pinned))
                 view.release()
                 pinned.release()
@@ -745,7 +763,6 @@ class KvStore:
         try:
             if e.vlen <= NOWAIT_MAX and _pread_cached(slab.fd, e.off + e.hlen, view):
                 ok = _crc(view) == e.crc  # all in the page cache: no thread hop
-                await trio.lowlevel.checkpoint()
             else:
                 ok = await self._io(e.vlen, _pread_checked, slab.fd, e.off + e.hlen, view,
                                     e.crc)
@@ -780,14 +797,23 @@ class KvStore:
     def answers_at_once(self, ns: object, key: object) -> bool:
         """Whether a get of ``(ns, key)`` (as they came off the wire, unchecked) never
         waits: a miss, a value small enough to read in the event loop, or one in the
-        page cache (sent from the slab's mapping)."""
+        page cache (read from it, or sent from the slab's mapping: MAP_MIN)."""
         if not isinstance(ns, str) or not isinstance(key, bytes):
             return False
         e = self.index.get((ns, key))
         if e is None or e.vlen < INLINE_MAX:
             return True
+        if e.vlen < MAP_MIN:
+            # read from the page cache alone: the read is the probe (one system call,
+            # not two probes and a read), its bytes kept for the get that follows
+            buf = self.buffers.take(e.vlen)
+            if _pread_cached(e.slab.fd, e.off + e.hlen, memoryview(buf)[:e.vlen]):
+                self._probed = (e, buf)
+                return True
+            self.buffers.give(buf)
+            return False
         if e.vlen <= NOWAIT_MAX and resident(e.slab.fd, e.off + e.hlen, e.vlen):
-            self._probed = e  # the get that follows at once need not probe again
+            self._probed = (e, None)  # the get that follows at once need not probe again
             return True
         return False
 

@@ -13,7 +13,16 @@ import pytest
 import pfs
 from pfs.core.messages.meta import Release
 from pfs.core.wire.blocking import BlockingConnection, BlockingRpcClient
-from pfs.core.wire.protocol import HEADER, MAGIC, VERSION, Kind, Limits, Peer, encode_frame
+from pfs.core.wire.protocol import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    FrameHead,
+    Kind,
+    Limits,
+    Peer,
+    encode_frame,
+)
 from tests.conftest import run_threads
 
 
@@ -232,7 +241,7 @@ def test_an_interrupted_call_drops_the_connection(scripted) -> None:
 
     real = c.conn.recv_head
 
-    def interrupted_recv() -> None:
+    def interrupted_recv(first: int = 0) -> None:
         raise Interrupted
 
     c.conn.recv_head = interrupted_recv  # type: ignore[method-assign]
@@ -279,9 +288,9 @@ def test_asking_alive_during_a_call_leaves_its_tls_reply_alone(tmp_path: Path) -
     real = c.conn.recv_head
     go = threading.Event()
 
-    def descheduled_recv():  # the caller sent its request and has not read on yet
-        go.wait(10)
-        return real()
+    def descheduled_recv(first: int = 0) -> FrameHead | None:
+        go.wait(10)  # the caller sent its request and has not read on yet
+        return real(first)
 
     c.conn.recv_head = descheduled_recv  # type: ignore[method-assign]
     got: list[object] = []

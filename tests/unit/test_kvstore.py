@@ -18,7 +18,7 @@ import trio
 from pfs.core.messages.records import Volume
 from pfs.dataserver import kvslab, kvstore
 from pfs.dataserver.capacity import with_reclaimable
-from pfs.dataserver.kvstore import KvStore
+from pfs.dataserver.kvstore import MAP_MIN, KvStore
 
 NS = "ns"
 
@@ -137,8 +137,8 @@ def test_a_cached_value_is_checked_and_served_from_the_slab_mapping(tmp_path: Pa
     in the event loop; its checksum is checked there too (rot found after it was mapped
     is a miss), and a value being sent outlives its slab's removal."""
     async def main() -> None:
-        async with store([tmp_path], budget=8 << 20, slab=1 << 20) as kv:
-            a, b = os.urandom(256 << 10), os.urandom(300 << 10)
+        async with store([tmp_path], budget=16 << 20, slab=4 << 20) as kv:
+            a, b = os.urandom(MAP_MIN), os.urandom(MAP_MIN + (300 << 10))
             await put(kv, b"a", a)
             await put(kv, b"b", b)
             assert kv.answers_at_once(NS, b"a")
@@ -146,7 +146,7 @@ def test_a_cached_value_is_checked_and_served_from_the_slab_mapping(tmp_path: Pa
             assert got is not None and isinstance(got.view.obj, mmap.mmap)
             assert bytes(got.view) == a
             got.release()
-            held = await kv.get(NS, b"b", 1 << 20)  # a reply still being sent
+            held = await kv.get(NS, b"b", 2 << 20)  # a reply still being sent
             assert held is not None
             (slab,) = slabs(tmp_path)
             with slab.open("r+b") as f:  # rot in a's value, now mapped
@@ -158,6 +158,39 @@ def test_a_cached_value_is_checked_and_served_from_the_slab_mapping(tmp_path: Pa
             assert await kv.reclaim(1 << 30) > 0 and not slabs(tmp_path)
             assert bytes(held.view) == b  # the mapping outlives the slab's file
             held.release()
+
+    run(main)
+
+
+def test_a_cached_value_under_map_min_is_read_checked_and_answered_at_once(
+        tmp_path: Path) -> None:
+    """A cached value under MAP_MIN is read into a pooled buffer (cheaper than locking
+    its pages), in the event loop, and checked there: rot is a miss, never bytes."""
+    async def main() -> None:
+        async with store([tmp_path], budget=16 << 20, slab=4 << 20) as kv:
+            a, b, c = os.urandom(256 << 10), os.urandom(200 << 10), os.urandom(MAP_MIN)
+            await put(kv, b"a", a)
+            await put(kv, b"b", b)
+            await put(kv, b"c", c)
+            assert kv.answers_at_once(NS, b"a")  # (read by the probe)
+            got = await kv.get(NS, b"a", 1 << 20)
+            assert got is not None and not isinstance(got.view.obj, mmap.mmap)
+            assert bytes(got.view) == a
+            got.release()
+            assert kv.answers_at_once(NS, b"a")  # a probe whose get never came ...
+            assert await get(kv, b"b") == b  # ... is not another key's value
+            assert await get(kv, b"a") == a
+            assert kv.answers_at_once(NS, b"a") and kv.answers_at_once(NS, b"c")
+            assert await get(kv, b"c") == c  # (mapped: a's bytes read are not its)
+            assert kv.stats()["corrupt"] == 0
+            (slab,) = slabs(tmp_path)
+            with slab.open("r+b") as f:  # rot in a's value, in the page cache
+                data = f.read()
+                f.seek(data.index(a[:64]) + 100_000)
+                f.write(bytes([a[100_000] ^ 1]))
+            assert kv.answers_at_once(NS, b"a")
+            assert await get(kv, b"a") is None
+            assert kv.stats()["corrupt"] == 1
 
     run(main)
 

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # 256 KiB read here took most of a 256 KiB reply into the decoder: two more copies, and
 # a fresh allocation, page faults included, per reply).
 HEAD_RECV = 16 << 10
+# ... and the first read of a reply whose payload is expected to be larger than that (a
+# KV block): its head (and an error's) fits, and what the head read took of the payload
+# (copied into the decoder, then out to the caller) is at most this, not 16 KiB
+HEAD_FIRST = 1 << 10
 SOCK_BUF = 4 << 20  # as the trio transport's: a large reply in fewer, larger receives
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags costs ~1 us
 _WAITALL = int(socket.MSG_WAITALL)
@@ -210,9 +214,9 @@ class BlockingConnection:
         except OSError as exc:
             raise self._io_error(exc, "sending to") from None
 
-    def _fill(self) -> None:
+    def _fill(self, size: int = 0) -> None:
         try:
-            n = self.sock.recv_into(self._chunk)
+            n = self.sock.recv_into(self._chunk, size)
         except OSError as exc:
             raise self._io_error(exc, "waiting for") from None
         if n == 0:
@@ -220,9 +224,10 @@ class BlockingConnection:
             raise OSError(errno.ECONNRESET, f"{self.name} closed the connection")
         self._decoder.feed(self._chunk_view[:n])
 
-    def recv_head(self) -> FrameHead | None:
+    def recv_head(self, first: int = 0) -> FrameHead | None:
         """The next frame's head (its payload, if any, is read with ``recv_payload``);
-        None when the peer closed the connection between frames."""
+        None when the peer closed the connection between frames. ``first``: at most
+        this many bytes in the first read when nothing is buffered (0: ``HEAD_RECV``)."""
         dec = self._decoder
         while True:
             # without a whole header buffered (the usual case: the reply is not here
@@ -240,7 +245,7 @@ class BlockingConnection:
             if self.closed:
                 return None
             try:
-                self._fill()
+                self._fill(first if not dec.buffered else 0)
             except OSError as exc:
                 if dec.buffered == 0 and exc.errno == errno.ECONNRESET:
                     return None
@@ -370,7 +375,8 @@ class BlockingRpcClient:
             rid = next(self._ids)
             try:
                 conn.send_frame(Kind.REQUEST, rid, msg, payload)
-                head = conn.recv_head()
+                head = conn.recv_head(
+                    HEAD_FIRST if into is not None and len(into) > HEAD_RECV else 0)
                 if head is not None and head.rid == rid and head.kind == Kind.REPLY \
                         and head.payload_len and into is not None \
                         and head.payload_len <= len(into):
@@ -438,7 +444,7 @@ class BlockingRpcClient:
 
     def _batch_reply(self, rid: int, into: memoryview) -> tuple[dict[str, Any], int] | OSError:
         conn = self.conn
-        head = conn.recv_head()
+        head = conn.recv_head(HEAD_FIRST if len(into) > HEAD_RECV else 0)
         if head is None:
             raise OSError(errno.ECONNRESET, f"connection to {conn.name} closed")
         if head.rid != rid or head.payload_len > len(into) or (

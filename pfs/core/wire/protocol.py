@@ -253,7 +253,8 @@ class FrameDecoder:
         """Copy already-buffered payload bytes into ``dest``; returns how many."""
         n = min(len(dest), len(self._buf), self.pending_payload)
         if n:
-            dest[:n] = self._buf[:n]
+            with memoryview(self._buf) as buffered:  # (a slice of it would be a copy)
+                dest[:n] = buffered[:n]
             del self._buf[:n]
             self.pending_payload -= n
         return n
