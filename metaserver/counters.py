@@ -51,6 +51,10 @@ class Counters:
         ino = self._next
         if ino >= self._end:
             ino = read(txn, b"next_ino")
+            if not self._stored_end:
+                # a batch that used up a range it took: the store does not have that
+                # range's end yet (flush writes it), so the next range starts there
+                ino = max(ino, self._end)
             self._end = ino + INO_RANGE
             self._stored_end = False
         self._next = ino + 1

@@ -758,3 +758,26 @@ def test_a_failed_batch_forgets_the_inode_range_it_took() -> None:
     with store.write() as txn:
         assert c.new_ino(txn) == 102  # from memory: no read, no put
     c.end(committed=True)
+
+
+def test_a_batch_using_more_than_one_range_never_repeats_a_number() -> None:
+    """One batch may hand out more numbers than a range holds (8 clients' batched
+    creates of 256 paths each): the next range starts past the first, not at the stored
+    ``next_ino`` its batch has not written yet."""
+    store = MemoryStore()
+    with store.write() as txn:
+        counter_write(txn, b"next_ino", 100)
+    c = Counters()
+    c.begin()
+    with store.write() as txn:
+        given = [c.new_ino(txn) for _ in range(3 * INO_RANGE + 5)]
+        c.flush(txn)
+    c.end(committed=True)
+    assert len(set(given)) == len(given) and min(given) == 100
+    c.begin()
+    with store.write() as txn:
+        later = c.new_ino(txn)
+    c.end(committed=True)
+    with store.read() as txn:
+        stored = K.read_u64(txn.get(K.counter(b"next_ino")) or b"")
+    assert later > max(given) and stored > max(given)
