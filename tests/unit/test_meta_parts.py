@@ -781,3 +781,20 @@ def test_a_batch_using_more_than_one_range_never_repeats_a_number() -> None:
     with store.read() as txn:
         stored = K.read_u64(txn.get(K.counter(b"next_ino")) or b"")
     assert later > max(given) and stored > max(given)
+
+
+def test_profiled_writes_cpu_statistics_even_when_it_fails(tmp_path: Path) -> None:
+    """``PFS_META_PROFILE``: the metaserver's run under cProfile, its statistics written
+    to ``PATH.<pid>`` however it ends."""
+    import pstats
+
+    from pfs.metaserver.__main__ import _profiled
+
+    def work() -> None:
+        sum(i * i for i in range(10_000))
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError):
+        _profiled(str(tmp_path / "prof"), work)
+    stats = pstats.Stats(str(tmp_path / f"prof.{os.getpid()}"))
+    assert any(fn[2] == "work" for fn in stats.stats)  # type: ignore[attr-defined]
