@@ -737,12 +737,18 @@ def test_inode_numbers_come_from_ranges_stored_once_per_batch_and_never_repeat()
     assert min(again) > max(first)
 
 
-def test_a_failed_batch_forgets_the_inode_range_it_took() -> None:
+def _counters_at(next_ino: int) -> tuple[MemoryStore, Counters]:
+    """A store whose ``next_ino`` is ``next_ino`` and counters inside a batch."""
     store = MemoryStore()
     with store.write() as txn:
-        counter_write(txn, b"next_ino", 100)
+        counter_write(txn, b"next_ino", next_ino)
     c = Counters()
     c.begin()
+    return store, c
+
+
+def test_a_failed_batch_forgets_the_inode_range_it_took() -> None:
+    store, c = _counters_at(100)
     with store.read() as txn:
         assert c.new_ino(txn) == 100
     c.end(committed=False)  # nothing stored: 100.. was never given out durably
@@ -764,11 +770,7 @@ def test_a_batch_using_more_than_one_range_never_repeats_a_number() -> None:
     """One batch may hand out more numbers than a range holds (8 clients' batched
     creates of 256 paths each): the next range starts past the first, not at the stored
     ``next_ino`` its batch has not written yet."""
-    store = MemoryStore()
-    with store.write() as txn:
-        counter_write(txn, b"next_ino", 100)
-    c = Counters()
-    c.begin()
+    store, c = _counters_at(100)
     with store.write() as txn:
         given = [c.new_ino(txn) for _ in range(3 * INO_RANGE + 5)]
         c.flush(txn)
