@@ -29,18 +29,21 @@ def _failed(path: bytes, exc: OSError) -> Result:
     return [code, f"{os.fsdecode(path)}: {exc.strerror or os.strerror(code)}"]
 
 
-def _each(txn: WriteTxn, paths: list[bytes], fn: Callable[[WriteTxn, bytes], Any],
+def _each(ns: Namespace, txn: WriteTxn, paths: list[bytes], fn: Callable[[WriteTxn, bytes], Any],
           full_aborts: bool = False) -> list[Result]:
     """``fn(sub, path)`` for each path in a nested transaction of its own.
     ``full_aborts``: a full store (ENOSPC) fails the whole batch instead of its path, so
     that the commit queue runs it again in the reserve kept for changes that free space
     (unlinks)."""
     out: list[Result] = []
+    counters = ns.counters
     for path in paths:
+        mark = counters.mark()
         try:
             with txn.nested() as sub:
                 out.append([0, fn(sub, path)])
         except OSError as exc:
+            counters.undo(mark)
             if full_aborts and exc.errno == errno.ENOSPC:
                 raise
             out.append(_failed(path, exc))
@@ -60,7 +63,7 @@ def create_many(ns: Namespace, txn: WriteTxn, cred: Cred, paths: list[bytes], mo
         attr, _, _ = ns.create(sub, cred, parent, name, perm, flags)
         return attr
 
-    return _each(txn, paths, one)
+    return _each(ns, txn, paths, one)
 
 
 def unlink_many(ns: Namespace, txn: WriteTxn, cred: Cred, paths: list[bytes]
@@ -70,7 +73,7 @@ def unlink_many(ns: Namespace, txn: WriteTxn, cred: Cred, paths: list[bytes]
         parent, name = ns.entry_of(sub, cred, path)
         ns.unlink(sub, cred, parent, name)
 
-    return _each(txn, paths, one, full_aborts=True)
+    return _each(ns, txn, paths, one, full_aborts=True)
 
 
 def stat_many(ns: Namespace, txn: Txn, cred: Cred, paths: list[bytes], follow: bool

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from pfs.metaserver.counters import Counters
 from pfs.metaserver.store import Store, WriteTxn
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,13 @@ def dry_run(txn: WriteTxn, fn: Callable[[WriteTxn], object]) -> None:
 
 
 class CommitQueue:
-    def __init__(self, store: Store, after_batch: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, store: Store, after_batch: Callable[[], None] = lambda: None,
+                 counters: Counters | None = None) -> None:
         """``after_batch`` runs after each batch is committed (or failed), before its
-        callers wake."""
+        callers wake. ``counters``: store counters kept in memory during a batch and
+        stored at its end (counters.py)."""
         self._store = store
+        self._counters = counters or Counters()
         self._after_batch = after_batch
         # the queue: handlers append, the writer takes; a plain deque and a parked
         # writer task (no channel, no Event per operation: the commit path is hot)
@@ -262,19 +266,28 @@ class CommitQueue:
         it failed: nothing of the batch is stored, and earlier commits may not be
         flushed)."""
         before = getattr(self._store, "flushes", None)  # None: a store with nothing to flush
+        counters = self._counters
+        committed = False
+        counters.begin()
         try:
             with (self._store.write(headroom=True) if headroom else self._store.write()) as txn:
                 for op in batch:
+                    mark = counters.mark()
                     try:
                         with txn.nested() as sub:
                             op.result = op.fn(sub)
                     except Exception as exc:  # noqa: BLE001 - re-raised in the op's handler
                         op.error = exc
+                        counters.undo(mark)
+                counters.flush(txn)
+            committed = True
         except OSError as exc:  # the commit itself failed: nothing of the batch is stored
             log.error("metadata commit of %d operation(s) failed: %s", len(batch), exc)
             for op in batch:
                 if op.error is None:
                     op.error = exc
             return False
+        finally:
+            counters.end(committed)
         # a commit that changed nothing (every operation failed) flushes nothing
         return before is None or getattr(self._store, "flushes", None) != before

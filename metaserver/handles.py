@@ -154,6 +154,15 @@ class OpenFiles:
         if self._unref(ino):
             self._commit.submit(lambda t: self._reclaim(t, ino))
 
+    def release_then(self, ino: int, done: Callable[[BaseException | None], None]) -> None:
+        """:meth:`release` for a caller answering from the group commit: ``done(error)``
+        is called at once, or, for the last handle of an orphan, once its reclaim is
+        durable (or failed)."""
+        if self._unref(ino):
+            self._commit.then(lambda t: self._reclaim(t, ino), lambda o: done(o.error))
+        else:
+            done(None)
+
     def _unref(self, ino: int) -> bool:
         """One handle fewer; True when that was the last one and ``ino`` is an orphan."""
         with self._lock:

@@ -54,6 +54,7 @@ from pfs.core.messages.records import (  # the POSIX limits, defined once with t
 )
 from pfs.metaserver import keys as K
 from pfs.metaserver.chains import Chain, ChainTable
+from pfs.metaserver.counters import Counters
 from pfs.metaserver.store import Txn
 from pfs.metaserver.walks import WalkCache
 
@@ -203,7 +204,8 @@ class Namespace:
                  is_open: Callable[[int], bool] = lambda ino: False,
                  deleting: Callable[[int], bool] = lambda ino: False,
                  clock: Callable[[], int] = time.time_ns,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 counters: Counters | None = None) -> None:
         self.default = layout or LayoutDefaults()
         check_geometry(self.default.unit, self.default.count, self.default.replicas)
         self.servers = servers
@@ -225,6 +227,8 @@ class Namespace:
         # the directories path walks in read transactions reached (walks.py); every
         # change that could alter a walk drops them all
         self.walks = WalkCache()
+        # next_ino and the inode count, kept in memory within a group-commit batch
+        self.counters = counters or Counters()
         # placement's stripe assignments by (server order, domains, count, replicas)
         self._placements: dict[tuple[Any, ...],
                                tuple[tuple[tuple[str, ...], ...], bool]] = {}
@@ -306,8 +310,7 @@ class Namespace:
         return dict(rec)
 
     def _new_inode(self, txn: Txn, rec: Rec) -> int:
-        ino = self._bump(txn, b"next_ino")
-        self._bump(txn, b"inodes")
+        ino = self.counters.new_ino(txn)
         self._save(txn, ino, rec)
         return ino
 
@@ -409,7 +412,7 @@ class Namespace:
             txn.delete(K.orphan(ino))
         for key, _ in self._scan(txn, K.xattr_prefix(ino)):
             txn.delete(key)
-        self._bump(txn, b"inodes", -1)
+        self.counters.add_inodes(txn, -1)
         layout = rec.get("layout")
         if stat.S_ISREG(rec["mode"]) and layout and layout.get("servers"):
             self._queue_delete(txn, ino, self.chains.holders(txn, layout))

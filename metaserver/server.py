@@ -44,6 +44,7 @@ from pfs.metaserver import batch, watch
 from pfs.metaserver import keys as K
 from pfs.metaserver.catchup import CatchUp
 from pfs.metaserver.commit import CommitQueue, Op, dry_run
+from pfs.metaserver.counters import Counters
 from pfs.metaserver.dataplane import DataPlane
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.detector import Detector
@@ -86,14 +87,17 @@ class MetaService(RpcService):
         return req.method in self.inline_methods
 
     # changes answered from the group commit itself (``take``)
-    taken_methods = frozenset({"create", "mkdir", "mknod", "symlink", "unlink", "rmdir"})
+    taken_methods = frozenset({"create", "mkdir", "mknod", "symlink", "unlink", "rmdir",
+                               "close", "commit_size", "setattr", "rename", "link"})
 
     def take(self, ctx: ConnContext, rid: int, req: Request) -> bool:
-        """A create (without O_TRUNC) or another entry change: checked and queued here, in the
-        reader task, and answered by the writer right after the flush that makes it
-        durable (``_answer_change``), where a handler task would wait for the flush,
-        be woken and switched to, and send. Anything else, and a request that is not
-        plain (a data server's credentials, a bad field), goes the usual way."""
+        """A change that waits for nothing but its commit (a create without O_TRUNC, an
+        entry change, a close or commit of a size, a setattr that cuts no object, a
+        rename, a link): checked and queued here, in the reader task, and answered by
+        the writer right after the flush that makes it durable, where a handler task
+        would wait for the flush, be woken and switched to, and send. Anything else, and
+        a request that is not plain (a data server's credentials, a bad field), goes the
+        usual way."""
         method = req.method
         ident = ctx.identity
         if method not in self.taken_methods or ident is None or ident.role == "server":
@@ -104,14 +108,23 @@ class MetaService(RpcService):
             return False  # dispatch answers it, and releases its closes
         if method == "create" and msg.flags & os.O_TRUNC:
             return False  # objects to cut first: the handler waits for that
+        if method == "setattr" and self._cuts_objects(ctx, msg):
+            return False  # likewise
         started = time.perf_counter() if metrics.enabled() else 0.0
         try:
             if msg.closes:
                 self.handles.release_closed(ctx, msg.closes)
             if method == "create":
                 self._take_create(ctx, rid, msg, started)
+            elif method == "close":
+                self._take_close(ctx, rid, msg, started)
+            elif isinstance(msg, M.EntryChange):
+                parent, fn, frees = self._entry_fn(ctx, msg)
+                self._take_op(ctx, rid, msg, started, self._entry_op(msg, parent, fn),
+                              lambda r: M.EntryReply(attr=r[0], parent_attr=r[1]), frees)
             else:
-                self._take_entry_change(ctx, rid, msg, started)
+                fn, reply = self._change_fn(ctx, msg)
+                self._take_op(ctx, rid, msg, started, fn, reply)
         except Exception as exc:  # noqa: BLE001 - answered, as a handler's would be
             self.answer(ctx, rid, method, exc, started)
         return True
@@ -149,20 +162,80 @@ class MetaService(RpcService):
 
         self.commit.then(op, done)
 
-    def _take_entry_change(self, ctx: ConnContext, rid: int, msg: M.EntryChange,
-                           started: float) -> None:
-        """``_entry_change`` answered from the writer."""
-        parent, fn, frees = self._entry_fn(ctx, msg)
+    def _cuts_objects(self, ctx: ConnContext, req: M.Setattr) -> bool:
+        """Whether setattr ``req`` must cut objects on data servers first (or fails
+        planning it: the handler raises that)."""
+        if req.size is None:
+            return False
+        try:
+            cred = self._cred(ctx, req)
+            with self.store.read() as txn:
+                return self.ns.truncate_plan(txn, cred, req.ino, req.size) is not None
+        except OSError:
+            return True
 
+    def _take_op(self, ctx: ConnContext, rid: int, msg: Any, started: float,
+                 fn: Callable[[WriteTxn], Any], reply: Callable[[Any], Any],
+                 frees: bool = False) -> None:
+        """Commit ``fn`` and answer ``reply(its result)`` (or its error) once durable."""
         def done(o: Op) -> None:
             if o.error is not None:
                 self.answer(ctx, rid, msg.method, o.error, started)
                 return
-            result, parent_attr = o.result
-            self.answer(ctx, rid, msg.method, self.encode(
-                msg, M.EntryReply(attr=result, parent_attr=parent_attr)), started)
+            self.answer(ctx, rid, msg.method, self.encode(msg, reply(o.result)), started)
 
-        self.commit.then(self._entry_op(msg, parent, fn), done, frees)
+        self.commit.then(fn, done, frees)
+
+    def _change_fn(self, ctx: ConnContext, req: Any
+                   ) -> tuple[Callable[[WriteTxn], Any], Callable[[Any], Any]]:
+        """A taken change other than create, close and entry changes: the change and
+        how its result becomes the reply (what ``rpc_<method>`` awaits and returns)."""
+        ns = self.ns
+        if isinstance(req, M.CommitSize):
+            h = self.handles.handle(ctx, req.fh)
+            ino, root, end, mtime = h.ino, h.root, req.written_end, req.mtime
+            return (lambda t: ns.commit_size(t, ino, end, mtime, root),
+                    lambda a: M.AttrReply(attr=a))
+        cred = self._cred(ctx, req)
+        if isinstance(req, M.Setattr):
+            kw = self._setattr_kw(req)
+            return lambda t: ns.setattr(t, cred, req.ino, **kw), lambda a: M.AttrReply(attr=a)
+        if isinstance(req, M.Rename):
+            parent, name = self._at(req.at, cred)
+            newparent, newname = self._at(req.new, cred)
+            flags = req.flags
+            return (lambda t: ns.rename(t, cred, parent, name, newparent, newname, flags),
+                    lambda _: Empty())
+        if isinstance(req, M.Link):
+            ino = req.ino
+            newparent, newname = self._at(req.new, cred)
+            return (lambda t: ns.link(t, cred, ino, newparent, newname),
+                    lambda a: M.AttrReply(attr=a))
+        raise OSError(errno.ENOSYS, f"{req.method}: not a taken change")
+
+    def _take_close(self, ctx: ConnContext, rid: int, msg: M.Close, started: float
+                    ) -> None:
+        """``rpc_close`` with a size to commit, answered from the writer. The handle
+        leaves the connection now, so its open count is dropped here whatever becomes
+        of the connection meanwhile; the last close of a file deleted while open is
+        answered once its reclaim is durable too, as the handler's is."""
+        h = self.handles.close_handle(ctx, msg.fh)
+        ino, root, end, mtime = h.ino, h.root, msg.written_end, msg.mtime
+
+        def done(o: Op) -> None:
+            err = None if isinstance(o.error, FileNotFoundError) else o.error
+
+            def released(rerr: BaseException | None) -> None:
+                e = err if err is not None else rerr
+                self.answer(ctx, rid, msg.method,
+                            e if e is not None else self.encode(msg, Empty()), started)
+
+            try:
+                self.handles.release_then(ino, released)
+            except Exception as exc:  # noqa: BLE001 - answered
+                released(exc)
+
+        self.commit.then(lambda t: self.ns.commit_size(t, ino, end, mtime, root), done)
 
     def __init__(self, store: Store, config: MetaConfig | None = None,
                  limits: Limits | None = None, *, signer: caps.CapSigner | None = None,
@@ -178,7 +251,8 @@ class MetaService(RpcService):
         self.store = store
         self.config = cfg
         self.signer = signer or caps.CapSigner.generate(cfg.cap_ttl)
-        self.commit = CommitQueue(store, self._batch_committed)
+        counters = Counters()  # the namespace's, stored once per batch by the writer
+        self.commit = CommitQueue(store, self._batch_committed, counters)
         self.registry = Registry(cfg.heartbeat_timeout,
                                  reserve=Reserve(cfg.reserve_bytes, cfg.reserve_percent),
                                  suspect_after=cfg.suspect_after)
@@ -189,7 +263,7 @@ class MetaService(RpcService):
         self._grace_end = 0.0
         self.ns = Namespace(self.config.layout, servers=self._placeable,
                             opened=self.handles.opened, is_open=self.handles.is_open,
-                            deleting=self._deleting_objects)
+                            deleting=self._deleting_objects, counters=counters)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
         self.detector = Detector(self.registry, self.dataplane.open,
                                  probe_timeout=cfg.probe_timeout)
@@ -384,8 +458,7 @@ class MetaService(RpcService):
 
     async def rpc_setattr(self, ctx: ConnContext, req: M.Setattr) -> M.AttrReply:
         cred, ino = self._cred(ctx, req), req.ino
-        kw: dict[str, Any] = {"mode": req.mode, "uid": req.uid, "gid": req.gid,
-                              "size": req.size, "atime": req.atime, "mtime": req.mtime}
+        kw = self._setattr_kw(req)
         size = kw["size"]
         if size is not None:
             with self.store.read() as txn:
@@ -397,6 +470,11 @@ class MetaService(RpcService):
                 await self._truncate_objects(ino, plan[0], size)
         attr = await self.commit.mutate(lambda t: self.ns.setattr(t, cred, ino, **kw))
         return M.AttrReply(attr=attr)
+
+    @staticmethod
+    def _setattr_kw(req: M.Setattr) -> dict[str, Any]:
+        return {"mode": req.mode, "uid": req.uid, "gid": req.gid, "size": req.size,
+                "atime": req.atime, "mtime": req.mtime}
 
     async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
         """Cut ``ino``'s objects to ``size``, once the state its plan read is durable

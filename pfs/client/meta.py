@@ -132,6 +132,7 @@ class MetaClient:
         self._closes: list[int] = []
         self._closes_gen = 0
         self._closes_lock = threading.Lock()
+        self._closes_since = 0.0  # time.monotonic() when the oldest of ``_closes`` came
         self._flush_due = False
         self._now_rpc: BlockingRpcClient | None = None  # run_now's connection
         self._now_after = 0.0  # monotonic time before which run_now opens none
@@ -239,6 +240,8 @@ class MetaClient:
                 return True  # its connection is gone, and the handle with it
             if self._closes_gen != generation:
                 self._closes, self._closes_gen = [], generation
+            if not self._closes:
+                self._closes_since = time.monotonic()
             self._closes.append(fh)
             flush = not self._flush_due and self._token is not None
             self._flush_due = self._flush_due or flush
@@ -251,13 +254,21 @@ class MetaClient:
         return True
 
     async def _flush_closes(self) -> None:
-        """Release deferred closes that no request carried within CLOSE_DELAY."""
-        await trio.sleep(CLOSE_DELAY)
-        with self._closes_lock:
-            self._flush_due = False
-            due = bool(self._closes)
-        if not due:
-            return
+        """Release deferred closes that no request carried within CLOSE_DELAY of the
+        oldest's close. While requests keep carrying them (a loop of creates: each takes
+        the closes before it), none is ever that old: the timer waits on for the oldest
+        still waiting instead of sending a ``release`` of its own every CLOSE_DELAY."""
+        wait = CLOSE_DELAY
+        while True:
+            await trio.sleep(wait)
+            with self._closes_lock:
+                if not self._closes:
+                    self._flush_due = False
+                    return
+                wait = self._closes_since + CLOSE_DELAY - time.monotonic()
+                if wait <= 0:
+                    self._flush_due = False
+                    break
         try:  # not retried: a lost connection released them
             if self.direct:  # (this is the trio thread: one blocking round trip)
                 self.request_blocking(M.Release(), retry_outage=False)

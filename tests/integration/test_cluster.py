@@ -7,12 +7,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 import pfs
 from pfs.core.config import ClientConfig, ConfigError, load
+from pfs.metaserver.counters import INO_RANGE
 from pfs.tools import cluster
 
 UNIT = 64 * 1024
@@ -61,9 +63,16 @@ def test_kill_9_metaserver_keeps_every_acknowledged_change(private_cluster: Path
             c.remove(f"/k/f{i}")
         c.symlink("r0", "/k/link")
         c.setxattr("/k/r0", "user.tag", b"kept")
+        given = max(c.stat(f"/k/{n}").st_ino for n in c.listdir("/k"))
+        free = c.statvfs("/").f_ffree
     _kill(private_cluster, "meta")
     toml = cluster.up(private_cluster)
     with pfs.connect(config=toml) as c:
+        # inode numbers come from ranges held in memory: none is given twice after a crash
+        assert c.statvfs("/").f_ffree == free  # the inode count was stored with them
+        c.write_file("/k/new", b"n")
+        assert c.stat("/k/new").st_ino > given
+        c.remove("/k/new")
         names = set(c.listdir("/k"))
         want = {f"r{i}" for i in range(0, 50, 2)} | {f"f{i}" for i in range(3, 50, 4)} | {"link"}
         assert names == want
@@ -71,6 +80,81 @@ def test_kill_9_metaserver_keeps_every_acknowledged_change(private_cluster: Path
             assert c.read_file(f"/k/r{i}") == f"data {i}".encode()
         assert c.readlink("/k/link") == "r0"
         assert c.getxattr("/k/r0", "user.tag") == b"kept"
+
+
+# One client process: waits for the go file, then creates its files through batched
+# calls of the largest size (one request = one operation of the group commit).
+CREATOR = r"""
+import os, sys, time
+import pfs
+toml, go, d, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with pfs.connect(config=toml) as c:
+    c.makedirs(d, exist_ok=True)
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    paths = [f"{d}/f{i:05d}" for i in range(n)]
+    errs = [e for e in c.create_many(paths) if e is not None]
+    print(len(errs), errs[:1])
+"""
+
+
+def _batched_creates(toml: Path, tmp: Path, dirs: list[str], n: int) -> None:
+    """One process per directory, each creating ``n`` files in it through batched calls,
+    all started together: the metaserver's batches hold several clients' calls, more
+    inode numbers than one in-memory range holds."""
+    go = tmp / f"go-{dirs[0].strip('/').replace('/', '-')}"
+    procs = [subprocess.Popen([sys.executable, "-c", CREATOR, str(toml), str(go), d, str(n)],
+                              stdout=subprocess.PIPE, text=True) for d in dirs]
+    time.sleep(2.0)  # let them connect
+    go.touch()
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.split()[0] == "0", out
+
+
+def _inodes(c: pfs.Client, dirs: list[str], n: int) -> dict[str, int]:
+    """Every file's inode number (its inode record read back: a stat of each path)."""
+    got: dict[str, int] = {}
+    for d in dirs:
+        paths = [f"{d}/f{i:05d}" for i in range(n)]
+        for p, st in zip(paths, c.stat_many(paths), strict=True):
+            assert not isinstance(st, OSError), st
+            got[p] = st.st_ino
+    return got
+
+
+def test_concurrent_batched_creates_never_give_an_inode_number_twice(
+        private_cluster: Path, tmp_path: Path) -> None:
+    """Inode numbers come from ranges held in memory (``INO_RANGE``, 1,024): several
+    clients' batched creates, many ranges in one group-commit batch, give every file a
+    number of its own, before and after a kill -9 of the metaserver."""
+    clients, n = 6, 3 * INO_RANGE  # 3 calls of MAX_MANY paths per client
+    toml = cluster.up(private_cluster, data_servers=1)
+    with pfs.connect(config=toml) as c:
+        c.mkdir("/b")
+    first = [f"/b/a{i}" for i in range(clients)]
+    _batched_creates(toml, tmp_path, first, n)
+    with pfs.connect(config=toml) as c:
+        before = _inodes(c, first, n)
+        free = c.statvfs("/").f_ffree
+    assert len(set(before.values())) == len(before) == clients * n
+    _kill(private_cluster, "meta")
+    toml = cluster.up(private_cluster)
+    second = [f"/b/b{i}" for i in range(clients)]
+    with pfs.connect(config=toml) as c:
+        assert _inodes(c, first, n) == before  # every acknowledged create is there
+        assert c.statvfs("/").f_ffree == free
+    _batched_creates(toml, tmp_path, second, n)
+    with pfs.connect(config=toml) as c:
+        after = _inodes(c, second, n)
+        every = list(before.values()) + list(after.values())
+        assert len(set(every)) == len(every)
+        for d in first + second:  # every record is there to remove, once
+            paths = [f"{d}/f{i:05d}" for i in range(n)]
+            assert c.unlink_many(paths) == [None] * n
+            c.rmdir(d)
+        # the count followed: every file and both rounds' directories are gone
+        assert c.statvfs("/").f_ffree == free + clients * (n + 1)
 
 
 def test_dead_data_server_gives_a_clear_error_not_a_hang(private_cluster: Path) -> None:

@@ -267,3 +267,43 @@ def test_a_close_with_nothing_to_commit_rides_on_the_next_call(client_toml, work
             time.sleep(0.02)  # nothing else to carry it: a release of its own, soon
         assert ("release", 1) in sent
         assert other.set_layout(path, count=1, unit=UNIT)["count"] == 1
+
+
+def test_closes_carried_by_a_loop_of_creates_need_no_release(client_toml, workdir,
+                                                             monkeypatch) -> None:
+    """While each create carries the close before it, no deferred close is ever
+    CLOSE_DELAY old: the client sends no ``release`` of its own meanwhile (it used to,
+    every CLOSE_DELAY: a round trip from its trio thread); the last one still goes
+    within about CLOSE_DELAY once the loop stops."""
+    import time
+
+    import pfs.client.meta as meta_mod
+    from pfs.core.wire.blocking import BlockingRpcClient
+
+    sent: list[tuple[str, int, float]] = []
+    real = BlockingRpcClient.send
+
+    def recording(self, msg, **kw):  # type: ignore[no-untyped-def]
+        sent.append((msg.method, len(kw.get("closes") or []), time.monotonic()))
+        return real(self, msg, **kw)
+
+    monkeypatch.setattr(BlockingRpcClient, "send", recording)
+    monkeypatch.setattr(meta_mod, "CLOSE_DELAY", 0.05)
+    with pfs.connect(config=client_toml) as c:
+        c.mkdir(f"{workdir}/loop")
+        sent.clear()
+        end = time.monotonic() + 0.6  # a dozen CLOSE_DELAYs
+        i = 0
+        while time.monotonic() < end:
+            with c.open(f"{workdir}/loop/f{i}", "xb"):
+                pass
+            i += 1
+            time.sleep(0.005)
+        stopped = time.monotonic()
+        assert [m for m, _, _ in sent] == ["create"] * i  # every close rode on a create
+        deadline = stopped + 10
+        while not any(m == "release" for m, _, _ in sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(m, n) for m, n, _ in sent[i:]] == [("release", 1)]
+        c.unlink_many([f"{workdir}/loop/f{k}" for k in range(i)])
+        c.rmdir(f"{workdir}/loop")

@@ -492,24 +492,32 @@ class _RecordingConn:
         self.frames.append((kind, rid, fields))
 
 
+async def _taking_service(nursery: trio.Nursery
+                          ) -> tuple[MetaService, _RecordingConn, ConnContext]:
+    """A running service with one data server, and a recorded connection to take from."""
+    from pfs.core.auth import OPEN
+    from pfs.metaserver.store import MemoryStore
+
+    svc = MetaService(MemoryStore(), MetaConfig(port=0))
+    await nursery.start(svc.run)
+    svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
+    conn = _RecordingConn()
+    ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
+    ctx.tasks = nursery
+    return svc, conn, ctx
+
+
 def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> None:
     """A create (or another entry change) the reader hands straight to the group
     commit (``take``) is answered from the writer once durable, with a handle; if its
     connection closed before that,
     nobody gets the handle, so its open count is dropped: an unlink then deletes the
     file instead of keeping an orphan forever."""
-    from pfs.core.auth import OPEN
     from pfs.core.wire.protocol import Kind
-    from pfs.metaserver.store import MemoryStore
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            svc = MetaService(MemoryStore(), MetaConfig(port=0))
-            await nursery.start(svc.run)
-            svc.registry.register("s1", "127.0.0.1", 1, 1 << 30, 1 << 29)
-            conn = _RecordingConn()
-            ctx = ConnContext(conn, "test", identity=OPEN)  # type: ignore[arg-type]
-            ctx.tasks = nursery
+            svc, conn, ctx = await _taking_service(nursery)
             flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
 
             def create(rid: int, name: bytes) -> None:
@@ -548,6 +556,73 @@ def test_taken_creates_answer_after_the_commit_or_drop_their_open_count() -> Non
             await expect(errno.ENOENT, svc.rpc_getattr(ctx, M.Getattr(ino=lost)))
             svc.connection_lost(ctx)
             assert not svc.handles.is_open(kept)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_taken_closes_setattrs_renames_and_links_answer_after_the_commit() -> None:
+    """A close with a size to commit, a setattr that cuts no object, a rename and a
+    link are taken by the reader too and answered from the writer once durable. The
+    closed handle leaves its connection at once, so a close whose connection died
+    before its commit still drops the open count: the file unlinked while open is
+    reclaimed. A truncation that must reach data servers first is not taken."""
+    from pfs.core.wire.protocol import Kind
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            svc, conn, ctx = await _taking_service(nursery)
+            rids = iter(range(1, 100))
+
+            async def take(method: str, fields: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+                rid = next(rids)
+                ctx.inflight.add(rid)
+                assert svc.take(ctx, rid, Request(method, {**fields, "cred": ROOTC}, None))
+                await svc.commit.mutate(lambda t: None)  # its batch is durable
+                await svc.commit.mutate(lambda t: None)  # and a reclaim it queued
+                await trio.testing.wait_all_tasks_blocked()
+                sent = {r: (k, f) for k, r, f in conn.frames}
+                assert rid in sent and rid not in ctx.inflight, method
+                return sent[rid]
+
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+            kind, made = await take("create", {"parent": 1, "name": b"f", "mode": 0o644,
+                                               "flags": flags})
+            ino, fh = made["attr"]["ino"], made["fh"]
+            kind, _ = await take("close", {"fh": fh, "written_end": 3901, "mtime": 7})
+            assert kind == Kind.REPLY and not svc.handles.is_open(ino)
+            assert (await svc.rpc_getattr(ctx, M.Getattr(ino=ino))).attr["size"] == 3901
+            kind, got = await take("setattr", {"ino": ino, "mode": 0o600})
+            assert kind == Kind.REPLY and got["attr"]["mode"] & 0o777 == 0o600
+            kind, _ = await take("rename", {"parent": 1, "name": b"f", "newparent": 1,
+                                            "newname": b"g"})
+            assert kind == Kind.REPLY
+            kind, got = await take("link", {"ino": ino, "newparent": 1, "newname": b"h"})
+            assert kind == Kind.REPLY and got["attr"]["nlink"] == 2
+            kind, _ = await take("close", {"fh": fh, "written_end": 1})
+            assert kind == Kind.ERROR  # closed already: EBADF, answered
+            # cutting a written file reaches the data servers first: the handler's way
+            assert not svc.take(ctx, 99, Request("setattr", {"ino": ino, "size": 1,
+                                                              "cred": ROOTC}, None))
+
+            # a close whose connection is gone before its commit: no open count left
+            _, made = await take("create", {"parent": 1, "name": b"o", "mode": 0o644,
+                                            "flags": flags})
+            ino, fh = made["attr"]["ino"], made["fh"]
+            await svc.rpc_unlink(ctx, M.Unlink.from_wire({"parent": 1, "name": b"o",
+                                                          "cred": ROOTC}))
+            assert svc.handles.is_open(ino)  # an orphan while open
+            rid = next(rids)
+            ctx.inflight.add(rid)
+            assert svc.take(ctx, rid, Request("close", {"fh": fh, "written_end": 10,
+                                                        "cred": ROOTC}, None))
+            conn.closed = True
+            svc.connection_lost(ctx)
+            await svc.commit.mutate(lambda t: None)
+            await svc.commit.mutate(lambda t: None)
+            assert rid not in {r for _, r, _ in conn.frames}
+            assert not svc.handles.is_open(ino)
+            await expect(errno.ENOENT, svc.rpc_getattr(ctx, M.Getattr(ino=ino)))
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -22,6 +22,8 @@ from pfs.metaserver import commit
 from pfs.metaserver import deleter as deleter_module
 from pfs.metaserver import keys as K
 from pfs.metaserver.commit import CommitQueue, dry_run
+from pfs.metaserver.counters import INO_RANGE, Counters
+from pfs.metaserver.counters import write as counter_write
 from pfs.metaserver.deleter import Deleter
 from pfs.metaserver.handles import MAX_CLOSES, OpenFiles
 from pfs.metaserver.namespace import Cred, Namespace
@@ -661,3 +663,140 @@ def test_credentials_kept_per_connection_are_checked_again_when_they_change() ->
     squashed = svc._cred(ctx, Req((0, 0, ())))
     assert squashed.uid == svc.config.squash_uid
     assert svc._cred(ctx, Req((1001, 101, ()))) == Cred(1001, 101)
+
+
+class _Counted:
+    """A write transaction that counts its puts of counter keys (and its nested ones')."""
+
+    def __init__(self, txn: Any, puts: dict[bytes, int]) -> None:
+        self._txn, self._puts = txn, puts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        if key.startswith(K.counter(b"")):
+            self._puts[key] = self._puts.get(key, 0) + 1
+        self._txn.put(key, value)
+
+    @contextmanager
+    def nested(self) -> Iterator[Any]:
+        with self._txn.nested() as sub:
+            yield _Counted(sub, self._puts)
+
+
+class _CountingStore(MemoryStore):
+    """Counts the puts of each counter key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter_puts: dict[bytes, int] = {}
+
+    @contextmanager
+    def write(self, headroom: bool = False) -> Iterator[Any]:  # type: ignore[override]
+        with super().write(headroom) as txn:
+            yield _Counted(txn, self.counter_puts)
+
+
+def test_inode_numbers_come_from_ranges_stored_once_per_batch_and_never_repeat() -> None:
+    """Creates in group-commit batches take inode numbers from a range kept in memory:
+    ``next_ino`` is stored once per range (its end) and the inode count once per batch,
+    not once per create. Operations that roll back give their count back. A new
+    service on the same store (what a crash leaves) starts past every number handed
+    out, and a batch that fails forgets the range it took."""
+    store = _CountingStore()
+
+    async def service(creates: list[bytes]) -> list[int]:
+        counters = Counters()
+        queue = CommitQueue(store, counters=counters)
+        ns = Namespace(LayoutDefaults(unit=4096, count=1, replicas=1),
+                       servers=lambda: {"s1": 100}, counters=counters)
+        await queue.write_alone(ns.format)
+        inos = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(queue.run)
+            for name in creates:
+                create = functools.partial(ns.create, cred=ROOT, parent=1, name=name,
+                                           mode=0o644)
+                attr, _, _ = await queue.mutate(
+                    functools.partial(create, flags=os.O_RDWR | os.O_CREAT))
+                inos.append(attr["ino"])
+                with pytest.raises(FileExistsError):  # rolled back: counts nothing
+                    await queue.mutate(functools.partial(
+                        create, flags=os.O_RDWR | os.O_CREAT | os.O_EXCL))
+            nursery.cancel_scope.cancel()
+        return inos
+
+    first = trio.run(service, [b"a%d" % i for i in range(20)])
+    assert first == sorted(set(first))
+    assert store.counter_puts[K.counter(b"next_ino")] == 2  # format, then one range
+    assert store.counter_puts[K.counter(b"inodes")] == 1 + 20  # format, then per batch
+    with store.read() as txn:
+        assert K.read_u64(txn.get(K.counter(b"inodes")) or b"") == 21  # root + 20 files
+    again = trio.run(service, [b"b%d" % i for i in range(3)])  # the same store, restarted
+    assert min(again) > max(first)
+
+
+def _counters_at(next_ino: int) -> tuple[MemoryStore, Counters]:
+    """A store whose ``next_ino`` is ``next_ino`` and counters inside a batch."""
+    store = MemoryStore()
+    with store.write() as txn:
+        counter_write(txn, b"next_ino", next_ino)
+    c = Counters()
+    c.begin()
+    return store, c
+
+
+def test_a_failed_batch_forgets_the_inode_range_it_took() -> None:
+    store, c = _counters_at(100)
+    with store.read() as txn:
+        assert c.new_ino(txn) == 100
+    c.end(committed=False)  # nothing stored: 100.. was never given out durably
+    c.begin()
+    with store.write() as txn:
+        assert c.new_ino(txn) == 100 and c.new_ino(txn) == 101
+        c.flush(txn)
+    c.end(committed=True)
+    with store.read() as txn:
+        assert K.read_u64(txn.get(K.counter(b"next_ino")) or b"") == 100 + INO_RANGE
+        assert K.read_u64(txn.get(K.counter(b"inodes")) or b"") == 2
+    c.begin()
+    with store.write() as txn:
+        assert c.new_ino(txn) == 102  # from memory: no read, no put
+    c.end(committed=True)
+
+
+def test_a_batch_using_more_than_one_range_never_repeats_a_number() -> None:
+    """One batch may hand out more numbers than a range holds (8 clients' batched
+    creates of 256 paths each): the next range starts past the first, not at the stored
+    ``next_ino`` its batch has not written yet."""
+    store, c = _counters_at(100)
+    with store.write() as txn:
+        given = [c.new_ino(txn) for _ in range(3 * INO_RANGE + 5)]
+        c.flush(txn)
+    c.end(committed=True)
+    assert len(set(given)) == len(given) and min(given) == 100
+    c.begin()
+    with store.write() as txn:
+        later = c.new_ino(txn)
+    c.end(committed=True)
+    with store.read() as txn:
+        stored = K.read_u64(txn.get(K.counter(b"next_ino")) or b"")
+    assert later > max(given) and stored > max(given)
+
+
+def test_profiled_writes_cpu_statistics_even_when_it_fails(tmp_path: Path) -> None:
+    """``PFS_META_PROFILE``: the metaserver's run under cProfile, its statistics written
+    to ``PATH.<pid>`` however it ends."""
+    import pstats
+
+    from pfs.metaserver.__main__ import _profiled
+
+    def work() -> None:
+        sum(i * i for i in range(10_000))
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError):
+        _profiled(str(tmp_path / "prof"), work)
+    stats = pstats.Stats(str(tmp_path / f"prof.{os.getpid()}"))
+    assert any(fn[2] == "work" for fn in stats.stats)  # type: ignore[attr-defined]
