@@ -13,6 +13,7 @@ command -v pkg-config >/dev/null || need_apt+=(pkg-config)
 dpkg -s python3-venv >/dev/null 2>&1 || python3 -m venv --help >/dev/null 2>&1 || need_apt+=(python3-venv)
 command -v rsync >/dev/null || need_apt+=(rsync)
 command -v git >/dev/null || need_apt+=(git)
+command -v strace >/dev/null || need_apt+=(strace)  # tests compare system-call sequences with mdtest's
 command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
 dpkg -s libopenmpi-dev >/dev/null 2>&1 || need_apt+=(libopenmpi-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
