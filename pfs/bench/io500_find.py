@@ -14,9 +14,9 @@ the rounds in which no rank got work; after the third, every rank stops.
 
 The deterministic parts (the stack, the halving, the chunks, the full queue, the token,
 the generator) are :class:`Walker` and :class:`GlibcRand`; the messages go through a
-:class:`Net`: :class:`LocalNet` between the processes of this node (shared memory for
-requests and the token, a pipe per rank for the work handed over), :class:`SoloNet` for
-one process.
+:class:`Net`: :class:`LocalNet` between the processes of this node (shared memory that
+the ranks poll, as Open MPI's shared-memory transport), :class:`MpiNet` over MPI,
+:class:`SoloNet` for one process.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ Item = tuple[str, str, Any]
 # pfind's work_t as it travels in a steal answer: char name[PATH_MAX], dir_start, dir_end,
 # type, padded to 8 bytes (4,120 bytes an item: an answer of n items is n * 4,120 bytes)
 WORK_T = struct.Struct("=4096sQQc7x")
-# Open MPI's shared-memory eager limit (btl_vader_eager_limit): a longer message goes by
-# rendezvous, and MPI_Send returns only once the receiver has matched and copied it
+# Open MPI's shared-memory eager limit (btl_vader_eager_limit): a longer message (any
+# answer with a work item) goes by rendezvous, and MPI_Send returns only once the
+# receiver has matched and copied it
 EAGER_LIMIT = 4096
 
 
@@ -312,63 +313,72 @@ class Walker:
 
 
 class LocalNet(Net):
-    """pfind's messages between the processes of one node. ``req[v * size + t]`` is set
-    by rank t asking rank v; ``tok[r]`` holds the token's phase + 1 for rank r; the work
-    handed to rank t goes through pipe t as pfind's bytes (:func:`pack_work`), and
-    ``taken[t]`` counts the answers rank t has received; ``stop`` ends every spinning rank
-    (a rank failed). Made in the parent (:meth:`make`), bound to a rank in each
-    (:meth:`at`).
+    """pfind's messages between the processes of one node, all in shared memory, which
+    every rank polls as Open MPI's shared-memory ranks poll theirs (no system call, no
+    sleep). ``req[v * size + t]`` is set by rank t asking rank v; ``tok[r]`` holds the
+    token's phase + 1 for rank r; ``stop`` ends every spinning rank (a rank failed). The
+    work handed to rank t goes through its mailbox: ``slot[t]``, room for ``SLOT_ITEMS``
+    of pfind's work_t (:data:`WORK_T`), and ``box[t]``'s counters (fragments posted and
+    taken, and the posted fragment's items and whether more follow). Made in the parent
+    (:meth:`make`), bound to a rank in each (:meth:`at`).
 
-    An answer longer than MPI's eager limit (any with an item: 4,120 bytes each) is
-    handed over as Open MPI's shared memory does: the giver spins in its MPI_Send until
-    the asker, in its own loop, has taken it (on a loaded node the giver waits for the
-    asker to be scheduled); an empty answer is left in the pipe."""
+    An answer is handed over as pfind's MPI_Send of it over Open MPI's shared memory:
+    an empty one is eager (posted, the giver goes on); one with work items (4,120 bytes
+    each, over the 4 KiB eager limit) by rendezvous: the giver waits, spinning, until the
+    asker, spinning in its own wait, has taken it. The giver packs the items straight
+    into the mailbox and the asker unpacks them from there (one copy, as the asker's
+    single-copy read of the giver's buffer); an answer over ``SLOT_ITEMS`` goes in
+    fragments, each taken before the next is posted."""
+
+    SLOT_ITEMS = 256  # ~1 MiB a rank: an answer of more items goes in fragments
+    POSTED, TAKEN, COUNT, MORE = range(4)  # box[t * 4 + field]
 
     def __init__(
         self,
         size: int,
         req: Any,
         tok: Any,
-        taken: Any,
+        box: Any,
+        slots: Any,
         stop: Any,
-        pipes: list[Any],
         rank: int = 0,
     ) -> None:
         self.size, self.rank = size, rank
-        self._req, self._tok, self._taken = req, tok, taken
-        self._stop, self._pipes = stop, pipes
+        self._req, self._tok, self._box, self._slots = req, tok, box, slots
+        self._stop = stop
+        self._slot_bytes = self.SLOT_ITEMS * WORK_T.size
+        self._view: memoryview | None = None  # the mailboxes' bytes (not pickled: at())
 
     @classmethod
     def make(cls, ctx: Any, size: int) -> LocalNet:
-        pipes = [ctx.Pipe(duplex=False) for _ in range(size)]  # (receive end, send end)
         return cls(
             size,
             ctx.RawArray("i", size * size),
             ctx.RawArray("i", size),
-            ctx.RawArray("i", size),
+            ctx.RawArray("q", size * 4),
+            ctx.RawArray("c", size * cls.SLOT_ITEMS * WORK_T.size),
             ctx.RawValue("i", 0),
-            pipes,
         )
 
     def at(self, rank: int) -> LocalNet:
-        """This net as rank ``rank`` sees it, cleared for a new walk."""
-        net = LocalNet(self.size, self._req, self._tok, self._taken, self._stop, self._pipes, rank)
+        """This net as rank ``rank`` sees it, cleared for a new walk (before the barrier
+        that starts it: nobody answers this rank before it asks)."""
+        net = LocalNet(self.size, self._req, self._tok, self._box, self._slots, self._stop, rank)
+        net._view = memoryview(self._slots).cast("B")
         row = rank * self.size
         for t in range(self.size):
             self._req[row + t] = 0
         self._tok[rank] = 0
-        recv = self._pipes[rank][0]
-        while recv.poll():  # an answer left by an aborted walk
-            recv.recv_bytes()
+        for f in range(4):  # an answer left by an aborted walk
+            self._box[rank * 4 + f] = 0
         return net
 
     def stop(self) -> None:
         self._stop.value = 1
 
     def close(self) -> None:
-        for recv, send in self._pipes:
-            recv.close()
-            send.close()
+        if self._view is not None:
+            self._view.release()
 
     def requests(self) -> list[int]:
         row = self.rank * self.size
@@ -381,24 +391,43 @@ class LocalNet(Net):
         return out
 
     def respond(self, thief: int, items: list[Item]) -> None:
-        data = pack_work(items)
-        taken = self._taken
-        before = taken[thief]
-        self._pipes[thief][1].send_bytes(data)
-        if len(data) > EAGER_LIMIT:
-            while taken[thief] == before:  # MPI_Send of a rendezvous message
+        box, b, view = self._box, thief * 4, self._view
+        assert view is not None  # at() made this net
+        base = thief * self._slot_bytes
+        pack, step = WORK_T.pack_into, WORK_T.size
+        for k in range(0, max(1, len(items)), self.SLOT_ITEMS):
+            part = items[k : k + self.SLOT_ITEMS]
+            for i, (kind, path, _) in enumerate(part):
+                pack(view, base + i * step, path.encode(), 0, 0, kind.encode())
+            box[b + self.COUNT] = len(part)
+            box[b + self.MORE] = int(k + self.SLOT_ITEMS < len(items))
+            posted = box[b + self.POSTED] + 1
+            box[b + self.POSTED] = posted  # last: the asker reads the fields above after it
+            if len(part) * step <= EAGER_LIMIT:
+                return  # eager (an empty answer): the asker takes it when it looks
+            while box[b + self.TAKEN] != posted:  # MPI_Send of a rendezvous message
                 self.check()
 
     def ask(self, victim: int) -> None:
         self._req[victim * self.size + self.rank] = 1
 
     def answer(self) -> list[Item] | None:
-        recv = self._pipes[self.rank][0]
-        if not recv.poll():
+        box, b, view = self._box, self.rank * 4, self._view
+        if box[b + self.POSTED] == box[b + self.TAKEN]:
             return None
-        data = recv.recv_bytes()
-        self._taken[self.rank] += 1
-        return unpack_work(data)
+        assert view is not None
+        base = self.rank * self._slot_bytes
+        out: list[Item] = []
+        while True:
+            posted = box[b + self.POSTED]
+            if posted == box[b + self.TAKEN]:  # the next fragment is not posted yet
+                self.check()
+                continue
+            n, more = box[b + self.COUNT], box[b + self.MORE]
+            out += unpack_work(view[base : base + n * WORK_T.size])
+            box[b + self.TAKEN] = posted  # the giver may reuse the slot now
+            if not more:
+                return out
 
     def token(self) -> int | None:
         t = self._tok[self.rank]

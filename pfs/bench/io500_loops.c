@@ -280,15 +280,55 @@ int io5_md_unlink(const char *dir, int owner, int64_t count, int64_t *done, char
     return 0;
 }
 
-/* pfind's find_do_readdir, a chunk at a time: a cursor holds the open directory between
- * calls (pfind's current_dir) and the compiled name pattern (pfind turns -name "*01*"
- * into the basic regex ".*01.*" and never calls setlocale: the "C" locale, where
- * Python's process is in the user's UTF-8 one and glibc's regexec would take the
- * multibyte path). */
+/* pfind's -name pattern, compiled once as pfind compiles it when it reads its options
+ * (pfind turns -name "*01*" into the basic regex ".*01.*" and never calls setlocale: the
+ * "C" locale, where Python's process is in the user's UTF-8 one and glibc's regexec
+ * would take the multibyte path) */
 typedef struct {
-    DIR *d;
     regex_t re;
     locale_t c_locale;
+} find_pattern;
+
+void io5_find_pattern_free(void *h) {
+    find_pattern *p = h;
+    if (p == NULL) return;
+    regfree(&p->re);
+    freelocale(p->c_locale);
+    free(p);
+}
+
+/* compile `regex` for io5_find_open; NULL with `*rc` an errno */
+void *io5_find_pattern(const char *regex, int *rc, char *err, size_t errlen) {
+    find_pattern *p = calloc(1, sizeof *p);
+    if (p == NULL) {
+        *rc = ENOMEM;
+        return NULL;
+    }
+    p->c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
+    if (p->c_locale == (locale_t)0) {
+        *rc = fail(err, errlen, "newlocale");
+        free(p);
+        return NULL;
+    }
+    locale_t old = uselocale(p->c_locale);
+    int bad = regcomp(&p->re, regex, 0);
+    uselocale(old);
+    if (bad) {
+        snprintf(err, errlen, "%s", regex);
+        freelocale(p->c_locale);
+        free(p);
+        *rc = EINVAL;
+        return NULL;
+    }
+    *rc = 0;
+    return p;
+}
+
+/* pfind's find_do_readdir, a chunk at a time: a cursor holds the open directory between
+ * calls (pfind's current_dir) and the pattern (not its own: io5_find_pattern's) */
+typedef struct {
+    DIR *d;
+    find_pattern *pat;
     int64_t size, newer;
     char dir[PATH_MAX];
 } find_cursor;
@@ -297,35 +337,18 @@ void io5_find_close(void *h) {
     find_cursor *c = h;
     if (c == NULL) return;
     if (c->d) closedir(c->d);
-    regfree(&c->re);
-    freelocale(c->c_locale);
     free(c);
 }
 
 /* opendir `dir` for io5_find_chunk; NULL with `*rc` an errno (and `err` the path) */
-void *io5_find_open(const char *dir, const char *regex, int64_t size, int64_t newer, int *rc,
+void *io5_find_open(const char *dir, void *pattern, int64_t size, int64_t newer, int *rc,
                     char *err, size_t errlen) {
     find_cursor *c = calloc(1, sizeof *c);
     if (c == NULL) {
         *rc = ENOMEM;
         return NULL;
     }
-    c->c_locale = newlocale(LC_ALL_MASK, "C", (locale_t)0);
-    if (c->c_locale == (locale_t)0) {
-        *rc = fail(err, errlen, "newlocale");
-        free(c);
-        return NULL;
-    }
-    locale_t old = uselocale(c->c_locale);
-    int bad = regcomp(&c->re, regex, 0);
-    uselocale(old);
-    if (bad) {
-        snprintf(err, errlen, "%s", regex);
-        freelocale(c->c_locale);
-        free(c);
-        *rc = EINVAL;
-        return NULL;
-    }
+    c->pat = pattern;
     c->size = size;
     c->newer = newer;
     snprintf(c->dir, sizeof c->dir, "%s", dir);
@@ -354,14 +377,6 @@ static int put_item(char **items, size_t *len, size_t *cap, char kind, const cha
     return 0;
 }
 
-/* lstat `path` as pfind's find_do_lstat + check_buf: 1 if it matches -size and -newer
- * (whole seconds of ctime), 0 if not, -errno on an error */
-static int match_lstat(const char *path, int64_t size, int64_t newer) {
-    struct stat st;
-    if (lstat(path, &st) != 0) return -(errno ? errno : EIO);
-    return (int64_t)st.st_ctime >= newer && (int64_t)st.st_size == size;
-}
-
 /* One call of pfind's find_do_readdir on the cursor: read entries until more than `max`
  * were processed (pfind's max_entries_per_iter, 1000: it stops at the 1,001st's turn),
  * the directory ends, or the queue is full. Every entry that is not a directory and does
@@ -383,7 +398,7 @@ int io5_find_chunk(void *h, int64_t max, int64_t room, int64_t *files, int64_t *
     *items = NULL;
     *itemlen = 0;
     *finished = 0;
-    locale_t old = uselocale(c->c_locale);
+    locale_t old = uselocale(c->pat->c_locale);
     for (;;) {
         if (processed > max) goto out; /* pfind: "interrupting readdir" */
         errno = 0;
@@ -403,13 +418,13 @@ int io5_find_chunk(void *h, int64_t max, int64_t room, int64_t *files, int64_t *
             }
             if (!S_ISDIR(st.st_mode)) {
                 (*files)++;
-                if (regexec(&c->re, e->d_name, 0, NULL, 0) == 0 &&
+                if (regexec(&c->pat->re, e->d_name, 0, NULL, 0) == 0 &&
                     (int64_t)st.st_ctime >= c->newer && (int64_t)st.st_size == c->size)
                     (*found)++;
                 continue;
             }
             kind = 'd';
-        } else if (kind == 'f' && regexec(&c->re, e->d_name, 0, NULL, 0) != 0) {
+        } else if (kind == 'f' && regexec(&c->pat->re, e->d_name, 0, NULL, 0) != 0) {
             (*files)++;
             continue;
         }
@@ -427,20 +442,6 @@ int io5_find_chunk(void *h, int64_t max, int64_t room, int64_t *files, int64_t *
 out:
     uselocale(old);
     return rc;
-}
-
-/* pfind's find_do_lstat of a queued file: counted in `*files`, lstat'ed by path, and
- * counted in `*found` if it matches -size and -newer */
-int io5_find_lstat(const char *path, int64_t size, int64_t newer, int64_t *files,
-                   int64_t *found, char *err, size_t errlen) {
-    (*files)++;
-    int m = match_lstat(path, size, newer);
-    if (m < 0) {
-        snprintf(err, errlen, "%s", path);
-        return -m;
-    }
-    *found += m;
-    return 0;
 }
 
 void io5_free(void *p) { free(p); }

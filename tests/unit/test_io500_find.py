@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import multiprocessing as mp
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -281,3 +282,55 @@ def test_a_giver_waits_until_the_asker_took_work_but_not_an_empty_answer() -> No
         assert thief.answer() == []
     finally:
         net.close()
+
+
+def test_an_answer_over_a_mailbox_arrives_whole_in_fragments_and_in_order() -> None:
+    """An answer of more items than a mailbox holds goes in fragments, each taken
+    before the next is posted; the giver returns once the last is taken."""
+    net = LocalNet.make(mp.get_context("spawn"), 2)
+    giver, thief = net.at(0), net.at(1)
+    n = 2 * LocalNet.SLOT_ITEMS + 7
+    items: list[Item] = [("f" if i % 3 else "d", f"/r/t/file.mdtest.1.{i}", None) for i in range(n)]
+    t = threading.Thread(target=giver.respond, args=(1, items))
+    t.start()
+    got = None
+    while got is None:
+        got = thief.answer()
+    t.join(10)
+    assert not t.is_alive() and got == items
+    assert thief.answer() is None  # nothing left behind
+
+
+def test_a_walk_over_the_local_net_reads_every_directory_once() -> None:
+    """Two ranks (threads here) walking the io500 tree over LocalNet: work is handed
+    over both ways, every directory is read exactly once and the counts are pfind's."""
+    store = io500_tree(1500, 700)
+    listed: list[str] = []
+
+    class Counting(StoreLister):
+        def open(self, d: str) -> Any:
+            listed.append(d)
+            time.sleep(0.002)  # lets the other thread run, ask, and be handed work
+            return super().open(d)
+
+    net = LocalNet.make(mp.get_context("spawn"), 2)
+    ws = [Walker(r, 2, Counting(store, SIZE, 5, "01"), net.at(r)) for r in range(2)]
+    errors: list[BaseException] = []
+
+    def run(w: Walker) -> None:
+        try:
+            w.run("/r")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            net.stop()
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in ws]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    files, found = expected(store)
+    assert sum(w.files for w in ws) == files and sum(w.found for w in ws) == found
+    assert sorted(listed) == sorted(store.dirs)
+    assert sum(w.mon.work_stolen for w in ws) == sum(w.mon.work_send for w in ws) > 0
