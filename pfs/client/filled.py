@@ -60,6 +60,8 @@ def fill_verified(
             log.debug("object %s: %s; reading the rest of the chunk", list(obj), exc)
             rest = vr.direct[i:]
             break
+        finally:
+            source.drop(at, n)
         at += n
     vr.got = at - vr.direct_off
     # what is read or written the usual way: the rest of the whole blocks, and the

@@ -196,6 +196,15 @@ class Source:
                 raise _err("mmap", 0, self.length)
             self.addr = int(got)
 
+    def drop(self, off: int, length: int) -> None:
+        """Unmap the page-table entries of ``[off, off+length)`` (page-aligned) once
+        copied (``MADV_DONTNEED``: a shared file mapping only loses its entries, the
+        page cache keeps the pages; a later copy faults them in again). Done by each
+        reader after its chunk, in parallel, instead of one ``munmap`` of every entry
+        of every object at the load's end (0.1-0.2 s there, on its critical path)."""
+        if self.addr and length > 0:
+            _libc.madvise(self.addr + off, length, mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         if self.addr:
             _libc.munmap(self.addr, self.length)

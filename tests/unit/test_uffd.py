@@ -123,3 +123,65 @@ def test_cached_probe(tmp_path: Path) -> None:
         assert _cached(fd, 100 * PAGE, PAGE)
     finally:
         os.close(fd)
+
+
+def _mapped_pages(addr: int, n: int) -> int:
+    """How many of the ``n`` pages from ``addr`` this process's page table maps."""
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        raw = os.pread(fd, 8 * n, addr // PAGE * 8)
+    finally:
+        os.close(fd)
+    return sum(1 for i in range(n) if raw[8 * i + 7] & 0x80)
+
+
+def test_drop_unmaps_copied_source_pages(
+    obj: tuple[Path, bytes, uffd.Source, mmap.mmap, int],
+) -> None:
+    """A source range dropped after its copy has no page-table entries left (the
+    load's end then has none to tear down), and copying it again still gives the
+    file's bytes (the page cache kept them)."""
+    _f, data, src, mm, base = obj
+    assert uffd.register(base, 8 * PAGE)
+    uffd.copy(base, src.addr, 4 * PAGE)
+    assert _mapped_pages(src.addr, 4) == 4  # the copy faulted the source in
+    src.drop(0, 4 * PAGE)
+    assert _mapped_pages(src.addr, 4) == 0
+    uffd.copy(base + 4 * PAGE, src.addr, 4 * PAGE)  # the same source bytes again
+    uffd.unregister(base, 8 * PAGE)
+    assert mm[: 4 * PAGE] == data[: 4 * PAGE] == mm[4 * PAGE : 8 * PAGE]
+
+
+def test_fill_verified_drops_its_source_pages(tmp_path: Path) -> None:
+    """:func:`pfs.client.filled.fill_verified` leaves no page of the object mapped
+    behind a chunk it copied, and the chunk holds the object's bytes, verified."""
+    from pfs.client.filled import fill_verified
+    from pfs.core import checksums
+
+    n = 2 * checksums.BLOCK
+    data = os.urandom(n)
+    f = tmp_path / "obj"
+    f.write_bytes(data)
+    c = tmp_path / "obj.crc"
+    fd = os.open(f, os.O_RDONLY)
+    cfd = os.open(c, os.O_RDWR | os.O_CREAT)
+    src = uffd.Source(fd, n)
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        recs = [
+            (checksums.crc_padded(data[i : i + checksums.BLOCK]), checksums.BLOCK)
+            for i in range(0, n, checksums.BLOCK)
+        ]
+        checksums.write_records(cfd, 0, recs)
+        base = _addr(mm)
+        assert uffd.register(base, n)
+        counts, copied = fill_verified((1, 0), fd, cfd, 0, [memoryview(mm)], src)
+        uffd.unregister(base, n)
+        assert counts == [n] and copied == n
+        assert mm[:] == data
+        assert _mapped_pages(src.addr, n // PAGE) == 0
+    finally:
+        src.close()
+        os.close(cfd)
+        os.close(fd)
+        mm.close()
