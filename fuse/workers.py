@@ -22,10 +22,21 @@ pyfuse3's loop while it holds the lock (at unmount; too many idle workers) hands
 its task ends (an instrument's ``task_exited``): else nobody would read /dev/fuse again,
 and at unmount the other workers would wait for the lock forever (the daemon would not
 exit).
+
+The worker holding the lock then waits for /dev/fuse with ``trio.lowlevel.wait_readable``:
+an epoll registration, a park and a scheduler pass per request, though in a serial loop
+(one caller: create, stat, unlink ...) nothing else of the daemon has anything to do.
+:class:`QuickWait` waits in its place, in a ``poll()`` of /dev/fuse and of trio's own epoll
+set, when no other task is runnable and no deadline is due: trio would sleep in that very
+epoll set until one of those happens, so the loop sleeps the same while the worker reads
+on at once. Anything else that wakes (another task's descriptor, a thread's or a
+signal's wake-up, a deadline) sends the worker the usual way, through trio.
 """
 
 from __future__ import annotations
 
+import math
+import select
 import types
 from collections import deque
 from typing import Any
@@ -119,15 +130,72 @@ def yield_reader() -> None:
         _reader.yield_lazy()
 
 
-def trio_for_pyfuse3() -> types.ModuleType:
-    """A stand-in for the ``trio`` module as pyfuse3 uses it, with :class:`ReaderLock`."""
+# the longest a quick wait sleeps before going trio's way (which looks at everything again)
+MAX_QUICK_WAIT_MS = 1000
+
+
+def loop_fd() -> int | None:
+    """The descriptor of trio's epoll set, readable when a descriptor some task waits on
+    is ready (or a thread or signal wakes the loop); None where trio's internals differ
+    (then every wait goes trio's way). In ``trio.run``."""
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        fd = GLOBAL_RUN_CONTEXT.runner.io_manager._epoll.fileno()
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return fd if isinstance(fd, int) else None
+
+
+class QuickWait:
+    """``wait_readable`` for pyfuse3's /dev/fuse (the module doc): a ``poll()`` of the
+    descriptor and of trio's epoll set ``loop`` when no other task is runnable, no
+    callback queued and no deadline due; trio's wait otherwise, or when anything but the
+    descriptor woke the poll."""
+
+    __slots__ = ("loop", "_polls")
+
+    def __init__(self, loop: int | None) -> None:
+        self.loop = loop
+        self._polls: dict[int, Any] = {}  # descriptor -> its select.poll with ``loop``
+
+    async def wait_readable(self, fd: int) -> None:
+        if not self.ready(fd):
+            await trio.lowlevel.wait_readable(fd)
+
+    def ready(self, fd: int) -> bool:
+        """Whether ``fd`` became readable while nothing else in the loop had to run."""
+        if self.loop is None:
+            return False
+        st = trio.lowlevel.current_statistics()
+        left = st.seconds_to_next_deadline
+        if st.tasks_runnable or st.run_sync_soon_queue_size or left <= 0:
+            return False
+        p = self._polls.get(fd)
+        if p is None:
+            p = self._polls[fd] = select.poll()
+            p.register(fd, select.POLLIN)
+            p.register(self.loop, select.POLLIN)
+        events = p.poll(math.ceil(min(MAX_QUICK_WAIT_MS, left * 1000)))
+        return len(events) == 1 and events[0][0] == fd
+
+
+def trio_for_pyfuse3(quick: QuickWait | None = None) -> types.ModuleType:
+    """A stand-in for the ``trio`` module as pyfuse3 uses it, with :class:`ReaderLock`
+    and, given ``quick``, its ``wait_readable`` for /dev/fuse."""
     m = types.ModuleType("pfs.fuse.workers.trio")
     m.Lock = ReaderLock  # type: ignore[attr-defined]
+    if quick is not None:
+        low = types.ModuleType("pfs.fuse.workers.trio.lowlevel")
+        low.wait_readable = quick.wait_readable  # type: ignore[attr-defined]
+        low.__getattr__ = lambda name: getattr(trio.lowlevel, name)  # type: ignore[method-assign]
+        m.lowlevel = low  # type: ignore[attr-defined]
     m.__getattr__ = lambda name: getattr(trio, name)  # type: ignore[method-assign]  # the rest: trio's
     return m
 
 
 def install(pyfuse3: Any) -> None:
-    """Have pyfuse3's workers use :class:`ReaderLock` (in trio, before ``pyfuse3.main``)."""
-    pyfuse3.trio = trio_for_pyfuse3()
+    """Have pyfuse3's workers use :class:`ReaderLock` and :class:`QuickWait` (in trio,
+    before ``pyfuse3.main``)."""
+    pyfuse3.trio = trio_for_pyfuse3(QuickWait(loop_fd()))
     trio.lowlevel.add_instrument(_ExitGuard())  # (called only as a task ends)
