@@ -18,9 +18,9 @@ from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
 from pfs.fuse.workers import (
     MAX_QUICK_WAIT_MS,
     HandoffLock,
+    LoopState,
     QuickWait,
     ReaderLock,
-    loop_fd,
     trio_for_pyfuse3,
 )
 
@@ -121,7 +121,7 @@ def test_the_quick_wait_reads_on_only_while_nothing_else_has_to_run() -> None:
     deadline wakes the loop: else it goes trio's way, and the others run."""
 
     async def main() -> None:
-        quick = QuickWait(loop_fd())
+        quick = QuickWait(LoopState.current())
         assert quick.loop is not None  # this trio's epoll set is found: the quick path is on
         fuse, kernel = socket.socketpair()
         other, peer = socket.socketpair()
