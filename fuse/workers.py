@@ -141,10 +141,10 @@ class LoopState:
     waits on is ready or a thread or signal wakes the loop (``run_sync_soon`` writes the
     loop's wake-up socket, which is in it)."""
 
-    __slots__ = ("runq", "next_deadline", "now", "fd")
+    __slots__ = ("runner", "fd")
 
-    def __init__(self, runq: Any, next_deadline: Any, now: Any, fd: int) -> None:
-        self.runq, self.next_deadline, self.now, self.fd = runq, next_deadline, now, fd
+    def __init__(self, runner: Any, fd: int) -> None:
+        self.runner, self.fd = runner, fd
 
     @classmethod
     def current(cls) -> LoopState | None:
@@ -155,11 +155,20 @@ class LoopState:
 
             runner = GLOBAL_RUN_CONTEXT.runner
             fd = runner.io_manager._epoll.fileno()
-            state = cls(runner.runq, runner.deadlines.next_deadline, runner.current_time, fd)
-            len(state.runq), float(state.next_deadline() - state.now())
+            state = cls(runner, fd)
+            state.busy(), float(state.left())
         except (ImportError, AttributeError, TypeError, ValueError):
             return None
         return state if isinstance(fd, int) else None
+
+    def busy(self) -> bool:
+        """Whether a task is runnable."""
+        return bool(self.runner.runq)
+
+    def left(self) -> float:
+        """Seconds to the next deadline (may be infinite, or past)."""
+        r = self.runner
+        return float(r.deadlines.next_deadline() - r.current_time())
 
 
 class QuickWait:
@@ -180,9 +189,9 @@ class QuickWait:
     def ready(self, fd: int) -> bool:
         """Whether ``fd`` became readable while nothing else in the loop had to run."""
         loop = self.loop
-        if loop is None or loop.runq:
+        if loop is None or loop.busy():
             return False
-        left = loop.next_deadline() - loop.now()
+        left = loop.left()
         if left <= 0:
             return False
         p = self._polls.get(fd)
