@@ -132,12 +132,14 @@ def yield_reader() -> None:
 
 # the longest a quick wait sleeps before going trio's way (which looks at everything again)
 MAX_QUICK_WAIT_MS = 1000
+# tasks looked at for one runnable (more: the usual wait; a mount at rest has a dozen)
+MAX_TASKS_SCANNED = 64
 
 
 class LoopState:
     """What :class:`QuickWait` looks at in trio's run loop, read from its runner (trio
-    offers ``current_statistics``, at ~3x the cost of the poll itself): the run queue,
-    the next deadline, and the epoll set that is readable when a descriptor some task
+    offers ``current_statistics``, at ~3x the cost of the poll itself, and blind to the
+    tasks of the batch being run): whether another task is runnable, the next deadline, and the epoll set that is readable when a descriptor some task
     waits on is ready or a thread or signal wakes the loop (``run_sync_soon`` writes the
     loop's wake-up socket, which is in it)."""
 
@@ -157,13 +159,19 @@ class LoopState:
             fd = runner.io_manager._epoll.fileno()
             state = cls(runner, fd)
             state.busy(), float(state.left())
+            _ = trio.lowlevel.current_task()._next_send_fn
         except (ImportError, AttributeError, TypeError, ValueError):
             return None
         return state if isinstance(fd, int) else None
 
     def busy(self) -> bool:
-        """Whether a task is runnable."""
-        return bool(self.runner.runq)
+        """Whether another task is runnable: in the run queue, or later in the batch
+        the scheduler is running now (taken off the queue, not yet stepped: its next
+        send is set); with many tasks, taken to be so."""
+        r = self.runner
+        if r.runq or len(r.tasks) > MAX_TASKS_SCANNED:
+            return True
+        return any(t._next_send_fn is not None for t in r.tasks)
 
     def left(self) -> float:
         """Seconds to the next deadline (may be infinite, or past)."""

@@ -127,6 +127,7 @@ def test_the_quick_wait_reads_on_only_while_nothing_else_has_to_run() -> None:
         other, peer = socket.socketpair()
         with fuse, kernel, other, peer:
             kernel.send(b"r")
+            await trio.testing.wait_all_tasks_blocked()  # (trio's own start-up tasks)
             assert quick.ready(fuse.fileno())  # a request, nothing else to do
             ran: list[str] = []
 
@@ -155,6 +156,28 @@ def test_the_quick_wait_reads_on_only_while_nothing_else_has_to_run() -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 assert not quick.ready(fuse.fileno())
             assert time.monotonic() - t0 < 0.8 * MAX_QUICK_WAIT_MS / 1000
+            # a task woken in the same scheduler batch, not yet run, is runnable too
+            # (it is off the run queue): no quick read before it ran
+            kernel.send(b"r")
+            seen: list[tuple[bool, bool]] = []
+
+            async def sibling(go: trio.Event, woke: list[str]) -> None:
+                await go.wait()
+                woke.append("sibling")
+
+            async def probe(go: trio.Event, woke: list[str]) -> None:
+                await go.wait()
+                seen.append((not woke, quick.ready(fuse.fileno())))
+
+            for _ in range(30):
+                go, woke = trio.Event(), list[str]()
+                async with trio.open_nursery() as n:
+                    n.start_soon(sibling, go, woke)
+                    n.start_soon(probe, go, woke)
+                    await trio.testing.wait_all_tasks_blocked()
+                    go.set()
+            assert {pending for pending, _ in seen} == {True, False}  # (a coin toss each)
+            assert all(ready is not pending for pending, ready in seen)
 
     trio.run(main)
 
