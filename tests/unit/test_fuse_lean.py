@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -14,7 +15,14 @@ import trio.testing
 from pfs.client.types import StatResult
 from pfs.fuse.attr_cache import MAX_INODES, AttrCache
 from pfs.fuse.known_dirs import MAX_NAMES, KnownDirs
-from pfs.fuse.workers import HandoffLock, ReaderLock, trio_for_pyfuse3
+from pfs.fuse.workers import (
+    MAX_QUICK_WAIT_MS,
+    HandoffLock,
+    LoopState,
+    QuickWait,
+    ReaderLock,
+    trio_for_pyfuse3,
+)
 
 
 def test_a_known_directory_answers_missing_names_only_within_the_bound() -> None:
@@ -101,6 +109,77 @@ def test_pyfuse3_gets_trio_with_the_reader_lock() -> None:
     assert m.Lock is ReaderLock
     assert m.lowlevel is trio.lowlevel and m.ClosedResourceError is trio.ClosedResourceError
     assert m.open_nursery is trio.open_nursery
+    quick = QuickWait(None)
+    m = trio_for_pyfuse3(quick)
+    assert m.lowlevel.wait_readable == quick.wait_readable
+    assert m.lowlevel.current_task is trio.lowlevel.current_task  # the rest: trio's
+
+
+def test_the_quick_wait_reads_on_only_while_nothing_else_has_to_run() -> None:
+    """``QuickWait`` (pyfuse3's wait for /dev/fuse) skips trio's scheduler only while no
+    other task is runnable, no descriptor another task waits on is ready, no thread or
+    deadline wakes the loop: else it goes trio's way, and the others run."""
+
+    async def main() -> None:
+        quick = QuickWait(LoopState.current())
+        assert quick.loop is not None  # this trio's epoll set is found: the quick path is on
+        fuse, kernel = socket.socketpair()
+        other, peer = socket.socketpair()
+        with fuse, kernel, other, peer:
+            kernel.send(b"r")
+            await trio.testing.wait_all_tasks_blocked()  # (trio's own start-up tasks)
+            assert quick.ready(fuse.fileno())  # a request, nothing else to do
+            ran: list[str] = []
+
+            async def waiter() -> None:
+                await trio.lowlevel.wait_readable(other)
+                ran.append("waiter")
+
+            async with trio.open_nursery() as n:
+                n.start_soon(waiter)
+                assert not quick.ready(fuse.fileno())  # a task is runnable
+                await trio.testing.wait_all_tasks_blocked()
+                peer.send(b"x")  # what another task waits for is ready
+                t0 = time.monotonic()
+                assert not quick.ready(fuse.fileno())
+                await quick.wait_readable(fuse.fileno())  # trio's way: the other runs
+                await trio.testing.wait_all_tasks_blocked()
+                assert ran == ["waiter"]
+            fuse.recv(1)
+            # nothing readable: a deadline, or a thread that finishes, ends the wait
+            # long before MAX_QUICK_WAIT_MS
+            with trio.move_on_after(0.05):  # (a deadline the poll must not sleep past)
+                assert not quick.ready(fuse.fileno())
+                await trio.lowlevel.checkpoint()
+            async with trio.open_nursery() as n:
+                n.start_soon(trio.to_thread.run_sync, time.sleep, 0.05)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not quick.ready(fuse.fileno())
+            assert time.monotonic() - t0 < 0.8 * MAX_QUICK_WAIT_MS / 1000
+            # a task woken in the same scheduler batch, not yet run, is runnable too
+            # (it is off the run queue): no quick read before it ran
+            kernel.send(b"r")
+            seen: list[tuple[bool, bool]] = []
+
+            async def sibling(go: trio.Event, woke: list[str]) -> None:
+                await go.wait()
+                woke.append("sibling")
+
+            async def probe(go: trio.Event, woke: list[str]) -> None:
+                await go.wait()
+                seen.append((not woke, quick.ready(fuse.fileno())))
+
+            for _ in range(30):
+                go, woke = trio.Event(), list[str]()
+                async with trio.open_nursery() as n:
+                    n.start_soon(sibling, go, woke)
+                    n.start_soon(probe, go, woke)
+                    await trio.testing.wait_all_tasks_blocked()
+                    go.set()
+            assert {pending for pending, _ in seen} == {True, False}  # (a coin toss each)
+            assert all(ready is not pending for pending, ready in seen)
+
+    trio.run(main)
 
 
 def _attr(ino: int, size: int = 0) -> StatResult:
