@@ -60,6 +60,9 @@ class MetaRequest(RequestMessage, registry=REGISTRY):
 
     closes: list[int] | None = List(Int(), max_len=MAX_CLOSES, default=None,
                                     doc="handles released before the request")
+    unwritten: list[int] | None = List(Int(), max_len=MAX_CLOSES, default=None,
+                                       doc="those of `closes` (or a `close`'s handle) "
+                                           "that sent nothing to a data server")
 
 
 class EntryChange(MetaRequest):
