@@ -281,7 +281,7 @@ class MetaService(RpcService):
         fh = self.handles.new_handle(ctx, ino, flags, cred.root, created)
         cap, ttl = self._file_cap(ctx, ino, rights_of(flags), layout)
         return M.OpenedReply(attr=attr, fh=fh, layout=layout, cap=cap, cap_ttl=ttl,
-                             parent_attr=parent_attr)
+                             parent_attr=parent_attr, created=created)
 
     def _file_cap(self, ctx: ConnContext, ino: int, rights: int, layout: Any
                   ) -> tuple[bytes, float]:

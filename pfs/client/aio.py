@@ -141,6 +141,7 @@ class FileHandle:
         # a write or sync went to a data server under this handle's capability (set
         # before it is sent): its close says when none did (metaserver/handles.py)
         self.sent = False
+        self.created = False  # by a create that made the file (it has no xattrs)
         # a read-only handle reads local objects through descriptors (short circuit)
         self._objects = (HandleObjects(client.local) if client.local is not None
                          and flags & os.O_ACCMODE == os.O_RDONLY else None)
@@ -635,6 +636,7 @@ class AsyncClient:
         state = self._acquire_state(ino, a["size"])
         h = FileHandle(self, ino, r.fh, flags, r.layout, state, path,  # type: ignore[arg-type]
                        a, r.cap, float(r.cap_ttl or 0.0), cred)
+        h.created = r.created
         self.handles.add(h)
         return h
 

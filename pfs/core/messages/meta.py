@@ -106,6 +106,7 @@ class OpenedReply(ReplyMessage):
     cap: bytes = Bytes()
     cap_ttl: float = Anything()
     parent_attr: dict[str, Any] | None = Attr(default=None)
+    created: bool = Bool(default=False, sparse=True, doc="the create made the file")
 
 
 class CapReply(ReplyMessage):

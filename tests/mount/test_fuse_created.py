@@ -1,15 +1,20 @@
-"""Unlinked files' objects through the mount: a file created and closed without a write
-costs the data servers nothing at its unlink (metaserver/handles.py, "Files no data
-server saw"), so every way of writing one must still leave its objects to the deleter."""
+"""Files this mount creates, and what they cost the servers. The first write's
+``security.capability`` question needs no metaserver call (a new file has no xattrs). An
+unlinked file created and closed without a write costs the data servers nothing
+(metaserver/handles.py, "Files no data server saw"), so every way of writing one must
+still leave its objects to the deleter."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
 from tests.fuse_fixtures import *  # noqa: F403
+from tests.fuse_fixtures import mounted
 from tests.integration.test_unwritten import _on_disk, wait_gone
+from tests.metrics_scrape import free_port, scrape, value
 
 UNIT = 64 * 1024
 CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY
@@ -65,3 +70,38 @@ def test_a_file_created_empty_is_gone_with_its_unlink(mnt: Path, mdir: Path, mdi
     finally:
         os.close(fd)
     assert not (mdir / "e").exists()
+
+
+def test_a_file_created_here_is_written_without_asking_for_its_xattrs(
+    client_toml: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    toml = tmp_path / "client.toml"
+    toml.write_text(client_toml.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+    n = 20
+    with mounted(toml) as m:
+        d = m / f"xattrs-{os.getpid()}"
+        d.mkdir()
+        (d / "old").write_bytes(b"")
+        time.sleep(1.2)  # what the mount knows of "old" expired (attr_timeout)
+        before = scrape(port)
+        for i in range(n):
+            fd = os.open(d / f"f{i}", CREATE, 0o644)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+        made = scrape(port)
+        fd = os.open(d / "old", os.O_CREAT | os.O_WRONLY)  # opened, not made: it may have some
+        os.write(fd, b"y")
+        os.close(fd)
+        last = scrape(port)
+        os.setxattr(d / "f0", "user.k", b"v")
+        assert os.getxattr(d / "f0", "user.k") == b"v"
+        for p in d.iterdir():
+            p.unlink()
+        d.rmdir()
+
+    def calls(text: str) -> float:
+        return value(text, "pfs_rpc_requests_total", service="client", method="getxattr")
+
+    assert calls(made) - calls(before) == 0
+    assert calls(last) - calls(made) == 1
