@@ -485,6 +485,10 @@ class ObjectStore:
                     ck.write_records(entry.cfd, last, [(ck.crc_padded(data), write)])
         os.ftruncate(entry.fd, size)
 
+    def dirs_unsynced(self, dirs: list[str]) -> None:
+        """``dirs`` taken by :meth:`take_unsynced_dirs` were not synced after all."""
+        self._unsynced.update(dirs)
+
     def take_unsynced_dirs(self, obj: ObjId) -> list[str]:
         """Directories on ``obj``'s path that gained entries since they were last synced
         (outermost first); the caller fsyncs them so a new object survives a crash."""

@@ -645,6 +645,10 @@ class PfsOperations(pyfuse3.Operations):
         # the kernel sends CREATE only for a name it holds nothing for, so it has no
         # stale attributes or pages of this inode: no invalidation (and no GETATTR after)
         self._seen[h.ino] = key
+        if h.created:
+            # a new file has no xattrs: the first write's security.capability question
+            # is answered here, as a metaserver reply of this moment would be
+            self._caps_absent(h.ino)
         return self._file_info(h, key), self._looked_up(h.attr)
 
     @_serving
@@ -859,11 +863,16 @@ class PfsOperations(pyfuse3.Operations):
             with fs_errors(), self._waiting:
                 return await self.meta.getxattr(inode, name, self.cred(ctx))
         except pyfuse3.FUSEError as exc:
-            if cached and exc.errno == errno.ENODATA and self.tuning.attr_timeout > 0:
-                if len(self._no_caps) >= CACHE_MAX:
-                    self._no_caps.clear()
-                self._no_caps[inode] = time.monotonic() + self.tuning.attr_timeout
+            if cached and exc.errno == errno.ENODATA:
+                self._caps_absent(inode)
             raise
+
+    def _caps_absent(self, ino: int) -> None:
+        """``ino`` has no security.capability as of now: remembered for attr_timeout."""
+        if self.tuning.attr_timeout > 0:
+            if len(self._no_caps) >= CACHE_MAX:
+                self._no_caps.clear()
+            self._no_caps[ino] = time.monotonic() + self.tuning.attr_timeout
 
     @_serving
     async def setxattr(

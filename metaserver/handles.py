@@ -8,14 +8,29 @@ through the commit queue; orphans left by a crash are reclaimed at start (the se
 start-up). An inode whose deletion is in the batch being committed is *dying*: an open
 racing with that deletion fails with ``ENOENT`` instead of counting a deleted inode.
 
-:meth:`OpenFiles.opened` and :meth:`OpenFiles.is_open` are the namespace's hooks, called
-during a commit, hence the lock.
+**Files no data server saw.** A file created here and never written has no objects, so
+its deletion needs no data server (the deleter's round, a delete per server, the queue
+entry: half the servers' work of a ``touch`` + ``rm``). Only a write capability lets
+bytes reach a data server, and a new file's only one is its create's handle's (none
+after ``mknod`` or ``create_many``) until another open for writing. So a regular file
+is *unwritten* from the commit that makes it (:meth:`OpenFiles.made`) until any of: an
+open for writing other than the create's own, a truncation the metaserver sends to the
+data servers, or the release of the create's handle without the client's word that it
+sent nothing (``unwritten``: a close or ``closes`` of a handle that never wrote or
+synced; a lost connection or an older client gives no such word). The set lives in
+memory only (a restart or a restored backup knows none: every file counts as written)
+and is bounded (the oldest are forgotten, i.e. counted as written).
+
+:meth:`OpenFiles.opened`, :meth:`OpenFiles.is_open`, :meth:`OpenFiles.made` and
+:meth:`OpenFiles.unwritten` are the namespace's hooks, called during a commit, hence
+the lock.
 """
 from __future__ import annotations
 
 import errno
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +43,7 @@ from pfs.metaserver.commit import CommitQueue
 from pfs.metaserver.store import Store, WriteTxn
 
 _RIGHTS = {os.O_RDONLY: caps.READ, os.O_WRONLY: caps.WRITE}
+MAX_UNWRITTEN = 1 << 18  # unwritten inodes remembered (~100 bytes each)
 
 
 def rights_of(flags: int) -> int:
@@ -40,6 +56,9 @@ class Handle:
     ino: int
     rights: int  # caps.READ / caps.WRITE, from the open flags
     root: bool  # opened by root: its size commits keep setuid/setgid (Namespace.commit_size)
+    # the create's handle of an unwritten inode, with write rights: its release keeps
+    # the inode unwritten only with the client's word that it sent nothing
+    fresh: bool = False
 
 
 class HandleTable:
@@ -92,6 +111,8 @@ class OpenFiles:
         # inodes whose last link went while open (perhaps in a batch that then failed:
         # a hint, checked against the store when their last handle closes)
         self._orphan_hint: set[int] = set()
+        # inodes no data server can hold objects of (the module doc), oldest first
+        self._unwritten: OrderedDict[int, None] = OrderedDict()
 
     # ------------------------------------------------------------------ per connection
     @staticmethod
@@ -102,9 +123,19 @@ class OpenFiles:
         assert isinstance(table, HandleTable)
         return table
 
-    def new_handle(self, ctx: ConnContext, ino: int, flags: int, root: bool) -> int:
-        """A handle on ``ctx``'s connection for ``ino`` (already counted by :meth:`ref`)."""
-        return self._table(ctx).add(Handle(ino, rights_of(flags), root))
+    def new_handle(self, ctx: ConnContext, ino: int, flags: int, root: bool,
+                   created: bool = False) -> int:
+        """A handle on ``ctx``'s connection for ``ino`` (already counted by :meth:`ref`);
+        ``created``: the handle of the create that made the file (:meth:`ref`)."""
+        rights = rights_of(flags)
+        fresh = False
+        if rights & caps.WRITE:
+            with self._lock:
+                if created:
+                    fresh = ino in self._unwritten
+                else:  # a second write capability: bytes may reach the data servers
+                    self._unwritten.pop(ino, None)
+        return self._table(ctx).add(Handle(ino, rights, root, fresh))
 
     def handle(self, ctx: ConnContext, fh: int) -> Handle:
         """Handle ``fh`` of ``ctx``'s connection (``EBADF`` if it has none)."""
@@ -115,10 +146,12 @@ class OpenFiles:
         :meth:`release`."""
         return self._table(ctx).pop(fh)
 
-    def release_closed(self, ctx: ConnContext, fhs: list[Any]) -> None:
+    def release_closed(self, ctx: ConnContext, fhs: list[Any],
+                       unwritten: list[int] | None = None) -> None:
         """Handles the client closed with nothing to commit, sent along with its next
         request (docs/rpc.md, ``closes``) and released before it: a close without a
-        round trip of its own. Unknown handles are skipped (already released)."""
+        round trip of its own. Unknown handles are skipped (already released).
+        ``unwritten``: those of them that sent nothing to a data server."""
         if len(fhs) > MAX_CLOSES:
             raise OSError(errno.EINVAL, f"closes: {len(fhs)} handles, at most {MAX_CLOSES}")
         if not all(isinstance(fh, int) and not isinstance(fh, bool) for fh in fhs):
@@ -127,12 +160,20 @@ class OpenFiles:
         for fh in fhs:
             h = table.discard(fh)
             if h is not None:
+                self.closed(h, unwritten is not None and fh in unwritten)
                 self.release_later(h.ino)
+
+    def closed(self, h: Handle, unwritten: bool) -> None:
+        """Handle ``h`` is closed (before its release): the client's word whether it
+        sent anything to a data server decides whether its inode stays unwritten."""
+        if h.fresh and not unwritten:
+            self.written(h.ino)
 
     def connection_lost(self, ctx: ConnContext) -> None:
         table = ctx.state.pop("handles", None)
         if isinstance(table, HandleTable):
             for h in table.drain():
+                self.closed(h, False)  # a client gone mid-write gives no word
                 self.release_later(h.ino)
 
     # ------------------------------------------------------------------ per inode
@@ -142,6 +183,28 @@ class OpenFiles:
             if ino in self._dying:
                 raise OSError(errno.ENOENT, f"inode {ino} is being removed")
             self._open[ino] = self._open.get(ino, 0) + 1
+
+    def made(self, ino: int) -> None:
+        """Namespace hook (in the commit that makes regular file ``ino``, before any
+        other client can see it): ``ino`` is unwritten (the module doc)."""
+        with self._lock:
+            self._unwritten[ino] = None
+            if len(self._unwritten) > MAX_UNWRITTEN:  # forgotten: counted as written
+                self._unwritten.popitem(last=False)
+
+    def written(self, ino: int) -> None:
+        """Bytes of ``ino`` may have reached a data server (or its objects were cut)."""
+        with self._lock:
+            self._unwritten.pop(ino, None)
+
+    def unwritten(self, ino: int) -> bool:
+        """Namespace hook (during a commit): whether no data server can hold objects of
+        ``ino``, so deleting it queues no deletion; it is forgotten here then."""
+        with self._lock:
+            if ino not in self._unwritten:
+                return False
+            del self._unwritten[ino]
+            return True
 
     async def release(self, ino: int) -> None:
         """One handle of ``ino`` fewer; the last one of an orphan reclaims it (and

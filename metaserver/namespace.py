@@ -203,6 +203,8 @@ class Namespace:
                  opened: Callable[[int], bool] = lambda ino: False,
                  is_open: Callable[[int], bool] = lambda ino: False,
                  deleting: Callable[[int], bool] = lambda ino: False,
+                 unwritten: Callable[[int], bool] = lambda ino: False,
+                 made: Callable[[int], None] = lambda ino: None,
                  clock: Callable[[], int] = time.time_ns,
                  rng: random.Random | None = None,
                  counters: Counters | None = None) -> None:
@@ -212,6 +214,8 @@ class Namespace:
         self.opened = opened
         self.is_open = is_open
         self.deleting = deleting
+        self.unwritten = unwritten  # no data server can hold objects of this inode
+        self.made = made  # a new regular file: no data server holds objects of it yet
         self.clock = clock
         self.rng = rng or random.Random()
         self.chains = ChainTable()
@@ -414,7 +418,8 @@ class Namespace:
             txn.delete(key)
         self.counters.add_inodes(txn, -1)
         layout = rec.get("layout")
-        if stat.S_ISREG(rec["mode"]) and layout and layout.get("servers"):
+        if stat.S_ISREG(rec["mode"]) and layout and layout.get("servers") \
+                and not self.unwritten(ino):
             self._queue_delete(txn, ino, self.chains.holders(txn, layout))
 
     def _queue_delete(self, txn: Txn, ino: int, layout: dict[str, Any]) -> None:
@@ -984,6 +989,8 @@ class Namespace:
         now = self.clock()
         ino, rec = self._make(txn, cred, parent, prec, name, ftype | (mode & 0o7777), now,
                               extra)
+        if ftype == stat.S_IFREG:
+            self.made(ino)
         return self.attr(ino, rec)
 
     def symlink(self, txn: Txn, cred: Cred, parent: int, name: bytes, target: bytes
@@ -1106,6 +1113,7 @@ class Namespace:
         layout, chains = self._file_layout(txn, parent, what=_show(name), dir_rec=prec)
         ino, rec = self._make(txn, cred, parent, prec, name, stat.S_IFREG | (mode & 0o7777),
                               now, {"layout": layout})
+        self.made(ino)
         return self.attr(ino, rec), self.chains.resolved(layout, chains), True
 
     # ------------------------------------------------------------------ removal
@@ -1388,7 +1396,7 @@ class Namespace:
                 held = self.chains.holders(txn, old)
                 stale = [[sid for sid in sids if s >= len(new) or sid not in new[s]]
                          for s, sids in enumerate(held["servers"])]
-                if any(stale):
+                if any(stale) and not self.unwritten(ino):
                     self._queue_delete(txn, ino, {**held, "servers": stale})
         else:
             raise _err(errno.EINVAL, "layouts are for files and directories")

@@ -113,7 +113,7 @@ class MetaService(RpcService):
         started = time.perf_counter() if metrics.enabled() else 0.0
         try:
             if msg.closes:
-                self.handles.release_closed(ctx, msg.closes)
+                self.handles.release_closed(ctx, msg.closes, msg.unwritten)
             if method == "create":
                 self._take_create(ctx, rid, msg, started)
             elif method == "close":
@@ -138,19 +138,20 @@ class MetaService(RpcService):
         parent, name = self._at(msg.at, cred)
         mode, flags, want_parent = msg.mode, msg.flags, msg.want_parent
 
-        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
-            attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any, bool]:
+            attr, layout, created = self.ns.create(txn, cred, parent, name, mode, flags)
             self.handles.ref(attr["ino"])
-            return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
+            parent_attr = self.ns.getattr(txn, parent) if want_parent else None
+            return attr, layout, parent_attr, created
 
         def done(o: Op) -> None:
             err = o.error
             if o.result is not None:  # it ran: its open count was taken
-                attr, layout, parent_attr = o.result
+                attr, layout, parent_attr, created = o.result
                 if err is None and not ctx.conn.closed:
                     try:
                         reply = self.encode(msg, self._opened_reply(
-                            ctx, attr, layout, flags, cred, parent_attr))
+                            ctx, attr, layout, flags, cred, parent_attr, created))
                     except Exception as exc:  # noqa: BLE001 - answered below
                         err = exc
                     else:
@@ -220,6 +221,7 @@ class MetaService(RpcService):
         of the connection meanwhile; the last close of a file deleted while open is
         answered once its reclaim is durable too, as the handler's is."""
         h = self.handles.close_handle(ctx, msg.fh)
+        self.handles.closed(h, self._closed_unwritten(msg))
         ino, root, end, mtime = h.ino, h.root, msg.written_end, msg.mtime
 
         def done(o: Op) -> None:
@@ -263,7 +265,8 @@ class MetaService(RpcService):
         self._grace_end = 0.0
         self.ns = Namespace(self.config.layout, servers=self._placeable,
                             opened=self.handles.opened, is_open=self.handles.is_open,
-                            deleting=self._deleting_objects, counters=counters)
+                            deleting=self._deleting_objects, counters=counters,
+                            unwritten=self.handles.unwritten, made=self.handles.made)
         self.dataplane = DataPlane(sec.own, self.limits, self.registry, self.signer)
         self.detector = Detector(self.registry, self.dataplane.open,
                                  probe_timeout=cfg.probe_timeout)
@@ -345,13 +348,15 @@ class MetaService(RpcService):
         return self.deleter.deleting(ino)
 
     def _opened_reply(self, ctx: ConnContext, attr: dict[str, Any], layout: Any,
-                      flags: int, cred: Cred, parent_attr: Any = None) -> M.OpenedReply:
-        """An open/create reply: the handle, and a capability for its data."""
+                      flags: int, cred: Cred, parent_attr: Any = None,
+                      created: bool = False) -> M.OpenedReply:
+        """An open/create reply: the handle, and a capability for its data; ``created``:
+        the create made the file (handles.py, "Files no data server saw")."""
         ino = attr["ino"]
-        fh = self.handles.new_handle(ctx, ino, flags, cred.root)
+        fh = self.handles.new_handle(ctx, ino, flags, cred.root, created)
         cap, ttl = self._file_cap(ctx, ino, rights_of(flags), layout)
         return M.OpenedReply(attr=attr, fh=fh, layout=layout, cap=cap, cap_ttl=ttl,
-                             parent_attr=parent_attr)
+                             parent_attr=parent_attr, created=created)
 
     def _file_cap(self, ctx: ConnContext, ino: int, rights: int, layout: Any
                   ) -> tuple[bytes, float]:
@@ -378,7 +383,7 @@ class MetaService(RpcService):
                 self.handles.release_closed(ctx, closes)
             raise
         if msg.closes:
-            self.handles.release_closed(ctx, msg.closes)
+            self.handles.release_closed(ctx, msg.closes, msg.unwritten)
         return self.encode(msg, await handler(ctx, msg))
 
     async def rpc_release(self, ctx: ConnContext, req: M.Release) -> Empty:
@@ -479,6 +484,7 @@ class MetaService(RpcService):
     async def _truncate_objects(self, ino: int, layout: dict[str, Any], size: int) -> None:
         """Cut ``ino``'s objects to ``size``, once the state its plan read is durable
         (it may be committed but not yet flushed: commit.py, "One flush per batch")."""
+        self.handles.written(ino)  # (cut records may be left where no object was)
         await self.commit.durable()
         await self.dataplane.truncate_objects(ino, layout, size)
 
@@ -551,21 +557,22 @@ class MetaService(RpcService):
         abandoned = False  # the handler was cancelled: nobody will get or close a handle
         want_parent = req.want_parent
 
-        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any]:
-            attr, layout, _ = self.ns.create(txn, cred, parent, name, mode, flags)
+        def op(txn: WriteTxn) -> tuple[dict[str, Any], Any, Any, bool]:
+            attr, layout, created = self.ns.create(txn, cred, parent, name, mode, flags)
             if not abandoned:
                 self.handles.ref(attr["ino"])
                 opened.append(attr["ino"])
-            return attr, layout, self.ns.getattr(txn, parent) if want_parent else None
+            parent_attr = self.ns.getattr(txn, parent) if want_parent else None
+            return attr, layout, parent_attr, created
 
         try:
-            attr, layout, parent_attr = await self.commit.mutate(op)
+            attr, layout, parent_attr, created = await self.commit.mutate(op)
         except BaseException:
             abandoned = True  # the op may still be queued
             for ino in opened:  # the op ran but the batch did not commit
                 await self.handles.release(ino)
             raise
-        return self._opened_reply(ctx, attr, layout, flags, cred, parent_attr)
+        return self._opened_reply(ctx, attr, layout, flags, cred, parent_attr, created)
 
     async def rpc_open(self, ctx: ConnContext, req: M.Open) -> M.OpenedReply:
         cred, ino, flags = self._cred(ctx, req), req.ino, req.flags
@@ -611,9 +618,17 @@ class MetaService(RpcService):
         cap, ttl = self._file_cap(ctx, h.ino, h.rights, layout)
         return M.CapReply(cap=cap, cap_ttl=ttl)
 
+    @staticmethod
+    def _closed_unwritten(req: M.Close) -> bool:
+        """The client's word that the handle it closes sent nothing to a data server
+        (a size to commit says otherwise)."""
+        return req.written_end is None and req.unwritten is not None \
+            and req.fh in req.unwritten
+
     async def rpc_close(self, ctx: ConnContext, req: M.Close) -> Empty:
         written_end, mtime = req.written_end, req.mtime
         h = self.handles.close_handle(ctx, req.fh)
+        self.handles.closed(h, self._closed_unwritten(req))
         ino, root = h.ino, h.root
         try:
             if written_end is not None or mtime is not None:

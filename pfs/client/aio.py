@@ -138,6 +138,10 @@ class FileHandle:
         self.path = path
         self.closed = False
         self._dirty = False  # written since the size was last committed
+        # a write or sync went to a data server under this handle's capability (set
+        # before it is sent): its close says when none did (metaserver/handles.py)
+        self.sent = False
+        self.created = False  # by a create that made the file (it has no xattrs)
         # a read-only handle reads local objects through descriptors (short circuit)
         self._objects = (HandleObjects(client.local) if client.local is not None
                          and flags & os.O_ACCMODE == os.O_RDONLY else None)
@@ -209,6 +213,7 @@ class FileHandle:
                          health=self.client.health)
 
     def _write_plan(self, view: memoryview, off: int) -> Plan[None]:
+        self.sent = True
         return plan.write(self, self.ino, self.layout, off, view, self.cap,
                           renew_due=time.monotonic() >= self._renew_at)
 
@@ -377,6 +382,7 @@ class FileHandle:
             return None
         if self.flags & os.O_APPEND:
             off = self.state.known_size
+        self.sent = True
         step = plan.write_step(self.ino, self.layout, off, view, self.cap,
                                time.monotonic() >= self._renew_at)
         try:
@@ -630,6 +636,7 @@ class AsyncClient:
         state = self._acquire_state(ino, a["size"])
         h = FileHandle(self, ino, r.fh, flags, r.layout, state, path,  # type: ignore[arg-type]
                        a, r.cap, float(r.cap_ttl or 0.0), cred)
+        h.created = r.created
         self.handles.add(h)
         return h
 

@@ -165,7 +165,7 @@ class BlockingDriver:
         time.sleep(effect.seconds)
 
     def _defer_close(self, effect: DeferClose) -> bool:
-        return self.meta.defer_close(effect.fh, effect.generation)
+        return self.meta.defer_close(effect.fh, effect.generation, effect.unwritten)
 
     def _to_device(self, effect: ToDevice) -> None:
         effect.stager.copy(effect.slot, effect.dst_ptr, effect.src_off, effect.n)

@@ -130,6 +130,7 @@ class MetaClient:
         # owner asks for it (the mount: a clean RELEASE costs no metaserver call)
         self.defer_closes = direct
         self._closes: list[int] = []
+        self._unwritten: list[int] = []  # those of them that sent no data (handles.py)
         self._closes_gen = 0
         self._closes_lock = threading.Lock()
         self._closes_since = 0.0  # time.monotonic() when the oldest of ``_closes`` came
@@ -202,9 +203,9 @@ class MetaClient:
                 rpc = self._blocking  # (up and in use: no lock to take)
                 if rpc is None or not rpc.alive or self._disconnected:
                     rpc = self._blocking_client()
-                closes = self._take_closes() if self._closes else None
+                closes, unwritten = self._take_closes() if self._closes else (None, None)
                 sent = True
-                reply = rpc.request(msg, closes=closes)
+                reply = rpc.request(msg, closes=closes, unwritten=unwritten)
                 self._reached = True
                 return reply
             except OSError as exc:
@@ -219,19 +220,22 @@ class MetaClient:
             return Retry(self.name, self.timeout)
         return Retry(self.name, min(self.timeout, self.connect_timeout), quiet=True)
 
-    def _take_closes(self) -> list[int] | None:
-        """The deferred closes to send with a request on connection ``generation``."""
+    def _take_closes(self) -> tuple[list[int] | None, list[int] | None]:
+        """The deferred closes to send with a request on connection ``generation``, and
+        those of them that sent nothing to a data server."""
         with self._closes_lock:
             closes, self._closes = self._closes, []
+            unwritten, self._unwritten = self._unwritten, []
             if self._closes_gen != self.generation:
-                return None  # opened on a connection that is gone
-            return closes
+                return None, None  # opened on a connection that is gone
+            return closes, unwritten
 
-    def defer_close(self, fh: int, generation: int) -> bool:
+    def defer_close(self, fh: int, generation: int, unwritten: bool = False) -> bool:
         """Release handle ``fh`` (opened on connection ``generation``, with nothing to
         commit) along with the next request, or a ``release`` of its own after
-        CLOSE_DELAY, instead of a round trip now (docs/rpc.md, ``closes``). False: not
-        deferred (``defer_closes`` off), close it now."""
+        CLOSE_DELAY, instead of a round trip now (docs/rpc.md, ``closes``); ``unwritten``:
+        it sent nothing to a data server. False: not deferred (``defer_closes`` off),
+        close it now."""
         if not self.defer_closes:
             return False
         with self._closes_lock:
@@ -239,10 +243,12 @@ class MetaClient:
             if generation != self.generation or conn is None:
                 return True  # its connection is gone, and the handle with it
             if self._closes_gen != generation:
-                self._closes, self._closes_gen = [], generation
+                self._closes, self._unwritten, self._closes_gen = [], [], generation
             if not self._closes:
                 self._closes_since = time.monotonic()
             self._closes.append(fh)
+            if unwritten:
+                self._unwritten.append(fh)
             flush = not self._flush_due and self._token is not None
             self._flush_due = self._flush_due or flush
         if flush:
@@ -274,9 +280,9 @@ class MetaClient:
                 self.request_blocking(M.Release(), retry_outage=False)
             else:
                 rpc = self._rpc
-                closes = self._take_closes()
+                closes, unwritten = self._take_closes()
                 if rpc is not None and rpc.alive and closes:
-                    await rpc.send(M.Release(), closes=closes)
+                    await rpc.send(M.Release(), closes=closes, unwritten=unwritten)
         except OSError as exc:  # the connection broke: the server released them
             log.debug("releasing closed handles: %s", exc)
 
@@ -296,9 +302,10 @@ class MetaClient:
                     if hold is not None:
                         hold.waits()
                     rpc = await self._client()
-                closes = self._take_closes() if self._closes else None
+                closes, unwritten = self._take_closes() if self._closes else (None, None)
                 sent = True
-                reply = parse_reply(msg, (await rpc.send(msg, closes=closes, hold=hold)).fields)
+                reply = parse_reply(msg, (await rpc.send(msg, closes=closes, unwritten=unwritten,
+                                                         hold=hold)).fields)
                 self._reached = True
                 return reply
             except OSError as exc:
@@ -417,7 +424,7 @@ class MetaClient:
             self._now_rpc.close()
             self._now_rpc = None
         with self._closes_lock:
-            self._closes = []  # the metaserver releases them with the connection
+            self._closes, self._unwritten = [], []  # released with the connection
 
     def shutdown(self) -> None:
         """Disconnect for good: a late caller (a deferred ``release`` running after the

@@ -121,8 +121,10 @@ def meta_open(ino: int, flags: int, cred: WireCred) -> Plan[M.OpenedReply]:
     return (yield MetaCall(M.Open(ino=ino, flags=flags, cred=cred)))  # type: ignore[no-any-return]
 
 
-def meta_close(fh: int, written_end: int | None = None, mtime: int | None = None) -> Plan[None]:
-    yield MetaCall(M.Close(fh=fh, written_end=written_end, mtime=mtime))
+def meta_close(fh: int, written_end: int | None = None, mtime: int | None = None,
+               unwritten: bool = False) -> Plan[None]:
+    yield MetaCall(M.Close(fh=fh, written_end=written_end, mtime=mtime,
+                           unwritten=[fh] if unwritten else None))
 
 
 def meta_renew(fh: int) -> Plan[M.CapReply]:
@@ -501,6 +503,8 @@ def sync_data(h: FileHandle, every: bool = False) -> Plan[None]:
     st = h.state
     taken, st.unsynced = st.unsynced, set()
     stripes = range(len(h.layout.servers)) if every else taken
+    if stripes:
+        h.sent = True  # (a sync creates nothing, but says nothing it did not)
     try:
         yield from sync_objects(h, h.ino, h.layout, stripes, h.cap,
                                 renew_due=h.renew_due())
@@ -586,7 +590,10 @@ def _close_on_server(h: FileHandle, end: int | None) -> Plan[None]:
     size it knows). A close with bytes to commit outlasts a metaserver outage of up to
     ``timeout`` seconds, retrying as an NFS hard mount would: the writes were
     acknowledged, so giving up would lose them from the file's size."""
-    if end is None and (yield DeferClose(h.fh, h.meta_gen)):
+    # a handle that sent nothing to a data server says so: a file it created then
+    # needs no deletion of objects (metaserver/handles.py)
+    unwritten = h.writable and not h.sent
+    if end is None and (yield DeferClose(h.fh, h.meta_gen, unwritten)):
         return  # released with the next metadata request (sync client)
     timeout = h.client.config.timeout
     deadline = time.monotonic() + timeout
@@ -596,7 +603,8 @@ def _close_on_server(h: FileHandle, end: int | None) -> Plan[None]:
         try:
             if lost:
                 yield from reopen(h)
-            yield from meta_close(h.fh, end, time.time_ns() if end is not None else None)
+            yield from meta_close(h.fh, end, time.time_ns() if end is not None else None,
+                                  unwritten and end is None and not lost)
             return
         except OSError as exc:
             if exc.errno == errno.EBADF and not lost:

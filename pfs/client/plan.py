@@ -198,10 +198,12 @@ class MetaCall:
 @dataclass(slots=True)
 class DeferClose:
     """Release handle ``fh`` with the next metadata request, if the connection does that
-    (``MetaClient.defer_close``); the result says whether it did."""
+    (``MetaClient.defer_close``); the result says whether it did. ``unwritten``: the
+    handle sent nothing to a data server."""
 
     fh: int
     generation: int
+    unwritten: bool = False
 
 
 @dataclass(slots=True)

@@ -309,5 +309,5 @@ class TrioDriver:
             return await effect.fn(*effect.args)
         if isinstance(effect, DeferClose):
             assert self.meta is not None
-            return self.meta.defer_close(effect.fh, effect.generation)
+            return self.meta.defer_close(effect.fh, effect.generation, effect.unwritten)
         raise TypeError(f"not an effect: {effect!r}")

@@ -202,6 +202,48 @@ def test_sync_of_several_objects_reports_what_was_unsynced(tmp_path: Path) -> No
     run(main)
 
 
+def test_a_sync_makes_a_new_object_s_directories_durable_after_its_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new object's directory entries are synced after its data, in the same sync
+    (one worker thread for a single object); a sync whose data failed leaves them to
+    the next one."""
+    from pfs.dataserver import server as server_mod
+
+    synced: list[str] = []
+    failing = [True]
+    real_sync, real_dir = os.fdatasync, server_mod._fsync_dir
+
+    def fdatasync(fd: int) -> None:
+        if failing:
+            failing.clear()
+            raise OSError(errno.EIO, "injected")
+        synced.append("data")
+        real_sync(fd)
+
+    def fsync_dir(d: str) -> None:
+        synced.append(d)
+        real_dir(d)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(server_mod, "_fsync_dir", fsync_dir)
+
+    async def main() -> None:
+        async with data_server(config(tmp_path)) as (_port, c):
+            await write(c, [7, 0], 0, b"x" * 100)
+            assert await errno_of(c, "sync", {"objs": [[7, 0]]}) == errno.EIO
+            assert synced == []
+            await c.call("sync", {"objs": [[7, 0]]})
+            dirs = [d for d in synced if d != "data"]
+            assert synced[0] == "data" and synced[-len(dirs):] == dirs and dirs
+            assert all(str(tmp_path / "d0") in d for d in dirs)
+            synced.clear()
+            await c.call("sync", {"objs": [[7, 0]]})
+            assert synced and "data" in synced and all(d == "data" for d in synced)
+
+    run(main)
+
+
 def test_truncate_delete_statfs(tmp_path: Path) -> None:
     async def main() -> None:
         async with data_server(config(tmp_path)) as (_port, c):

@@ -62,7 +62,8 @@ def _handle(dirty: bool = True, end: int = 100, unsynced: tuple[int, ...] = (),
     st.unsynced = set(unsynced)
     layout = Layout(4096, 2, 2, (("a", "b"), ("b", "c")), durable)
     h = SimpleNamespace(fh=1, ino=5, flags=os.O_WRONLY, cred=None, path="/f", meta_gen=1,
-                        state=st, _dirty=dirty, closed=False, released=0, caps=[],
+                        state=st, _dirty=dirty, sent=dirty, writable=True,
+                        closed=False, released=0, caps=[],
                         layout=layout, cap=b"c",
                         renew_due=lambda: False)
     h.client = SimpleNamespace(cred=Cred(0, 0), meta=SimpleNamespace(generation=2,
@@ -122,7 +123,7 @@ def test_close_with_bytes_to_commit_retries_through_an_outage() -> None:
 def test_close_with_nothing_to_commit_is_deferred_and_never_retried() -> None:
     h = _handle(dirty=False)
     _, seen = drive(ops.close_handle(h), lambda eff: True)
-    assert seen == [DeferClose(1, 1)] and h.released == 1
+    assert seen == [DeferClose(1, 1, True)] and h.released == 1
     h = _handle(dirty=False)
 
     def answer(eff: Any) -> Any:
@@ -133,6 +134,29 @@ def test_close_with_nothing_to_commit_is_deferred_and_never_retried() -> None:
     with pytest.raises(OSError):
         drive(ops.close_handle(h), answer)
     assert h.released == 1  # released here even so
+
+
+def test_a_close_says_whether_its_handle_sent_anything_to_a_data_server() -> None:
+    # the metaserver then knows whether a file it created can hold objects
+    # (metaserver/handles.py): a handle that wrote, synced, or reads only says nothing
+    h = _handle(dirty=False)
+    h.sent = True  # wrote, and committed its size since: still no word
+    _, seen = drive(ops.close_handle(h), lambda eff: True)
+    assert seen == [DeferClose(1, 1, False)]
+    h = _handle(dirty=False)
+    h.writable = False
+    _, seen = drive(ops.close_handle(h), lambda eff: True)
+    assert seen == [DeferClose(1, 1, False)]
+    h = _handle(dirty=False)  # not deferred: the close of its own carries the word
+    _, seen = drive(ops.close_handle(h), lambda eff: False if isinstance(eff, DeferClose)
+                    else {})
+    close = seen[-1].msg  # type: ignore[attr-defined]
+    assert close.method == "close" and close.unwritten == [1] and close.written_end is None
+    h = _handle(dirty=False, unsynced=(0,))
+    h.sent = False
+    drive(ops.fsync(h), lambda eff: {"attr": _attr(size=100)} if isinstance(eff, MetaCall)
+          else None)
+    assert h.sent  # a sync went to the data servers under its capability
 
 
 def test_a_final_close_error_is_not_retried() -> None:

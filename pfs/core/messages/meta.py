@@ -60,6 +60,9 @@ class MetaRequest(RequestMessage, registry=REGISTRY):
 
     closes: list[int] | None = List(Int(), max_len=MAX_CLOSES, default=None,
                                     doc="handles released before the request")
+    unwritten: list[int] | None = List(Int(), max_len=MAX_CLOSES, default=None,
+                                       doc="those of `closes` (or a `close`'s handle) "
+                                           "that sent nothing to a data server")
 
 
 class EntryChange(MetaRequest):
@@ -103,6 +106,7 @@ class OpenedReply(ReplyMessage):
     cap: bytes = Bytes()
     cap_ttl: float = Anything()
     parent_attr: dict[str, Any] | None = Attr(default=None)
+    created: bool = Bool(default=False, sparse=True, doc="the create made the file")
 
 
 class CapReply(ReplyMessage):

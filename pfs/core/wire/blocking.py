@@ -342,20 +342,25 @@ class BlockingRpcClient:
         finally:
             self._lock.release()
 
-    def request(self, msg: RequestMessage, *, closes: list[int] | None = None) -> Any:
+    def request(self, msg: RequestMessage, *, closes: list[int] | None = None,
+                unwritten: list[int] | None = None) -> Any:
         """A typed call whose reply carries no payload (metadata): its typed reply
         (``EPROTO`` if the reply does not fit it)."""
-        return parse_reply(msg, self.send(msg, closes=closes)[0])
+        return parse_reply(msg, self.send(msg, closes=closes, unwritten=unwritten)[0])
 
     def send(self, msg: RequestMessage, *, closes: list[int] | None = None,
+             unwritten: list[int] | None = None,
              payload: bytes | bytearray | memoryview | None = None,
              into: memoryview | None = None) -> tuple[dict[str, Any], int]:
-        """Request ``msg`` (with handles to release first, ``closes``: a metaserver
-        request) and an optional payload; a reply payload lands in ``into`` (at most its
-        length). Returns the reply's fields and its payload length."""
+        """Request ``msg`` (with handles to release first, ``closes``, and those of them
+        that sent no data, ``unwritten``: a metaserver request) and an optional payload;
+        a reply payload lands in ``into`` (at most its length). Returns the reply's
+        fields and its payload length."""
         wire = msg.to_wire()
         if closes:
             wire["closes"] = closes
+            if unwritten:
+                wire["unwritten"] = unwritten
         return self._exchange(wire, payload, into)
 
     def call(self, method: str, fields: dict[str, Any] | None = None) -> dict[str, Any]:

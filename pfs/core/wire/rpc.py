@@ -348,9 +348,11 @@ class RpcClient:
     async def send(self, msg: RequestMessage, *, payload: Payload | None = None,
                    into: memoryview | list[memoryview] | None = None,
                    timeout: float | None = None, closes: list[int] | None = None,
+                   unwritten: list[int] | None = None,
                    on_reply: OnReply | None = None, hold: Hold | None = None) -> Result:
-        """One typed request (with handles to release first, ``closes``: a metaserver
-        request); the reply's map unparsed (see :meth:`request`), its payload in
+        """One typed request (with handles to release first, ``closes``, and those of
+        them that sent no data, ``unwritten``: a metaserver request); the reply's map
+        unparsed (see :meth:`request`), its payload in
         ``into`` (a buffer, or a list of buffers filled in order) when given.
         ``on_reply(fields, n)``, called with the reply's map before its ``n`` payload
         bytes are received into ``into``, may return a sink to hand each piece to as it
@@ -359,6 +361,8 @@ class RpcClient:
         wire = msg.to_wire()
         if closes:
             wire["closes"] = closes
+            if unwritten:
+                wire["unwritten"] = unwritten
         return await self._exchange(msg.method, wire, payload, into, timeout, on_reply, hold)
 
     async def call(self, method: str, fields: dict[str, Any] | None = None, *,
