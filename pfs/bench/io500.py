@@ -1214,6 +1214,8 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
            "conditions": conditions}
     (resdir / "compare.json").write_text(json.dumps(out, indent=2) + "\n")
     (resdir / "compare.txt").write_text("\n".join(table) + "\n")
+    if args.json:  # the same record where the caller asked for it (as without --compare)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     log(f"io500 --compare: results in {resdir}")
     return out
 

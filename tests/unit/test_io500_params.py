@@ -4,9 +4,11 @@ captured run of the real harness (tests/unit/io500_reference_output.txt). No har
 processes."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -269,3 +271,39 @@ def test_cpu_table() -> None:
     lines = io500ref.cpu_table([run(1.0), run(2.0), run(9.0)], [run(3.0), run(3.0)])
     assert lines[1].split()[1:] == ["2.000", "3.000", "1.50"]
     assert io500ref.cpu_table([io500ref.Parsed()], [io500ref.Parsed()]) == []
+
+
+def test_compare_writes_its_record_where_json_asks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--compare --json F`` writes the comparison to F too (it was ignored: only the
+    results directory had it), the same record as ``compare.json``."""
+    from pfs.bench import io500
+
+    def parsed(v: float) -> io500ref.Parsed:
+        return io500ref.Parsed(phases={n: (v, 1.0, True) for n in io500ref.SCORED},
+                               bw=v, md=v, total=v, valid=True)
+
+    monkeypatch.setattr(io500ref, "find_reference", lambda given: "/bin/true")
+    monkeypatch.setattr(io500ref, "settle",
+                        lambda how: {"load1": 0.0, "dirty_mb": 0.0, "sync_s": 0.0})
+
+    def harness(binary: str, params: Any, workdir: Path) -> tuple[io500ref.Parsed, str]:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return parsed(2.0), "harness output"
+
+    monkeypatch.setattr(io500ref, "run_reference", harness)
+    monkeypatch.setattr(io500, "run", lambda a: {"phases": []})
+    monkeypatch.setattr(io500, "summary_lines", lambda res: [])
+    monkeypatch.setattr(io500ref, "parse_output", lambda text: parsed(1.0))
+    data = tmp_path / "data"
+    data.mkdir()
+    out = tmp_path / "out.json"
+    p = argparse.ArgumentParser()
+    io500.add_args(p)
+    args = p.parse_args(["--compare", "--path", str(data), "--stonewall", "2", "--repeat",
+                         "2", "--results", str(tmp_path / "res"), "--json", str(out)])
+    io500.run_compare(args)
+    got = json.loads(out.read_text())
+    assert got == json.loads((tmp_path / "res" / "compare.json").read_text())
+    assert len(got["harness"]) == len(got["pfs"]) == 2
+    assert got["median_harness"]["find"] == 2.0 and got["median_pfs"]["find"] == 1.0
