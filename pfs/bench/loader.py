@@ -86,8 +86,8 @@ INDEX = "model.safetensors.index.json"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="cluster directory: use (or start) the cluster there and "
-                                 "leave it running")
+    p.add_argument("--dir", help="cluster directory: the cluster there (a stopped one is "
+                                 "started for the run and stopped after)")
     p.add_argument("--config", help="client.toml of a running cluster to use")
     p.add_argument("--size", type=parse_size, default=2 << 30,
                    help="checkpoint size, at least (default 2G)")

@@ -53,8 +53,8 @@ PATHS = ("local_write", "local_read_warm", "local_read_cold",
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="cluster directory: use (or start) the cluster there and "
-                                 "leave it running")
+    p.add_argument("--dir", help="cluster directory: the cluster there (a stopped one is "
+                                 "started for the run and stopped after)")
     p.add_argument("--config", help="client.toml of a running cluster to use")
     p.add_argument("--size", type=parse_size, default=1 << 30, help="file size (default 1G)")
     p.add_argument("--count", type=int, default=4, help="stripe count (default 4)")
