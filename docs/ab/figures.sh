@@ -2,15 +2,16 @@
 # The quiet figures of docs/benchmarks.md, one part after another (never two at once, and
 # nothing else running): docs/ab/figures.sh OUTDIR [PART...]
 #   parts: kv kvhuge meta loader fuse io500ext4 io500mnt peers (default: all, ~16 min)
-#   env: PFS (the pfs CLI, default .venv/bin/pfs), PEERS (a folder with moosefs-up.sh,
-#        for fuse and peers), IO500 (the built harness, deploy/io500-reference.sh)
+#   env: PFS (the pfs CLI, default .venv/bin/pfs), PEERS (a folder with moosefs-up.sh and
+#        moosefs-down.sh: fuse and peers are skipped without it), IO500 (the built
+#        harness, deploy/io500-reference.sh; default /tmp/io500ref/io500/io500)
 # io500mnt and peers share a cluster in /tmp/io500-pfs mounted at /tmp/io500-mnt; the
 # script stops both at the end.
 set -u
 OUT=$1; shift
 PARTS=${*:-kv kvhuge meta loader fuse io500ext4 io500mnt peers}
 PFS=$(realpath "${PFS:-.venv/bin/pfs}")
-PEERS=${PEERS:-../shared/peers}; IO500=${IO500:-/tmp/io500ref/io500/io500}
+PEERS=${PEERS:-}; IO500=${IO500:-/tmp/io500ref/io500/io500}
 SIZES="-n 2 --easy-size 256m --easy-files 5000 --hard-files 2000 --hard-segments 10000 --stonewall 2"
 mkdir -p "$OUT"
 log() { echo "$(date -u +%T) $*" | tee -a "$OUT/times.txt"; }
@@ -20,6 +21,9 @@ mnt_up() {
   mkdir -p /tmp/io500-mnt && $PFS mount /tmp/io500-mnt --config /tmp/io500-pfs/client.toml
 }
 for part in $PARTS; do
+  if [ -z "$PEERS" ] && { [ $part = fuse ] || [ $part = peers ]; }; then
+    log "skip $part: set PEERS to a folder with moosefs-up.sh"; continue
+  fi
   log "start $part"; sync
   case $part in
     kv) $PFS bench kvcache --bytes 32m --max-ops 256 --json "$OUT/kv.json" > "$OUT/kv.txt" 2>&1 ;;
