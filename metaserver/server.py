@@ -214,6 +214,12 @@ class MetaService(RpcService):
                     lambda a: M.AttrReply(attr=a))
         raise OSError(errno.ENOSYS, f"{req.method}: not a taken change")
 
+    async def _change(self, ctx: ConnContext, req: Any) -> Any:
+        """A change of :meth:`_change_fn` in a handler: committed, then its reply (the
+        same change a reader task takes, ``_take_op``, when the request is plain)."""
+        fn, reply = self._change_fn(ctx, req)
+        return reply(await self.commit.mutate(fn))
+
     def _take_close(self, ctx: ConnContext, rid: int, msg: M.Close, started: float
                     ) -> None:
         """``rpc_close`` with a size to commit, answered from the writer. The handle
@@ -642,11 +648,7 @@ class MetaService(RpcService):
         return Empty()
 
     async def rpc_commit_size(self, ctx: ConnContext, req: M.CommitSize) -> M.AttrReply:
-        written_end, mtime = req.written_end, req.mtime
-        h = self.handles.handle(ctx, req.fh)
-        ino, root = h.ino, h.root
-        return M.AttrReply(attr=await self.commit.mutate(
-            lambda t: self.ns.commit_size(t, ino, written_end, mtime, root)))
+        return await self._change(ctx, req)
 
     async def rpc_unlink(self, ctx: ConnContext, req: M.Unlink) -> M.EntryReply:
         return await self._entry_change(ctx, req)
@@ -655,19 +657,10 @@ class MetaService(RpcService):
         return await self._entry_change(ctx, req)
 
     async def rpc_rename(self, ctx: ConnContext, req: M.Rename) -> Empty:
-        cred = self._cred(ctx, req)
-        parent, name = self._at(req.at, cred)
-        newparent, newname = self._at(req.new, cred)
-        flags = req.flags
-        await self.commit.mutate(
-            lambda t: self.ns.rename(t, cred, parent, name, newparent, newname, flags))
-        return Empty()
+        return await self._change(ctx, req)
 
     async def rpc_link(self, ctx: ConnContext, req: M.Link) -> M.AttrReply:
-        cred, ino = self._cred(ctx, req), req.ino
-        newparent, newname = self._at(req.new, cred)
-        return M.AttrReply(attr=await self.commit.mutate(
-            lambda t: self.ns.link(t, cred, ino, newparent, newname)))
+        return await self._change(ctx, req)
 
     async def rpc_symlink(self, ctx: ConnContext, req: M.Symlink) -> M.EntryReply:
         return await self._entry_change(ctx, req)
