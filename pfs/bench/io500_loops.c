@@ -289,15 +289,8 @@ typedef struct {
     locale_t c_locale;
 } find_pattern;
 
-void io5_find_pattern_free(void *h) {
-    find_pattern *p = h;
-    if (p == NULL) return;
-    regfree(&p->re);
-    freelocale(p->c_locale);
-    free(p);
-}
-
-/* compile `regex` for io5_find_open; NULL with `*rc` an errno */
+/* compile `regex` for io5_find_open; NULL with `*rc` an errno. Kept for the process's
+ * life (CLoops compiles one), as pfind keeps its own */
 void *io5_find_pattern(const char *regex, int *rc, char *err, size_t errlen) {
     find_pattern *p = calloc(1, sizeof *p);
     if (p == NULL) {

@@ -48,8 +48,6 @@ class CLoops:
         lib.io5_md_unlink.argtypes = [c, ctypes.c_int, _i64, _p64, c, sz]
         lib.io5_find_pattern.argtypes = [c, ctypes.POINTER(ctypes.c_int), c, sz]
         lib.io5_find_pattern.restype = vp
-        lib.io5_find_pattern_free.argtypes = [vp]
-        lib.io5_find_pattern_free.restype = None
         lib.io5_find_open.argtypes = [c, vp, _i64, _i64, ctypes.POINTER(ctypes.c_int), c, sz]
         lib.io5_find_open.restype = vp
         lib.io5_find_chunk.argtypes = [vp, _i64, _i64, _p64, _p64,
