@@ -723,19 +723,19 @@ class KvStore:
         """The value of ``(ns, key)``, checked against its CRC32C; None for a miss
         (absent, or its record failed its checksum: dropped). ERANGE when the value is
         longer than ``maxlen``. The caller releases the value once sent."""
-        probed, self._probed = self._probed, None
         k = (ns, key)
         e = self.index.get(k)
+        found, read = self._take_probe(e)
         if e is None:
             self.counters.misses += 1
             return None
         if e.vlen > maxlen:
+            if read is not None:
+                self.buffers.give(read)
             raise OSError(errno.ERANGE, f"kv_get {ns}/{key.hex()}: the value is {e.vlen} "
                                         f"bytes, the buffer {maxlen}")
         slab = e.slab
         why = "failed its checksum"
-        found = probed is not None and probed[0] is e
-        read = probed[1] if probed is not None and found else None
         if read is not None:  # read by the probe (a record never changes once indexed)
             view = memoryview(read)[:e.vlen]
             if _crc(view) == e.crc:
@@ -794,10 +794,24 @@ class KvStore:
         if self.index.get(k) is e:
             self._drop(k, e)
 
+    def _take_probe(self, e: Entry | None) -> tuple[bool, bytearray | None]:
+        """What :meth:`answers_at_once` found just now, taken: whether it probed ``e``,
+        and the bytes it read of it (None: none, or a value to map). A probe of another
+        entry (its get never came) gives its buffer back to the pool."""
+        probed, self._probed = self._probed, None
+        if probed is None:
+            return False, None
+        if probed[0] is e:
+            return True, probed[1]
+        if probed[1] is not None:
+            self.buffers.give(probed[1])
+        return False, None
+
     def answers_at_once(self, ns: object, key: object) -> bool:
         """Whether a get of ``(ns, key)`` (as they came off the wire, unchecked) never
         waits: a miss, a value small enough to read in the event loop, or one in the
         page cache (read from it, or sent from the slab's mapping: MAP_MIN)."""
+        self._take_probe(None)  # an earlier probe whose get never came
         if not isinstance(ns, str) or not isinstance(key, bytes):
             return False
         e = self.index.get((ns, key))

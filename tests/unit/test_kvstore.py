@@ -178,7 +178,11 @@ def test_a_cached_value_under_map_min_is_read_checked_and_answered_at_once(
             assert bytes(got.view) == a
             got.release()
             assert kv.answers_at_once(NS, b"a")  # a probe whose get never came ...
+            assert kv._probed is not None and kv._probed[1] is not None
+            probe_buf = kv._probed[1]
             assert await get(kv, b"b") == b  # ... is not another key's value
+            # and the buffer it read into is back in the pool, not dropped
+            assert any(x is probe_buf for x in kv.buffers._free.get(len(probe_buf), []))
             assert await get(kv, b"a") == a
             assert kv.answers_at_once(NS, b"a") and kv.answers_at_once(NS, b"c")
             assert await get(kv, b"c") == c  # (mapped: a's bytes read are not its)
