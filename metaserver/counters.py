@@ -10,7 +10,7 @@ directly) both go to the store at once, as counters always did.
 
 A batch's operations run in nested transactions that may roll back: :meth:`mark` before
 one and :meth:`undo` after its failure take back its count; a failed batch
-(:meth:`abort`) forgets a range it took that was not stored.
+(:meth:`end` with ``committed`` False) forgets a range it took that was not stored.
 """
 
 from __future__ import annotations
