@@ -139,9 +139,10 @@ MAX_TASKS_SCANNED = 64
 class LoopState:
     """What :class:`QuickWait` looks at in trio's run loop, read from its runner (trio
     offers ``current_statistics``, at ~3x the cost of the poll itself, and blind to the
-    tasks of the batch being run): whether another task is runnable, the next deadline, and the epoll set that is readable when a descriptor some task
-    waits on is ready or a thread or signal wakes the loop (``run_sync_soon`` writes the
-    loop's wake-up socket, which is in it)."""
+    tasks of the batch being run): whether another task is runnable, the next deadline,
+    and the epoll set that is readable when a descriptor some task waits on is ready or
+    a thread or signal wakes the loop (``run_sync_soon`` writes the loop's wake-up
+    socket, which is in it)."""
 
     __slots__ = ("runner", "fd")
 

@@ -183,8 +183,8 @@ def cluster_in_dir(d: Path, data_servers: int) -> Iterator[Path]:
 def cluster_for(args: Any, workdir: Path, data_servers: int = 4) -> Iterator[ClusterUnderTest]:
     """The cluster to measure: ``--config`` (an existing one; server CPU counted when its
     client.toml sits in a cluster directory), ``--dir`` (used if running; else started
-    there and stopped afterwards, its data kept), or a fresh one of ``data_servers`` in ``workdir/cluster``, stopped
-    and removed afterwards."""
+    there and stopped afterwards, its data kept), or a fresh one of ``data_servers`` in
+    ``workdir/cluster``, stopped and removed afterwards."""
     from pfs.tools import cluster
 
     if getattr(args, "config", None):

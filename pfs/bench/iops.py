@@ -63,7 +63,8 @@ BLOCK = 4096
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="cluster directory: the cluster there (a stopped one is "
-                                 "started for the run and stopped after; its servers' engine is used)")
+                                 "started for the run and stopped after; its servers' "
+                                 "engine is used)")
     p.add_argument("--config", help="client.toml of a running cluster to use")
     p.add_argument("--file-size", type=parse_size, default=1 << 30,
                    help="size of the file read at random (default 1G)")
